@@ -1,0 +1,142 @@
+"""The `hlm` command: thin over the modules.
+
+    hlm train --preset tiny-decoder --objective headless --output runs/tiny-headless
+    hlm train --preset bert-small --config my.yaml --set optim.lr=3e-4 --set data.seq_len=64
+    hlm train --resume runs/tiny-headless --set optim.max_steps=300
+    hlm compare --preset tiny-decoder --output runs/compare    # headless and vanilla, side by side
+    hlm presets                                                 # list the presets
+
+Bad input prints one line, ``error: ...``, and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hlm_ray.errors import HLMError
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny-decoder", help="named preset (hlm presets)")
+    p.add_argument("--objective", help="headless | vanilla | mixed (default: the preset's)")
+    p.add_argument("--config", help="YAML file of overrides (nested sections)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted override, repeatable: --set optim.lr=3e-4",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hlm", description="Headless language models on Ray.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="pretrain one model")
+    _config_args(train)
+    train.add_argument("--output", help="run folder (default runs/<preset>-<objective>)")
+    train.add_argument("--resume", help="a run folder or checkpoint folder to continue")
+
+    compare = sub.add_parser("compare", help="pretrain headless and vanilla, print both")
+    _config_args(compare)
+    compare.add_argument(
+        "--output", default=None, help="folder for both runs and the plot (replaced on re-run)"
+    )
+
+    sub.add_parser("presets", help="list the presets")
+    return parser
+
+
+def _load(args, output: str | None, objective: str | None):
+    from hlm_ray.config import load_config
+
+    overrides = list(args.set)
+    if output:
+        overrides.append(f"run.output_dir={output}")
+    return load_config(args.preset, objective=objective, yaml_file=args.config, overrides=overrides)
+
+
+def cmd_train(args) -> int:
+    from hlm_ray.train.checkpoint import resolve_resume
+    from hlm_ray.train.loop import train_worker
+    from hlm_ray.train.summary import format_summary
+
+    resume = None
+    if args.resume:
+        resume = resolve_resume(args.resume)
+        if not args.output:
+            args.output = str(
+                Path(args.resume)
+                if (Path(args.resume) / "checkpoints").is_dir()
+                else resume.parent.parent
+            )
+    output = args.output
+    if output is None:
+        objective = args.objective or "headless"
+        output = f"runs/{args.preset}-{objective}"
+    cfg = _load(args, output, args.objective)
+    if resume is None and (Path(output) / "checkpoints").is_dir():
+        raise HLMError(
+            f"{output} already holds checkpoints; continue it with --resume {output} "
+            "or choose another --output"
+        )
+    print(f"training {cfg.preset} ({cfg.model.arch}, {cfg.objective.name}) -> {output}")
+    try:
+        summary = train_worker(cfg.to_dict(), resume_from=resume)
+    except KeyboardInterrupt:
+        print(
+            f"\ninterrupted: the last checkpoint in {output}/checkpoints is intact; "
+            f"continue with: hlm train --resume {output}",
+            file=sys.stderr,
+        )
+        return 130
+    print(format_summary([summary]))
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from hlm_ray.train.loop import train_worker
+    from hlm_ray.train.summary import format_summary, plot_runs
+
+    root = Path(args.output or f"runs/compare-{args.preset}")
+    summaries = []
+    for objective in ("headless", "vanilla"):
+        cfg = _load(args, str(root / objective), objective)
+        print(f"\n== {objective}: {cfg.preset} ({cfg.model.arch}) -> {cfg.run.output_dir}")
+        summaries.append(train_worker(cfg.to_dict()))
+    print()
+    print(format_summary(summaries))
+    figure = plot_runs([root / "headless", root / "vanilla"], root / "compare.png")
+    print(f"\nloss curves and throughput: {figure}")
+    return 0
+
+
+def cmd_presets(args) -> int:
+    from hlm_ray.presets import PRESETS, get_preset
+
+    for name in PRESETS:
+        cfg = get_preset(name)
+        m, o = cfg.model, cfg.optim
+        print(
+            f"{name:24s} {m.arch:10s} L{m.num_layers} D{m.hidden_size} H{m.num_heads} "
+            f"seq {cfg.data.seq_len} batch {o.global_batch_size}/{o.micro_batch_size} "
+            f"lr {o.lr:g} {o.schedule} steps {o.max_steps}"
+        )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {"train": cmd_train, "compare": cmd_compare, "presets": cmd_presets}
+    try:
+        return handler[args.command](args)
+    except HLMError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

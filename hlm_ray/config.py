@@ -1,0 +1,374 @@
+"""The typed config tree: model, tokenizer, data, objective, optim, run.
+
+Every entry point builds one `Config` from a preset, an optional YAML file and dotted overrides,
+and validates it before any work starts. Ray and Tune carry it as a plain dict
+(`to_dict` / `Config.from_dict`) and turn it back into a `Config` on the first line of a worker.
+
+    from hlm_ray.config import load_config
+    cfg = load_config("tiny-decoder", overrides=["objective.name=vanilla", "optim.lr=3e-4"])
+    cfg.optim.grad_accum_steps(world_size=2)   # derived from the global batch, checked
+
+An invalid value raises `HLMError` naming the field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+import yaml
+
+from hlm_ray.errors import HLMError
+
+Arch = Literal["gpt_neox", "gpt2", "bert", "distilbert"]
+DECODERS = ("gpt_neox", "gpt2")
+ENCODERS = ("bert", "distilbert")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: Arch = "gpt_neox"
+    """Hugging Face architecture: gpt_neox / gpt2 (decoders, causal LM), bert / distilbert
+    (encoders, masked LM)."""
+    hidden_size: int = 64
+    """Width D of the residual stream (and of the embeddings the CWT loss compares)."""
+    num_layers: int = 2
+    num_heads: int = 2
+    intermediate_size: int | None = None
+    """MLP width; None means 4 × hidden_size."""
+    max_positions: int = 128
+    """Position embeddings / rotary cache length: data.seq_len must not exceed it."""
+    rotary_pct: float = 0.25
+    """GPT-NeoX only: fraction of each head's dimensions that get rotary embeddings."""
+    dropout: float = 0.0
+    attn_impl: Literal["sdpa", "eager", "xformers"] = "sdpa"
+    """Attention backend; xformers needs the `gpu` extra and CUDA."""
+
+    @property
+    def family(self) -> str:
+        return "decoder" if self.arch in DECODERS else "encoder"
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    kind: Literal["bpe", "file"] = "bpe"
+    """bpe: train a byte-level BPE on the corpus (cached); file: load `path`."""
+    vocab_size: int = 1024
+    """Requested size for kind=bpe (the real size, which the model uses, may be smaller)."""
+    path: str | None = None
+    """kind=file: a tokenizer.json, a folder, a data-folder path (tokenizers/gpt2) or hub name."""
+    min_frequency: int = 2
+    max_train_bytes: int | None = None
+    """Cap on the corpus bytes used to train the BPE (None: all of it)."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    sources: tuple[str, ...] = ("corpus/en",)
+    """Local text/JSONL/parquet files or folders, data-folder paths, or hub dataset names."""
+    text_field: str = "text"
+    seq_len: int = 64
+    """Tokens per packed block."""
+    val_fraction: float = 0.02
+    """Share of blocks held out (every k-th block) for validation."""
+    max_tokens: int | None = None
+    """Truncate the tokenized corpus (None: use it all)."""
+    mlm_probability: float = 0.15
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    name: Literal["headless", "vanilla", "mixed"] = "headless"
+    """headless: contrastive weight tying; vanilla: cross-entropy over the vocabulary;
+    mixed: cwt_weight × CWT + ce_weight × CE."""
+    temperature: float = 1.0
+    cwt_variant: Literal["dedup", "plain", "mask_same"] = "dedup"
+    """dedup and plain give the same loss (dedup scores unique target ids with a log-count);
+    mask_same removes same-id negatives: a different objective, for ablation."""
+    cwt_chunk_size: int | None = None
+    """Score the K×K logits in row chunks of this size (None: all at once)."""
+    cross_worker_negatives: bool = False
+    """Score each worker's predictions against all workers' targets (changes the objective)."""
+    ce_impl: Literal["full", "chunked", "linear"] = "full"
+    """Vanilla head: full logits, row-chunked, or torch's fused linear cross-entropy."""
+    mlm_full_logits: bool = False
+    """Vanilla MLM: apply the head at every position (the paper's baseline) instead of masked
+    positions only (the stronger baseline)."""
+    cwt_weight: float = 1.0
+    ce_weight: float = 1.0
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    decay_bias_and_norm: bool = False
+    """Apply weight decay to biases and norm weights too (the paper's code did, by accident)."""
+    schedule: Literal["linear", "cosine", "constant"] = "linear"
+    """After warm-up: linear decay to 0, cosine decay to 0, or constant."""
+    warmup_steps: int = 0
+    max_steps: int = 100
+    grad_clip: float | None = 1.0
+    global_batch_size: int = 16
+    """Sequences per optimizer step, over all workers and accumulation steps."""
+    micro_batch_size: int = 16
+    """Sequences per forward pass on one device: K for the CWT loss comes from this."""
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """auto: bf16 autocast on a CUDA device that supports it, fp32 otherwise."""
+
+    def grad_accum_steps(self, world_size: int) -> int:
+        per_step = self.micro_batch_size * world_size
+        if self.global_batch_size % per_step:
+            raise HLMError(
+                f"optim.global_batch_size={self.global_batch_size} is not divisible by "
+                f"micro_batch_size × workers = {self.micro_batch_size} × {world_size}; "
+                "choose a global batch that is a multiple of it"
+            )
+        return self.global_batch_size // per_step
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    output_dir: str = "runs/default"
+    seed: int = 0
+    device: str = "auto"
+    """auto (CUDA if available), cpu, cuda."""
+    log_every: int = 10
+    eval_every: int = 50
+    eval_batches: int = 4
+    checkpoint_every: int = 50
+    keep_checkpoints: int = 2
+    fail_at_step: int | None = None
+    """Fault injection for tests: raise once at this step (the worker dies mid-run)."""
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    preset: str = "custom"
+    """The preset this config started from (recorded, not used)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_plain(dataclasses.asdict(self))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Config:
+        return validate(_build(cls, data, prefix=""))
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_yaml())
+
+
+def _to_plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _to_plain(v) for k, v in value.items()}
+    if isinstance(value, tuple | list):
+        return [_to_plain(v) for v in value]
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    """A dataclass from a nested dict, coercing values to the annotated types."""
+    if not isinstance(data, dict):
+        raise HLMError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
+    hints = get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise HLMError(
+            f"unknown config field {prefix}{unknown[0]}; allowed: {', '.join(sorted(known))}"
+        )
+    kwargs = {}
+    for name, value in data.items():
+        hint = hints[name]
+        if dataclasses.is_dataclass(hint):
+            kwargs[name] = _build(hint, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(value, hint, f"{prefix}{name}")
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, name: str) -> Any:
+    """Turn YAML / command-line values into the field's type, or fail naming the field."""
+    origin, args = get_origin(hint), get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        is_none = value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
+        if is_none and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, name)
+            except HLMError as err:
+                errors.append(str(err))
+        raise HLMError(errors[0] if errors else f"{name}={value!r} is not allowed")
+    if origin is Literal:
+        if value not in args:
+            allowed = " | ".join(map(str, args))
+            raise HLMError(f"{name}={value!r} is not allowed; choose one of: {allowed}")
+        return value
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.strip("()[]").split(",") if v.strip()]
+        if not isinstance(value, list | tuple):
+            raise HLMError(f"{name}={value!r} is not allowed; expected a list")
+        item_types = args if args and args[-1] is not Ellipsis else (args[0],) * len(value)
+        if len(item_types) != len(value):
+            raise HLMError(f"{name}={value!r} is not allowed; expected {len(item_types)} values")
+        return tuple(_coerce(v, t, name) for v, t in zip(value, item_types, strict=True))
+    try:
+        if hint is bool:
+            if isinstance(value, str):
+                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError
+                return value.lower() in ("true", "1", "yes")
+            if not isinstance(value, bool | int):
+                raise ValueError
+            return bool(value)
+        if hint is int:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(float(value)) if isinstance(value, str) and "e" in value else int(value)
+        if hint is float:
+            return float(value)
+        if hint is str:
+            if not isinstance(value, str | int | float):
+                raise ValueError
+            return str(value)
+    except (TypeError, ValueError):
+        raise HLMError(f"{name}={value!r} is not allowed; expected {hint.__name__}") from None
+    return value
+
+
+def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise HLMError(f"{name}={value!r} is not allowed; {allowed}")
+
+
+def validate(cfg: Config) -> Config:
+    """Checks that span fields; returns `cfg` unchanged or raises a one-line HLMError."""
+    m, t, d, o, p, r = cfg.model, cfg.tokenizer, cfg.data, cfg.objective, cfg.optim, cfg.run
+    for name in ("hidden_size", "num_layers", "num_heads", "max_positions"):
+        _check(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be > 0")
+    _check(
+        m.hidden_size % m.num_heads == 0,
+        "model.num_heads",
+        m.num_heads,
+        f"must divide model.hidden_size={m.hidden_size}",
+    )
+    _check(0 <= m.dropout < 1, "model.dropout", m.dropout, "must be in [0, 1)")
+    _check(t.kind != "file" or bool(t.path), "tokenizer.path", t.path, "required when kind=file")
+    _check(t.vocab_size > 0, "tokenizer.vocab_size", t.vocab_size, "must be > 0")
+    _check(bool(d.sources), "data.sources", d.sources, "give at least one corpus")
+    _check(d.seq_len >= 2, "data.seq_len", d.seq_len, "must be >= 2")
+    _check(
+        d.seq_len <= m.max_positions,
+        "data.seq_len",
+        d.seq_len,
+        f"must not exceed model.max_positions={m.max_positions}; lower the sequence length "
+        "or raise model.max_positions",
+    )
+    _check(0 < d.val_fraction < 0.5, "data.val_fraction", d.val_fraction, "must be in (0, 0.5)")
+    _check(0 < d.mlm_probability < 1, "data.mlm_probability", d.mlm_probability, "in (0, 1)")
+    _check(o.temperature > 0, "objective.temperature", o.temperature, "must be > 0")
+    _check(p.lr > 0, "optim.lr", p.lr, "must be > 0")
+    _check(p.max_steps > 0, "optim.max_steps", p.max_steps, "must be > 0")
+    _check(p.warmup_steps >= 0, "optim.warmup_steps", p.warmup_steps, "must be >= 0")
+    _check(p.micro_batch_size > 0, "optim.micro_batch_size", p.micro_batch_size, "must be > 0")
+    p.grad_accum_steps(world_size=1)
+    for name in ("log_every", "eval_every", "checkpoint_every", "eval_batches"):
+        _check(getattr(r, name) > 0, f"run.{name}", getattr(r, name), "must be > 0")
+    _check(r.keep_checkpoints >= 1, "run.keep_checkpoints", r.keep_checkpoints, "must be >= 1")
+    _check(r.device in ("auto", "cpu", "cuda"), "run.device", r.device, "auto | cpu | cuda")
+    return cfg
+
+
+def apply_overrides(cfg: Config, overrides: list[str] | dict[str, Any]) -> Config:
+    """Apply dotted overrides (``optim.lr=3e-4`` strings or a ``{"optim.lr": 3e-4}`` dict)."""
+    items = overrides.items() if isinstance(overrides, dict) else map(_split_override, overrides)
+    data = cfg.to_dict()
+    for key, value in items:
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            if not isinstance(node.get(part), dict):
+                raise HLMError(f"unknown config field {key}; sections: {', '.join(data)}")
+            node = node[part]
+        if leaf not in node:
+            raise HLMError(f"unknown config field {key}; allowed: {', '.join(sorted(node))}")
+        node[leaf] = yaml.safe_load(value) if isinstance(value, str) else value
+    return Config.from_dict(data)
+
+
+def _split_override(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise HLMError(f"override {text!r} must look like section.field=value, e.g. optim.lr=3e-4")
+    return key.strip(), value.strip()
+
+
+def load_config(
+    preset: str = "tiny-decoder",
+    *,
+    objective: str | None = None,
+    yaml_file: str | Path | None = None,
+    overrides: list[str] | dict[str, Any] | None = None,
+) -> Config:
+    """Preset (with its settings for `objective`), then the YAML file, then dotted overrides."""
+    from hlm_ray.presets import get_preset
+
+    cfg = get_preset(preset, objective=objective)
+    if yaml_file is not None:
+        path = Path(yaml_file)
+        if not path.is_file():
+            raise HLMError(f"config file {path} not found")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise HLMError(f"config file {path} is not valid YAML: {err}".splitlines()[0]) from None
+        flat = dict(flatten(loaded))
+        cfg = apply_overrides(cfg, flat)
+    if overrides:
+        cfg = apply_overrides(cfg, overrides)
+    return cfg
+
+
+def flatten(data: dict[str, Any], prefix: str = ""):
+    """Nested dict -> (dotted key, value) pairs."""
+    for key, value in data.items():
+        if isinstance(value, dict):
+            yield from flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
+__all__ = [
+    "Config",
+    "DataConfig",
+    "ModelConfig",
+    "ObjectiveConfig",
+    "OptimConfig",
+    "RunConfig",
+    "TokenizerConfig",
+    "apply_overrides",
+    "flatten",
+    "load_config",
+    "replace",
+    "validate",
+]

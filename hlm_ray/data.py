@@ -1,0 +1,368 @@
+"""Text corpora -> packed token blocks, deterministic batch order, and BERT masking.
+
+    from hlm_ray.data import BlockSampler, mask_tokens, prepare_corpus
+    corpus = prepare_corpus(["corpus/en"], tok, seq_len=128, val_fraction=0.05,
+                            eos_id=tok.eos_token_id)           # train (N, 128), val (M, 128)
+    sampler = BlockSampler(len(corpus.train), global_batch=64, seed=0)
+    for micro in sampler.shard(step, rank, world, micro_batch=16):
+        input_ids_BL = corpus.train[micro]                     # (16, 128)
+        inputs_BL, labels_BL = mask_tokens(input_ids_BL, mask_id=tok.mask_token_id,
+                                           special_ids=tok.all_special_ids, vocab_size=len(tok))
+
+Sources are local files/folders (.txt, .jsonl/.json, .parquet), paths inside the shared data
+folder ("corpus/en"), or hub datasets ("name" or "name:config", split "train"). Tokenized
+streams are cached under ``cache_dir("tokenized")``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow.compute as pc
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from hlm_ray.errors import HLMError
+from hlm_ray.paths import HUB_FALLBACKS, HubDataset, cache_dir, data_dir, has_shared
+from hlm_ray.tokenizer import tokenizer_fingerprint
+
+BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+TOKENIZE_BATCH = 256  # documents per encode_batch call (the tokenizer parallelises over them)
+
+# ----------------------------------------------------------------------------- loading text
+
+
+def _load(builder: str, files: list[str], sample_by: str) -> datasets.Dataset:
+    # Arrow caches go under HLM_CACHE_DIR: never next to the (read-only) shared data.
+    extra = {"sample_by": sample_by} if builder == "text" else {}
+    return datasets.load_dataset(
+        builder,
+        data_files=files,
+        split="train",
+        cache_dir=str(cache_dir("datasets")),
+        **extra,
+    )
+
+
+def _only_text(ds: datasets.Dataset, field: str, where: str) -> datasets.Dataset:
+    """Keep one column named "text", dropping empty rows."""
+    if field not in ds.column_names:
+        raise HLMError(
+            f"{where} has no {field!r} column (columns: {ds.column_names}); set text_field"
+        )
+    ds = ds.select_columns([field])
+    if field != "text":
+        ds = ds.rename_column(field, "text")
+    # Select non-empty rows by index: no progress bar and no cache file beside the arrow data.
+    lengths = pc.fill_null(pc.utf8_length(ds.data.column("text")), 0)
+    keep = np.flatnonzero(lengths.to_numpy(zero_copy_only=False) > 0)
+    return ds if len(keep) == len(ds) else ds.select(keep)
+
+
+def _load_local(path: Path, text_field: str, sample_by: str) -> list[datasets.Dataset]:
+    """A file, or every supported file of a folder in sorted order (grouped by format)."""
+    files = sorted(p for p in path.iterdir() if p.suffix in BUILDERS) if path.is_dir() else [path]
+    if not files:
+        raise HLMError(
+            f"{path} holds no {'/'.join(BUILDERS)} files; pass a file or a folder with text files"
+        )
+    unknown = [p for p in files if p.suffix not in BUILDERS]
+    if unknown:
+        raise HLMError(f"cannot read {unknown[0]}: use a .txt, .jsonl, .json or .parquet file")
+    groups: dict[str, list[str]] = {}
+    for p in files:
+        groups.setdefault(BUILDERS[p.suffix], []).append(str(p))
+    return [
+        # .txt rows are always "text"; text_field names the column of json/parquet files.
+        _only_text(_load(builder, group, sample_by), _field(builder, text_field), str(path))
+        for builder, group in groups.items()
+    ]
+
+
+def _field(builder: str, text_field: str) -> str:
+    return "text" if builder == "text" else text_field
+
+
+def _load_hub(hub: HubDataset) -> datasets.Dataset:
+    ds = datasets.load_dataset(
+        hub.name, hub.config, split=hub.split, cache_dir=str(cache_dir("datasets"))
+    )
+    return _only_text(ds, hub.text_field, hub.name)
+
+
+def _hub_specs(source: str, text_field: str) -> tuple[HubDataset, ...]:
+    fallback = HUB_FALLBACKS.get(source)
+    if isinstance(fallback, HubDataset):
+        return (fallback,)
+    if isinstance(fallback, tuple):
+        return fallback
+    name, _, config = source.partition(":")
+    return (HubDataset(name, config or None, "train", text_field),)
+
+
+def _looks_like_path(source: str) -> bool:
+    return source.startswith(("/", "./", "../", "~")) or Path(source).suffix in BUILDERS
+
+
+def _load_source(source: str, text_field: str, sample_by: str) -> list[datasets.Dataset]:
+    path = Path(source).expanduser()
+    if path.exists():
+        return _load_local(path, text_field, sample_by)
+    if has_shared(source):
+        return _load_local(data_dir() / source, text_field, sample_by)
+    local = f"{source} (nor {data_dir() / source})"
+    if _looks_like_path(source) and source not in HUB_FALLBACKS:
+        raise HLMError(f"no file or folder {local}; pass an existing path or a hub dataset name")
+    specs = _hub_specs(source, text_field)
+    names = ", ".join(f"{h.name}:{h.config}" if h.config else h.name for h in specs)
+    try:
+        return [_load_hub(hub) for hub in specs]
+    except HLMError:
+        raise
+    except Exception as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise HLMError(
+            f"no file or folder {local}, and the hub dataset {names} could not be loaded "
+            f"({reason}); set HLM_DATA_DIR or pass a local path"
+        ) from err
+
+
+def load_texts(
+    sources: Sequence[str], *, text_field: str = "text", sample_by: str = "document"
+) -> datasets.Dataset:
+    """All `sources` concatenated in order as one `Dataset` with a single "text" column.
+
+    `sample_by` applies to .txt files: "document" (a file is one row), "paragraph" or "line".
+    """
+    if isinstance(sources, str | Path):
+        sources = [str(sources)]
+    parts = [ds for source in sources for ds in _load_source(str(source), text_field, sample_by)]
+    ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0] if parts else None
+    if ds is None or len(ds) == 0:
+        raise HLMError(f"no text found in {list(sources)}; pass files or folders with text")
+    return ds
+
+
+def corpus_fingerprint(dataset: datasets.Dataset) -> str:
+    """sha256 over the length-prefixed UTF-8 texts (content, not file names or dates)."""
+    digest = hashlib.sha256()
+    for batch in dataset.iter(batch_size=1024):
+        for text in batch["text"]:
+            raw = text.encode("utf-8")
+            digest.update(len(raw).to_bytes(8, "little"))
+            digest.update(raw)
+    return digest.hexdigest()
+
+
+# ----------------------------------------------------------------------------- tokenizing
+
+
+def _tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerFast, eos_id: int):
+    """Flat int32 stream: doc0 tokens, eos, doc1 tokens, eos, ..."""
+    # The backend tokenizer adds no special tokens here and never warns about model_max_length
+    # (a corpus document is far longer than any model context; packing cuts it later).
+    backend = tokenizer.backend_tokenizer
+    eos = np.array([eos_id], dtype=np.int32)
+    pieces: list[np.ndarray] = []
+    for batch in dataset.iter(batch_size=TOKENIZE_BATCH):
+        for enc in backend.encode_batch_fast(batch["text"], add_special_tokens=False):
+            pieces.append(np.asarray(enc.ids, dtype=np.int32))
+            pieces.append(eos)
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+
+
+def tokenize_corpus(
+    dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerFast, *, eos_id: int
+) -> np.ndarray:
+    """One int32 token stream with `eos_id` after every document, cached on disk."""
+    if not 0 <= eos_id < len(tokenizer):
+        raise HLMError(
+            f"eos_id={eos_id} is not a token id of this {len(tokenizer)}-token "
+            "tokenizer; pass tokenizer.eos_token_id"
+        )
+    key = hashlib.sha256(
+        f"{corpus_fingerprint(dataset)}|{tokenizer_fingerprint(tokenizer)}|{eos_id}".encode()
+    ).hexdigest()
+    path = cache_dir("tokenized") / f"{key[:32]}.npy"
+    if path.exists():
+        return np.load(path)
+    stream = _tokenize(dataset, tokenizer, eos_id)
+    # Write then rename: a concurrent reader never sees a half-written file.
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}-{uuid.uuid4().hex[:8]}.npy")
+    np.save(tmp, stream)
+    os.replace(tmp, path)
+    return stream
+
+
+def pack_blocks(stream: np.ndarray, seq_len: int) -> np.ndarray:
+    """(N, seq_len) consecutive blocks of `stream`; the incomplete tail is dropped."""
+    if seq_len <= 0:
+        raise HLMError(f"seq_len={seq_len} must be positive")
+    num_blocks = len(stream) // seq_len
+    if num_blocks == 0:
+        raise HLMError(
+            f"the corpus has {len(stream)} tokens but one block of seq_len={seq_len} "
+            f"needs {seq_len}; add text or lower seq_len"
+        )
+    return stream[: num_blocks * seq_len].reshape(num_blocks, seq_len)
+
+
+def split_blocks(blocks: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, val): every k-th block (k = round(1 / val_fraction)) is held out for validation.
+
+    Spreading validation over the corpus keeps it representative of every document.
+    """
+    if not 0 < val_fraction < 1:
+        raise HLMError(f"val_fraction={val_fraction} must be between 0 and 1 (e.g. 0.05)")
+    k = max(1, round(1 / val_fraction))
+    is_val = np.zeros(len(blocks), dtype=bool)
+    is_val[k - 1 :: k] = True
+    if not is_val.any():
+        is_val[-1] = True  # fewer than k blocks: still hold one out
+    if is_val.all():
+        raise HLMError(
+            f"{len(blocks)} blocks leave no training data with val_fraction="
+            f"{val_fraction}; add text, lower seq_len or val_fraction"
+        )
+    return blocks[~is_val], blocks[is_val]
+
+
+@dataclass(frozen=True)
+class PackedCorpus:
+    """Token blocks ready for training: `train` (N, L) and `val` (M, L), int64."""
+
+    train: torch.Tensor
+    val: torch.Tensor
+    num_tokens: int  # tokens in the stream that was packed (after max_tokens)
+
+
+def prepare_corpus(
+    sources: Sequence[str],
+    tokenizer: PreTrainedTokenizerFast,
+    *,
+    seq_len: int,
+    val_fraction: float,
+    eos_id: int,
+    max_tokens: int | None = None,
+    text_field: str = "text",
+) -> PackedCorpus:
+    """Load, tokenize (cached), truncate to `max_tokens`, pack and split `sources`."""
+    stream = tokenize_corpus(load_texts(sources, text_field=text_field), tokenizer, eos_id=eos_id)
+    if max_tokens is not None:
+        stream = stream[:max_tokens]
+    train, val = split_blocks(pack_blocks(stream, seq_len), val_fraction)
+    return PackedCorpus(train=_as_long(train), val=_as_long(val), num_tokens=len(stream))
+
+
+def _as_long(blocks: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(blocks, dtype=np.int64))
+
+
+# ----------------------------------------------------------------------------- batch order
+
+
+class BlockSampler:
+    """Which blocks each step trains on: a pure function of (seed, step).
+
+    The order is the endless concatenation of per-epoch permutations, so resuming at step s
+    needs only s; any world size that divides the global batch sees the same global batches.
+    """
+
+    def __init__(self, num_blocks: int, global_batch: int, seed: int):
+        if num_blocks <= 0 or global_batch <= 0:
+            raise HLMError(
+                f"BlockSampler needs blocks and a batch, got num_blocks={num_blocks}, "
+                f"global_batch={global_batch}"
+            )
+        self.num_blocks = num_blocks
+        self.global_batch = global_batch
+        self.seed = seed
+        self._perms: dict[int, torch.Tensor] = {}
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        if epoch not in self._perms:
+            if len(self._perms) > 4:  # a step spans few epochs; keep memory bounded
+                self._perms.clear()
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perms[epoch] = torch.randperm(self.num_blocks, generator=gen)
+        return self._perms[epoch]
+
+    def indices(self, step: int) -> torch.Tensor:
+        """(global_batch,) block ids at positions [step*G, (step+1)*G) of the endless order."""
+        start, stop = step * self.global_batch, (step + 1) * self.global_batch
+        parts, pos = [], start
+        while pos < stop:
+            epoch, offset = divmod(pos, self.num_blocks)
+            take = min(self.num_blocks - offset, stop - pos)
+            parts.append(self._permutation(epoch)[offset : offset + take])
+            pos += take
+        return torch.cat(parts)
+
+    def shard(self, step: int, rank: int, world: int, micro_batch: int) -> list[torch.Tensor]:
+        """This worker's rows `indices(step)[rank::world]`, as micro-batches of `micro_batch`."""
+        return list(self.indices(step)[rank::world].split(micro_batch))
+
+    def epoch(self, step: int) -> float:
+        """Passes over the training blocks completed before `step`."""
+        return step * self.global_batch / self.num_blocks
+
+
+# ----------------------------------------------------------------------------- masking
+
+
+def mask_tokens(
+    input_ids_BL: torch.Tensor,
+    *,
+    mask_id: int,
+    special_ids: Sequence[int],
+    vocab_size: int,
+    probability: float = 0.15,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """BERT masking: returns (inputs_BL, labels_BL); `input_ids_BL` is left unchanged.
+
+    Each non-special position is selected with `probability`; selected ones become `mask_id`
+    (80%), a random non-special token (10%) or stay (10%). Labels are the ORIGINAL tokens at
+    selected positions and -100 elsewhere; at least one position per batch is selected.
+    """
+    device = input_ids_BL.device
+    rand_device = generator.device if generator is not None else device
+    # Draws happen on the generator's device, then move: a CPU generator works for GPU inputs.
+
+    def rand() -> torch.Tensor:
+        return torch.rand(input_ids_BL.shape, generator=generator, device=rand_device).to(device)
+
+    excluded = torch.tensor(sorted({*special_ids, mask_id}), dtype=input_ids_BL.dtype)
+    maskable_BL = ~torch.isin(input_ids_BL, excluded.to(device))
+    if not maskable_BL.any():
+        raise HLMError("a batch holds only special tokens; nothing can be masked")
+    selected_BL = (rand() < probability) & maskable_BL
+    if not selected_BL.any():  # never return an empty loss
+        candidates = maskable_BL.flatten().nonzero().squeeze(1)
+        pick = torch.randint(len(candidates), (1,), generator=generator, device=rand_device)
+        selected_BL.view(-1)[candidates[pick.to(device)]] = True
+    action_BL = rand()
+    to_mask_BL = selected_BL & (action_BL < 0.8)
+    to_random_BL = selected_BL & (action_BL >= 0.8) & (action_BL < 0.9)
+    inputs_BL = input_ids_BL.clone()
+    inputs_BL[to_mask_BL] = mask_id
+    allowed = _non_special_ids(vocab_size, excluded)
+    draw = torch.randint(len(allowed), input_ids_BL.shape, generator=generator, device=rand_device)
+    inputs_BL[to_random_BL] = allowed.to(device)[draw.to(device)][to_random_BL]
+    labels_BL = torch.where(selected_BL, input_ids_BL, torch.full_like(input_ids_BL, -100))
+    return inputs_BL, labels_BL
+
+
+def _non_special_ids(vocab_size: int, excluded: torch.Tensor) -> torch.Tensor:
+    ids = torch.arange(vocab_size, dtype=excluded.dtype)
+    allowed = ids[~torch.isin(ids, excluded)]
+    if len(allowed) == 0:
+        raise HLMError(f"vocab_size={vocab_size} has no non-special token to sample")
+    return allowed

@@ -1,0 +1,526 @@
+"""Training objectives: Contrastive Weight Tying (CWT) and the vocabulary cross-entropy it replaces.
+
+CWT (Godey et al. 2024, "Headless Language Models") scores each of K target positions against the
+*input-embedding rows* of the micro-batch's true tokens instead of against the whole vocabulary:
+with predictions O (K×D, last hidden states) and targets E (K×D, embedding rows of the true
+tokens, not detached), ``loss_i = -log softmax(O Eᵀ / τ)[i, i]``.
+
+Usage::
+
+    from hlm_ray.objectives import cwt_loss, cwt_loss_from_ids, headless_causal_loss
+
+    hidden_BLD = model(input_ids_BL).last_hidden_state
+    out = headless_causal_loss(
+        hidden_BLD, input_ids_BL, model.get_input_embeddings().weight, return_accuracy=True
+    )
+    out.loss.backward()  # the embedding table gets gradient as input and as target
+    print(out.num_rows, out.accuracy)
+
+    # Low-level forms: predictions (K×D) against target rows (K×D), or against token ids.
+    loss = cwt_loss(predictions_KD, targets_KD)
+    loss, acc = cwt_loss_from_ids(predictions_KD, ids_K, emb_VD, return_accuracy=True)
+
+    # Vanilla baseline: softmax head, logits at masked positions only.
+    head = LMHead(transform=bert_head_transform, weight=decoder.weight, bias=decoder.bias)
+    out = vanilla_masked_loss(hidden_BLD, labels_BL, head, impl="chunked")
+
+Every logit is computed in float32 (bf16/fp16 inputs are upcast first) and reduced with
+``F.cross_entropy``, never exp→sum→log: the authors' code did the latter and produced NaN as soon
+as a logit passed ~88.7. This module imports only torch, so it can be copied into other projects.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100
+CWT_VARIANTS = ("plain", "dedup", "mask_same")
+CE_IMPLS = ("full", "chunked", "linear")
+REDUCTIONS = ("mean", "sum", "none")
+
+
+# eq=False: the generated __eq__ would compare tensors, whose truth value is ambiguous.
+@dataclass(frozen=True, eq=False)
+class LossOutput:
+    """A loss with the number of rows (target positions) it averages over.
+
+    ``num_rows`` is a Python int where it is known without a device sync, a 0-d tensor otherwise.
+    ``accuracy`` is the in-batch top-1 accuracy for CWT when requested, else None.
+    """
+
+    loss: Tensor
+    num_rows: int | Tensor
+    accuracy: Tensor | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class LMHead:
+    """A vocabulary softmax head: ``logits = transform(hidden) @ weight.T + bias``.
+
+    ``transform`` is None for a GPT-style head (identity), or e.g. BERT's dense+gelu+LayerNorm.
+    """
+
+    transform: Callable[[Tensor], Tensor] | None
+    weight: Tensor  # V×D
+    bias: Tensor | None  # V
+
+    def features(self, hidden: Tensor) -> Tensor:
+        return hidden if self.transform is None else self.transform(hidden)
+
+
+def _upcast(x: Tensor) -> Tensor:
+    # Half-precision logits overflow (fp16 past 65504) and blur the ranking of close scores.
+    # float64 is kept as is so that exact references stay exact.
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def _reduce(loss_K: Tensor, reduction: str) -> Tensor:
+    if reduction == "mean":
+        return loss_K.mean()
+    if reduction == "sum":
+        return loss_K.sum()
+    if reduction == "none":
+        return loss_K
+    raise ValueError(f"reduction={reduction!r}; use one of {', '.join(REDUCTIONS)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# CWT
+# ---------------------------------------------------------------------------------------------
+
+
+def _cwt_rows(
+    pred_KD: Tensor,
+    cols_UD: Tensor,
+    pos_K: Tensor,
+    log_count_U: Tensor | None,
+    temperature: float,
+    mask_same: bool,
+    col_ids_U: Tensor | None,
+) -> tuple[Tensor, Tensor | None]:
+    """Per-row CWT loss of K predictions against U columns; pos_K = each row's own column.
+
+    log_count_U (dedup form): each column stands for count_u identical negatives, so
+    log(count_u) is added to its logit; the positive still counts once. Returns the loss (K,)
+    and, when col_ids_U is given, whether each row's top-scoring column has its own id (K,).
+    """
+    # Scaling the K×D side is cheaper than dividing the K×U logits.
+    logits_KU = (pred_KD / temperature) @ cols_UD.T
+    correct_K = None
+    if col_ids_U is not None:
+        with torch.no_grad():
+            # Before the log-count term: accuracy ranks the distinct tokens by score alone.
+            correct_K = col_ids_U[logits_KU.argmax(dim=1)] == col_ids_U[pos_K]
+    if log_count_U is None:
+        return F.cross_entropy(logits_KU, pos_K, reduction="none"), correct_K
+    logits_KU = logits_KU + log_count_U
+    if mask_same:
+        # Same-id negatives are dropped: the own column keeps weight 1 (log 1 = 0), so the
+        # denominator is exp(pos) + the columns of other ids, and cross-entropy is exact.
+        # In place is safe: nothing saved for backward holds this sum.
+        rows_K = torch.arange(len(pos_K), device=pos_K.device)
+        logits_KU[rows_K, pos_K] -= log_count_U[pos_K]
+        return F.cross_entropy(logits_KU, pos_K, reduction="none"), correct_K
+    # cross_entropy's positive term carries the own column's log count: add it back, since the
+    # positive is one copy (the other c-1 copies stay in the denominator as negatives).
+    loss_K = F.cross_entropy(logits_KU, pos_K, reduction="none") + log_count_U[pos_K]
+    return loss_K, correct_K
+
+
+def _cwt_per_row(
+    pred_KD: Tensor,
+    cols_UD: Tensor,
+    pos_K: Tensor,
+    log_count_U: Tensor | None,
+    temperature: float,
+    mask_same: bool,
+    col_ids_U: Tensor | None,
+    chunk_size: int | None,
+) -> tuple[Tensor, Tensor | None]:
+    """`_cwt_rows`, optionally over row chunks so only chunk×U logits ever exist."""
+    args = (log_count_U, temperature, mask_same, col_ids_U)
+    K = pred_KD.shape[0]
+    if chunk_size is None or chunk_size >= K:
+        return _cwt_rows(pred_KD, cols_UD, pos_K, *args)
+    losses, corrects = [], []
+    for start in range(0, K, chunk_size):
+        rows = slice(start, start + chunk_size)
+        # Checkpointing drops the chunk's logits after forward and recomputes them in backward,
+        # so the K×U matrix is neither materialised nor saved. No randomness: skip RNG state.
+        loss_C, correct_C = checkpoint(
+            _cwt_rows,
+            pred_KD[rows],
+            cols_UD,
+            pos_K[rows],
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=False,
+        )
+        losses.append(loss_C)
+        corrects.append(correct_C)
+    return torch.cat(losses), None if col_ids_U is None else torch.cat(corrects)
+
+
+def cwt_loss(
+    predictions: Tensor,
+    targets: Tensor,
+    temperature: float = 1.0,
+    *,
+    chunk_size: int | None = None,
+    reduction: str = "mean",
+) -> Tensor:
+    """Contrastive Weight Tying loss: mean_i of ``-log softmax(O Eᵀ / τ)[i, i]``.
+
+    predictions O (K×D) and targets E (K×D, embedding rows of the true tokens) both get
+    gradient. Repeated tokens count as negatives of each other (the paper's objective); see
+    `cwt_loss_from_ids` for the cheaper exact de-duplicated form. ``chunk_size`` bounds the
+    logits held at once to chunk_size×K rows (same value and gradients).
+    """
+    pos_K = torch.arange(predictions.shape[0], device=predictions.device)
+    loss_K, _ = _cwt_per_row(
+        _upcast(predictions), _upcast(targets), pos_K, None, temperature, False, None, chunk_size
+    )
+    return _reduce(loss_K, reduction)
+
+
+def _locate(ids_K: Tensor, sorted_ids_N: Tensor) -> Tensor:
+    """Index into sorted_ids_N of each id; ValueError if one is absent."""
+    idx_K = torch.searchsorted(sorted_ids_N, ids_K).clamp_(max=len(sorted_ids_N) - 1)
+    found_K = sorted_ids_N[idx_K] == ids_K
+    if not bool(found_K.all()):
+        missing = ids_K[~found_K].unique()[:10].tolist()
+        raise ValueError(
+            f"negative_ids must contain every target id (each row's own positive); "
+            f"missing {missing}"
+        )
+    return idx_K
+
+
+def cwt_loss_from_ids(
+    predictions: Tensor,
+    target_ids: Tensor,
+    embedding_weight: Tensor,
+    temperature: float = 1.0,
+    *,
+    variant: str = "dedup",
+    negative_ids: Tensor | None = None,
+    chunk_size: int | None = None,
+    reduction: str = "mean",
+    return_accuracy: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """CWT loss of predictions (K×D) for target token ids (K,) with the embedding table (V×D).
+
+    Gradient flows into ``embedding_weight`` through the gathered rows. Variants:
+
+    - ``"plain"``: exactly ``cwt_loss(predictions, embedding_weight[target_ids])`` (K×K logits).
+    - ``"dedup"`` (default): the same value and gradients, computed against the U unique ids
+      with log(count) added to each column (K×U logits, U <= min(K, V)).
+    - ``"mask_same"``: a different objective (ablation): negatives with the row's own id are
+      removed, so a token repeated c times is no longer held to a loss >= log c.
+
+    ``negative_ids`` (N,): build the columns from these ids instead of ``target_ids``, e.g. all
+    workers' target ids concatenated (repeats kept: each occurrence is one negative, as in the
+    plain loss over the concatenated rows). Each target must be among them (ValueError if not).
+
+    With ``return_accuracy``, returns ``(loss, accuracy)``: the fraction of rows whose
+    top-scoring distinct column (plain dot products) is their own id, without gradient.
+    """
+    if variant not in CWT_VARIANTS:
+        raise ValueError(f"variant={variant!r}; use one of {', '.join(CWT_VARIANTS)}")
+    log_count_U = None
+    if variant == "plain":
+        if negative_ids is None:
+            col_ids_U = target_ids
+            pos_K = torch.arange(len(target_ids), device=target_ids.device)
+        else:
+            # Any copy of the own id is a correct positive column: copies have equal embeddings.
+            col_ids_U = negative_ids
+            sorted_ids_N, order_N = negative_ids.sort()
+            pos_K = order_N[_locate(target_ids, sorted_ids_N)]
+    else:
+        if negative_ids is None:
+            col_ids_U, pos_K, count_U = torch.unique(
+                target_ids, return_inverse=True, return_counts=True
+            )
+        else:
+            col_ids_U, count_U = torch.unique(negative_ids, return_counts=True)
+            pos_K = _locate(target_ids, col_ids_U)  # torch.unique sorts
+    pred_KD = _upcast(predictions)
+    # Gather before upcasting: only U rows of the table are converted, not all V.
+    cols_UD = _upcast(F.embedding(col_ids_U, embedding_weight))
+    if variant != "plain":
+        log_count_U = count_U.to(pred_KD.dtype).log()
+    loss_K, correct_K = _cwt_per_row(
+        pred_KD,
+        cols_UD,
+        pos_K,
+        log_count_U,
+        temperature,
+        variant == "mask_same",
+        col_ids_U if return_accuracy else None,
+        chunk_size,
+    )
+    loss = _reduce(loss_K, reduction)
+    if not return_accuracy:
+        return loss
+    return loss, correct_K.float().mean()
+
+
+# ---------------------------------------------------------------------------------------------
+# Vocabulary softmax head
+# ---------------------------------------------------------------------------------------------
+
+
+def _ce_rows(
+    hidden_ND: Tensor, weight_VD: Tensor, bias_V: Tensor | None, labels_N: Tensor, ignore: int
+) -> Tensor:
+    logits_NV = F.linear(hidden_ND, weight_VD, bias_V)
+    return F.cross_entropy(logits_NV, labels_N, ignore_index=ignore, reduction="none")
+
+
+def cross_entropy_head(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    labels: Tensor,
+    *,
+    impl: str = "full",
+    chunk_size: int = 4096,
+    ignore_index: int = IGNORE_INDEX,
+    reduction: str = "mean",
+) -> Tensor:
+    """Cross-entropy of ``F.linear(hidden, weight, bias)`` (hidden N×D, weight V×D) vs labels (N,).
+
+    ``impl``: ``"full"`` materialises the N×V float32 logits; ``"chunked"`` holds only
+    chunk_size×V logits at a time (row chunks with activation checkpointing, same result);
+    ``"linear"`` calls torch's fused ``F.linear_cross_entropy`` with its chunked path, which
+    picks its own chunk size per device and dtype (``chunk_size`` is not used there) and
+    accumulates half-precision inputs in float32, but returns the loss rounded to the input
+    dtype (bf16: ~3 significant digits). "mean" averages over non-ignored rows.
+    """
+    if impl not in CE_IMPLS:
+        raise ValueError(f"impl={impl!r}; use one of {', '.join(CE_IMPLS)}")
+    if impl == "linear":
+        return _fused_linear_cross_entropy(hidden, weight, bias, labels, ignore_index, reduction)
+    hidden, weight = _upcast(hidden), _upcast(weight)
+    bias = None if bias is None else _upcast(bias)
+    N = hidden.shape[0]
+    if impl == "full" or chunk_size >= N:
+        logits_NV = F.linear(hidden, weight, bias)
+        return F.cross_entropy(logits_NV, labels, ignore_index=ignore_index, reduction=reduction)
+    # Chunked: the (upcast) weight is an input of every chunk, saved once by reference.
+    loss_N = torch.cat(
+        [
+            checkpoint(
+                _ce_rows,
+                hidden[start : start + chunk_size],
+                weight,
+                bias,
+                labels[start : start + chunk_size],
+                ignore_index,
+                use_reentrant=False,
+                preserve_rng_state=False,
+            )
+            for start in range(0, N, chunk_size)
+        ]
+    )
+    if reduction == "mean":
+        # Ignored rows contribute 0 to the sum and nothing to the count, as in F.cross_entropy.
+        return loss_N.sum() / (labels != ignore_index).sum()
+    return _reduce(loss_N, reduction)
+
+
+def _fused_linear_cross_entropy(
+    hidden_ND: Tensor,
+    weight_VD: Tensor,
+    bias_V: Tensor | None,
+    labels_N: Tensor,
+    ignore_index: int,
+    reduction: str,
+) -> Tensor:
+    if not hasattr(F, "linear_cross_entropy"):
+        raise RuntimeError(
+            f"impl='linear' needs torch.nn.functional.linear_cross_entropy, which torch "
+            f"{torch.__version__} lacks; use impl='chunked' or a newer torch"
+        )
+    # The op needs one dtype; under autocast the hidden states are often bf16 and the weight
+    # float32. Promote rather than truncate the weight.
+    dtype = torch.promote_types(hidden_ND.dtype, weight_VD.dtype)
+    loss = F.linear_cross_entropy(
+        hidden_ND.to(dtype),
+        weight_VD.to(dtype),
+        labels_N,
+        # The chunked path supports a (V,) bias natively, so nothing needs folding in.
+        linear_bias=None if bias_V is None else bias_V.to(dtype),
+        ignore_index=ignore_index,
+        reduction=reduction,
+        # options=None would be the unfused reference (full logits); this enables chunking.
+        options=torch.nn.LinearCrossEntropyOptions(),
+    )
+    return _upcast(loss)  # float32 like the other impls (the value is already bf16-rounded)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model-level objectives
+# ---------------------------------------------------------------------------------------------
+
+
+def _causal_rows(
+    hidden_BLD: Tensor, input_ids_BL: Tensor, target_mask_BL: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """Predictions (K×D) at positions 0..L-2 and their next-token targets (K,)."""
+    pred_BKD, ids_BK = hidden_BLD[:, :-1], input_ids_BL[:, 1:]
+    if target_mask_BL is None:
+        return pred_BKD.reshape(-1, hidden_BLD.shape[-1]), ids_BK.reshape(-1)
+    keep_BK = target_mask_BL[:, 1:].bool()  # drop rows whose target is padding
+    return pred_BKD[keep_BK], ids_BK[keep_BK]
+
+
+def _masked_rows(hidden_BLD: Tensor, labels_BL: Tensor) -> tuple[Tensor, Tensor]:
+    """Hidden states (K×D) and original token ids (K,) at the masked positions."""
+    masked_BL = labels_BL != IGNORE_INDEX
+    return hidden_BLD[masked_BL], labels_BL[masked_BL]
+
+
+def _headless(
+    pred_KD: Tensor,
+    ids_K: Tensor,
+    embedding_weight_VD: Tensor,
+    temperature: float,
+    variant: str,
+    negative_ids: Tensor | None,
+    chunk_size: int | None,
+    return_accuracy: bool,
+) -> LossOutput:
+    out = cwt_loss_from_ids(
+        pred_KD,
+        ids_K,
+        embedding_weight_VD,
+        temperature,
+        variant=variant,
+        negative_ids=negative_ids,
+        chunk_size=chunk_size,
+        return_accuracy=return_accuracy,
+    )
+    if return_accuracy:
+        return LossOutput(loss=out[0], num_rows=len(ids_K), accuracy=out[1])
+    return LossOutput(loss=out, num_rows=len(ids_K))
+
+
+def headless_causal_loss(
+    hidden_BLD: Tensor,
+    input_ids_BL: Tensor,
+    embedding_weight_VD: Tensor,
+    *,
+    target_mask_BL: Tensor | None = None,
+    temperature: float = 1.0,
+    variant: str = "dedup",
+    negative_ids: Tensor | None = None,
+    chunk_size: int | None = None,
+    return_accuracy: bool = False,
+) -> LossOutput:
+    """CWT for a decoder: hidden[:, :-1] predicts the embedding of input_ids[:, 1:].
+
+    K = B·(L−1) rows, less those whose target is False in ``target_mask_BL`` (padding).
+    See `cwt_loss_from_ids` for the other arguments.
+    """
+    pred_KD, ids_K = _causal_rows(hidden_BLD, input_ids_BL, target_mask_BL)
+    return _headless(
+        pred_KD,
+        ids_K,
+        embedding_weight_VD,
+        temperature,
+        variant,
+        negative_ids,
+        chunk_size,
+        return_accuracy,
+    )
+
+
+def headless_masked_loss(
+    hidden_BLD: Tensor,
+    labels_BL: Tensor,
+    embedding_weight_VD: Tensor,
+    *,
+    temperature: float = 1.0,
+    variant: str = "dedup",
+    negative_ids: Tensor | None = None,
+    chunk_size: int | None = None,
+    return_accuracy: bool = False,
+) -> LossOutput:
+    """CWT for an encoder: at masked positions only, the raw last hidden state predicts the
+    embedding of the original token. ``labels_BL`` holds that token id there and -100 elsewhere.
+    """
+    pred_KD, ids_K = _masked_rows(hidden_BLD, labels_BL)
+    return _headless(
+        pred_KD,
+        ids_K,
+        embedding_weight_VD,
+        temperature,
+        variant,
+        negative_ids,
+        chunk_size,
+        return_accuracy,
+    )
+
+
+def vanilla_causal_loss(
+    hidden_BLD: Tensor,
+    input_ids_BL: Tensor,
+    head: LMHead,
+    *,
+    target_mask_BL: Tensor | None = None,
+    impl: str = "full",
+    chunk_size: int = 4096,
+) -> LossOutput:
+    """Next-token cross-entropy through a vocabulary head (see `cross_entropy_head` for impl)."""
+    pred_KD, ids_K = _causal_rows(hidden_BLD, input_ids_BL, target_mask_BL)
+    loss = cross_entropy_head(
+        head.features(pred_KD), head.weight, head.bias, ids_K, impl=impl, chunk_size=chunk_size
+    )
+    return LossOutput(loss=loss, num_rows=len(ids_K))
+
+
+def vanilla_masked_loss(
+    hidden_BLD: Tensor,
+    labels_BL: Tensor,
+    head: LMHead,
+    *,
+    full_logits: bool = False,
+    impl: str = "full",
+    chunk_size: int = 4096,
+) -> LossOutput:
+    """Masked-LM cross-entropy; ``labels_BL`` = original token id at masked positions, else -100.
+
+    By default the head (transform and logits) runs at the masked positions only: the strong
+    baseline. ``full_logits=True`` runs it on every position and then ignores the unmasked ones,
+    as the paper's baseline did; same loss, several times the head's cost.
+    """
+    if not full_logits:
+        pred_KD, ids_K = _masked_rows(hidden_BLD, labels_BL)
+        loss = cross_entropy_head(
+            head.features(pred_KD), head.weight, head.bias, ids_K, impl=impl, chunk_size=chunk_size
+        )
+        return LossOutput(loss=loss, num_rows=len(ids_K))
+    features_ND = head.features(hidden_BLD).flatten(0, 1)
+    labels_N = labels_BL.reshape(-1)
+    loss = cross_entropy_head(
+        features_ND, head.weight, head.bias, labels_N, impl=impl, chunk_size=chunk_size
+    )
+    # A tensor count: this path never selects rows, so it stays free of device syncs.
+    return LossOutput(loss=loss, num_rows=(labels_N != IGNORE_INDEX).sum())
+
+
+def mixed_loss(
+    cwt: LossOutput, ce: LossOutput, *, cwt_weight: float, ce_weight: float
+) -> LossOutput:
+    """The paper's CE + CWT ablation: ``cwt_weight·CWT + ce_weight·CE`` over the same rows.
+
+    Keeps the CWT output's row count and in-batch accuracy.
+    """
+    loss = cwt_weight * cwt.loss + ce_weight * ce.loss
+    return LossOutput(loss=loss, num_rows=cwt.num_rows, accuracy=cwt.accuracy)

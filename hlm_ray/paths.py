@@ -1,0 +1,80 @@
+"""Where hlm_ray finds the shipped data and keeps its caches.
+
+One setting each:
+- ``HLM_DATA_DIR``: the offline data folder (default ``../shared/data`` next to the project root,
+  i.e. relative to the directory that holds ``pyproject.toml``; a relative value is resolved
+  against the current directory). On a cluster without it, every dataset falls back to its hub
+  name (see `HUB_FALLBACKS`).
+- ``HLM_CACHE_DIR``: trained tokenizers and tokenized corpora (default ``~/.cache/hlm_ray``).
+
+    from hlm_ray.paths import shared_file
+    path = shared_file("corpus/en")          # Path, or HLMError naming both places it looked
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from hlm_ray.errors import HLMError
+
+DATA_ENV = "HLM_DATA_DIR"
+CACHE_ENV = "HLM_CACHE_DIR"
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class HubDataset:
+    """The same data on the Hugging Face hub: `datasets.load_dataset(name, config, split=split)`."""
+
+    name: str
+    config: str | None
+    split: str
+    text_field: str = "text"
+
+
+# Each shipped file or folder and the public dataset it was taken from, for machines that reach
+# the hub but do not have the offline folder. Tokenizers are hub model repositories.
+HUB_FALLBACKS: dict[str, HubDataset | tuple[HubDataset, ...] | str] = {
+    "corpus/en": (
+        HubDataset("karpathy/tiny_shakespeare", None, "train"),
+        HubDataset("Salesforce/wikitext", "wikitext-2-raw-v1", "test"),
+    ),
+    "eval/lambada_openai.jsonl": HubDataset("EleutherAI/lambada_openai", "en", "test"),
+    "tokenizers/gpt2": "openai-community/gpt2",
+    "tokenizers/gpt-neox-20b": "EleutherAI/gpt-neox-20b",
+}
+
+
+def data_dir() -> Path:
+    """The offline data folder named by ``HLM_DATA_DIR`` (it may not exist)."""
+    value = os.environ.get(DATA_ENV)
+    if value:
+        return Path(value).expanduser().resolve()
+    return (PROJECT_ROOT / ".." / "shared" / "data").resolve()
+
+
+def shared_file(relative: str) -> Path:
+    """`relative` inside the data folder; an `HLMError` if it is not there."""
+    path = data_dir() / relative
+    if not path.exists():
+        fallback = HUB_FALLBACKS.get(relative)
+        hint = f" or use the hub dataset {fallback!r}" if fallback else ""
+        raise HLMError(
+            f"{relative} not found in the data folder {data_dir()} (set {DATA_ENV} to the folder "
+            f"that holds it{hint})"
+        )
+    return path
+
+
+def has_shared(relative: str) -> bool:
+    return (data_dir() / relative).exists()
+
+
+def cache_dir(*parts: str) -> Path:
+    """A folder under ``HLM_CACHE_DIR`` (created)."""
+    root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hlm_ray").expanduser()
+    path = root.joinpath(*parts)
+    path.mkdir(parents=True, exist_ok=True)
+    return path

@@ -1,0 +1,97 @@
+"""One model plus one objective as a module whose forward returns the loss.
+
+Headless vs vanilla is a config value, not a different model: `LMObjective.forward` reads the
+body's hidden states and hands them to the objective's free function. Putting the loss inside
+`forward` is what lets DDP see every parameter the loss uses (the embedding table is read twice:
+as inputs and as CWT targets).
+
+    module = LMObjective(model, cfg.objective)
+    out = module(input_ids_BL)                  # decoders
+    out = module(masked_inputs_BL, labels_BL)   # encoders: labels = originals, -100 elsewhere
+    out.loss.backward()
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from hlm_ray.config import ObjectiveConfig
+from hlm_ray.models import hidden_states, input_embedding_weight, lm_head
+from hlm_ray.objectives import (
+    LossOutput,
+    headless_causal_loss,
+    headless_masked_loss,
+    mixed_loss,
+    vanilla_causal_loss,
+    vanilla_masked_loss,
+)
+
+
+class LMObjective(nn.Module):
+    def __init__(self, model: PreTrainedModel, cfg: ObjectiveConfig):
+        super().__init__()
+        self.model = model
+        self.cfg = cfg
+        self.causal = model.config.hlm_family == "decoder"
+
+    def forward(
+        self,
+        input_ids_BL: torch.Tensor,
+        labels_BL: torch.Tensor | None = None,
+        *,
+        negative_ids: torch.Tensor | None = None,
+        return_accuracy: bool = False,
+    ) -> dict[str, LossOutput]:
+        """The objective's loss under "loss", plus its parts ("cwt", "ce") for the mixed one."""
+        hidden_BLD = hidden_states(self.model, input_ids_BL)
+        parts: dict[str, LossOutput] = {}
+        if self.cfg.name in ("headless", "mixed"):
+            parts["cwt"] = self._cwt(
+                hidden_BLD, input_ids_BL, labels_BL, negative_ids, return_accuracy
+            )
+        if self.cfg.name in ("vanilla", "mixed"):
+            parts["ce"] = self._ce(hidden_BLD, input_ids_BL, labels_BL)
+        if self.cfg.name == "mixed":
+            parts["loss"] = mixed_loss(
+                parts["cwt"],
+                parts["ce"],
+                cwt_weight=self.cfg.cwt_weight,
+                ce_weight=self.cfg.ce_weight,
+            )
+        else:
+            parts["loss"] = parts["cwt" if self.cfg.name == "headless" else "ce"]
+        return parts
+
+    def _cwt(self, hidden_BLD, input_ids_BL, labels_BL, negative_ids, return_accuracy):
+        kwargs = dict(
+            temperature=self.cfg.temperature,
+            variant=self.cfg.cwt_variant,
+            chunk_size=self.cfg.cwt_chunk_size,
+            negative_ids=negative_ids,
+            return_accuracy=return_accuracy,
+        )
+        weight_VD = input_embedding_weight(self.model)
+        if self.causal:
+            return headless_causal_loss(hidden_BLD, input_ids_BL, weight_VD, **kwargs)
+        return headless_masked_loss(hidden_BLD, labels_BL, weight_VD, **kwargs)
+
+    def _ce(self, hidden_BLD, input_ids_BL, labels_BL):
+        head = lm_head(self.model)
+        if self.causal:
+            return vanilla_causal_loss(hidden_BLD, input_ids_BL, head, impl=self.cfg.ce_impl)
+        return vanilla_masked_loss(
+            hidden_BLD,
+            labels_BL,
+            head,
+            full_logits=self.cfg.mlm_full_logits,
+            impl=self.cfg.ce_impl,
+        )
+
+    @staticmethod
+    def target_ids(input_ids_BL: torch.Tensor, labels_BL: torch.Tensor | None) -> torch.Tensor:
+        """The token ids the loss predicts (K,): next tokens, or the masked originals."""
+        if labels_BL is None:
+            return input_ids_BL[:, 1:].reshape(-1)
+        return labels_BL[labels_BL != -100]

@@ -1,0 +1,76 @@
+"""Run summaries for the terminal, and the side-by-side plot of several runs.
+
+print(format_summary([summary_headless, summary_vanilla]))
+plot_runs([Path("runs/x/headless"), Path("runs/x/vanilla")], Path("runs/x/compare.png"))
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hlm_ray.tracking import read_metrics
+
+_COLUMNS = [
+    ("objective", "objective", "{}"),
+    ("arch", "arch", "{}"),
+    ("steps", "steps", "{}"),
+    ("tokens", "tokens", "{:,}"),
+    ("tokens/s", "tokens_per_s", "{:,.0f}"),
+    ("vocab", "vocab_size", "{}"),
+    ("params", "parameters", "{:,}"),
+]
+_METRICS = [
+    ("train loss", "train/loss"),
+    ("val loss", "val/loss"),
+    ("val acc", "val/accuracy"),
+    ("val ppl", "val/perplexity"),
+    ("val bpb", "val/bpb"),
+]
+
+
+def format_summary(summaries: list[dict[str, Any]]) -> str:
+    """A Markdown table, one row per run, then where each model is."""
+    metric_cols = [(h, k) for h, k in _METRICS if any(k in s["metrics"] for s in summaries)]
+    header = [h for h, _, _ in _COLUMNS] + [h for h, _ in metric_cols]
+    rows = []
+    for s in summaries:
+        row = [fmt.format(s[key]) for _, key, fmt in _COLUMNS]
+        row += [f"{s['metrics'][k]:.4f}" if k in s["metrics"] else "-" for _, k in metric_cols]
+        rows.append(row)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines += [f"{s['objective']} model: {s['model_dir']}" for s in summaries]
+    return "\n".join(lines)
+
+
+def plot_runs(run_dirs: list[Path], out_path: Path) -> Path:
+    """Training loss by step (each objective on its own axis: CWT and cross-entropy values are
+    not comparable) and training throughput, for runs that wrote metrics.jsonl."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    names, speeds = [], []
+    for run in run_dirs:
+        rows = [r for r in read_metrics(run) if "train/loss" in r]
+        if not rows:
+            continue
+        name = Path(run).name
+        axes[0].plot([r["step"] for r in rows], [r["train/loss"] for r in rows], label=name)
+        names.append(name)
+        speeds.append(sum(r["train/tokens_per_s"] for r in rows) / len(rows))
+    axes[0].set_xlabel("step")
+    axes[0].set_ylabel("training loss (own objective)")
+    axes[0].set_yscale("log")
+    axes[0].legend()
+    axes[1].bar(names, speeds, color=["tab:blue", "tab:orange", "tab:green"][: len(names)])
+    axes[1].set_ylabel("tokens / s (training only)")
+    fig.tight_layout()
+    out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+    return out_path

@@ -1,0 +1,81 @@
+"""The config tree: presets, overrides, derived batch settings, one-line errors."""
+
+import pytest
+
+from hlm_ray.config import Config, load_config
+from hlm_ray.errors import HLMError
+from hlm_ray.models import hf_config
+from hlm_ray.presets import PRESETS, get_preset
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_every_preset_validates_and_round_trips(name):
+    cfg = get_preset(name)
+    assert cfg.preset == name
+    assert Config.from_dict(cfg.to_dict()) == cfg
+    # The HF config builds for every architecture (no weights allocated).
+    hf = hf_config(cfg.model, 50_000, "headless", {"eos_token": 0, "pad_token": 1})
+    assert hf.vocab_size == 50_000 and hf.hlm_objective == "headless"
+
+
+def test_paper_settings_are_carried():
+    pythia = get_preset("pythia-70m")
+    assert pythia.optim.betas == (0.9, 0.95) and pythia.optim.lr == 1e-3
+    assert pythia.optim.warmup_steps == 1430 and pythia.optim.schedule == "cosine"
+    assert pythia.data.seq_len == 2048 and pythia.optim.micro_batch_size == 8
+    assert pythia.optim.grad_accum_steps(world_size=16) == 8  # 1024 / (8 × 16)
+    small = get_preset("gpt2-11m")
+    assert (small.model.num_layers, small.model.hidden_size, small.model.num_heads) == (3, 192, 3)
+    # bert-base: the paper trained the arms with different device batches (Table 6).
+    assert get_preset("bert-base", "vanilla").optim.micro_batch_size == 32
+    assert get_preset("bert-base", "headless").optim.micro_batch_size == 64
+    assert get_preset("bert-base", "headless").optim.global_batch_size == 512
+
+
+def test_overrides_yaml_then_command_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lr: 0.01\n  betas: [0.8, 0.9]\ndata:\n  sources: [a.txt, b.txt]\n")
+    cfg = load_config("tiny-decoder", yaml_file=path, overrides=["optim.lr=3e-4"])
+    assert cfg.optim.lr == 3e-4  # command line wins over the file
+    assert cfg.optim.betas == (0.8, 0.9)
+    assert cfg.data.sources == ("a.txt", "b.txt")
+    cfg = load_config("tiny-decoder", overrides=["optim.grad_clip=none", "run.fail_at_step=3"])
+    assert cfg.optim.grad_clip is None and cfg.run.fail_at_step == 3
+
+
+def test_grad_accumulation_is_derived_and_checked():
+    cfg = load_config(
+        "tiny-decoder", overrides=["optim.global_batch_size=64", "optim.micro_batch_size=8"]
+    )
+    assert cfg.optim.grad_accum_steps(world_size=1) == 8
+    assert cfg.optim.grad_accum_steps(world_size=4) == 2
+    with pytest.raises(HLMError, match="not divisible by micro_batch_size × workers = 8 × 3"):
+        cfg.optim.grad_accum_steps(world_size=3)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["optim.lr=abc"], "optim.lr='abc' is not allowed; expected float"),
+        (["model.arch=lstm"], "model.arch='lstm' is not allowed; choose one of: gpt_neox"),
+        (["objective.name=magic"], "objective.name='magic' is not allowed"),
+        (["data.seq_len=4096"], "data.seq_len=4096 is not allowed; must not exceed"),
+        (["optim.global_batch_size=10"], "global_batch_size=10 is not divisible"),
+        (["model.num_heads=3"], "model.num_heads=3 is not allowed; must divide"),
+        (["optim.nope=1"], "unknown config field optim.nope"),
+        (["optim.lr"], "must look like section.field=value"),
+        (["tokenizer.kind=file"], "tokenizer.path=None is not allowed; required when kind=file"),
+    ],
+)
+def test_invalid_values_fail_with_one_line(overrides, message):
+    with pytest.raises(HLMError) as err:
+        load_config("tiny-decoder", overrides=overrides)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_unknown_preset_and_objective_list_the_choices():
+    with pytest.raises(HLMError, match="unknown preset 'gpt5'; choose one of: tiny-decoder"):
+        get_preset("gpt5")
+    with pytest.raises(HLMError, match="unknown objective 'x'; choose one of: headless"):
+        get_preset("tiny-decoder", objective="x")

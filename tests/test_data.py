@@ -1,0 +1,193 @@
+"""hlm_ray.data: loading, tokenizing (cached), packing, splitting, batch order, BERT masking."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from hlm_ray import data as datamod
+from hlm_ray.data import (
+    BlockSampler,
+    corpus_fingerprint,
+    load_texts,
+    mask_tokens,
+    pack_blocks,
+    prepare_corpus,
+    split_blocks,
+    tokenize_corpus,
+)
+from hlm_ray.errors import HLMError
+from hlm_ray.paths import has_shared
+from hlm_ray.tokenizer import load_tokenizer, special_tokens_for, train_bpe
+
+DOCS = ["The first document is short.", "A second one, also short: two sentences here."]
+
+
+@pytest.fixture
+def tok():
+    texts = [
+        " ".join(DOCS * 3) + f" variant {i} of the text, with words and numbers {i * 7}"
+        for i in range(30)
+    ]
+    return load_tokenizer(train_bpe(texts, 300, special_tokens_for("encoder")))
+
+
+@pytest.fixture
+def jsonl(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    rows = [{"text": DOCS[0]}, {"text": ""}, {"text": DOCS[1]}]  # the empty row is dropped
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_eos_between_documents(tok, jsonl):
+    ds = load_texts([str(jsonl)])
+    assert ds.column_names == ["text"] and list(ds["text"]) == DOCS
+    eos = tok.eos_token_id
+    stream = tokenize_corpus(ds, tok, eos_id=eos)
+    first, second = (tok(d, add_special_tokens=False)["input_ids"] for d in DOCS)
+    assert stream.dtype == np.int32
+    assert stream.tolist() == first + [eos] + second + [eos]
+    blocks = pack_blocks(stream, 4)
+    assert blocks.shape == (len(stream) // 4, 4)
+    assert blocks.flatten().tolist() == stream[: blocks.size].tolist()
+
+
+def test_text_field_and_txt_folder(tmp_path):
+    (tmp_path / "b.txt").write_text("second file\nline two\n")
+    (tmp_path / "a.txt").write_text("first file\n")
+    (tmp_path / "c.jsonl").write_text(json.dumps({"body": "json row"}) + "\n")
+    (tmp_path / "notes.md").write_text("ignored: not a supported extension")
+    ds = load_texts([str(tmp_path)], text_field="body")
+    assert list(ds["text"]) == ["first file\n", "second file\nline two\n", "json row"]
+    lines = load_texts([str(tmp_path / "b.txt")], sample_by="line")
+    assert list(lines["text"]) == ["second file", "line two"]
+
+
+def test_tokenized_cache_is_hit(tok, jsonl, monkeypatch, tmp_path):
+    ds = load_texts([str(jsonl)])
+    first = tokenize_corpus(ds, tok, eos_id=tok.eos_token_id)
+    assert len(list((tmp_path / "hlm_cache" / "tokenized").glob("*.npy"))) == 1
+
+    def fail(*args, **kwargs):
+        raise AssertionError("tokenized again instead of loading the cache")
+
+    monkeypatch.setattr(datamod, "_tokenize", fail)
+    np.testing.assert_array_equal(tokenize_corpus(ds, tok, eos_id=tok.eos_token_id), first)
+    with pytest.raises(AssertionError):  # another eos id is another stream
+        tokenize_corpus(ds, tok, eos_id=tok.pad_token_id)
+    assert corpus_fingerprint(ds) == corpus_fingerprint(load_texts([str(jsonl)]))
+
+
+def test_pack_too_short():
+    with pytest.raises(HLMError, match="has 5 tokens.*seq_len=8"):
+        pack_blocks(np.arange(5, dtype=np.int32), 8)
+
+
+def test_val_split_deterministic_and_disjoint():
+    blocks = np.arange(100 * 3).reshape(100, 3)
+    train, val = split_blocks(blocks, 0.1)
+    train2, val2 = split_blocks(blocks, 0.1)
+    np.testing.assert_array_equal(train, train2)
+    np.testing.assert_array_equal(val, val2)
+    assert len(val) == 10 and len(train) == 90
+    train_rows, val_rows = {r[0] for r in train.tolist()}, {r[0] for r in val.tolist()}
+    assert not train_rows & val_rows and len(train_rows | val_rows) == 100
+    assert val[:, 0].tolist() == [3 * i for i in range(9, 100, 10)]  # spread over the corpus
+    tiny_train, tiny_val = split_blocks(blocks[:3], 0.05)
+    assert len(tiny_val) == 1 and len(tiny_train) == 2
+    with pytest.raises(HLMError, match="no training data"):
+        split_blocks(blocks[:1], 0.05)
+
+
+def test_prepare_corpus(tok, jsonl):
+    corpus = prepare_corpus([str(jsonl)], tok, seq_len=4, val_fraction=0.25, eos_id=0)
+    assert corpus.train.dtype == torch.long and corpus.train.shape[1] == 4
+    assert len(corpus.val) >= 1
+    assert len(corpus.train) + len(corpus.val) == corpus.num_tokens // 4
+    capped = prepare_corpus([str(jsonl)], tok, seq_len=4, val_fraction=0.25, eos_id=0, max_tokens=9)
+    assert capped.num_tokens == 9 and len(capped.train) + len(capped.val) == 2
+
+
+def test_block_sampler_epochs_shards_and_purity():
+    sampler = BlockSampler(num_blocks=10, global_batch=4, seed=3)
+    order = torch.cat([sampler.indices(s) for s in range(10)])  # 40 = 4 epochs
+    for e in range(4):
+        assert sorted(order[10 * e : 10 * (e + 1)].tolist()) == list(range(10))
+    assert not torch.equal(order[:10], order[10:20])  # a new permutation per epoch
+    fresh = BlockSampler(num_blocks=10, global_batch=4, seed=3)
+    assert torch.equal(fresh.indices(7), sampler.indices(7))  # no hidden state
+    assert not torch.equal(BlockSampler(10, 4, seed=4).indices(0), sampler.indices(0))
+    shards = [sampler.shard(5, rank, 2, micro_batch=1) for rank in range(2)]
+    rows = [torch.cat(s).tolist() for s in shards]
+    assert all(len(s) == 2 for s in shards)
+    assert sorted(rows[0] + rows[1]) == sorted(sampler.indices(5).tolist())
+    assert not set(rows[0]) & set(rows[1])
+    assert sampler.epoch(5) == pytest.approx(2.0)
+    big = BlockSampler(num_blocks=3, global_batch=8, seed=0)  # batch larger than the corpus
+    assert big.indices(0).tolist()[:3] != [] and len(big.indices(1)) == 8
+
+
+def _mask_batch(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    vocab, specials = 1000, [0, 1, 2, 3, 4]
+    ids_BL = torch.randint(5, vocab, (512, 128), generator=gen)
+    ids_BL[:, 0] = 3  # a cls token
+    ids_BL[:, -8:] = 1  # padding
+    inputs_BL, labels_BL = mask_tokens(
+        ids_BL, mask_id=2, special_ids=specials, vocab_size=vocab, generator=gen
+    )
+    return ids_BL, inputs_BL, labels_BL, specials
+
+
+def test_mask_tokens_statistics():
+    ids_BL, inputs_BL, labels_BL, specials = _mask_batch()
+    special_BL = torch.isin(ids_BL, torch.tensor(specials))
+    selected_BL = labels_BL != -100
+    assert not (selected_BL & special_BL).any()
+    assert selected_BL.sum() / (~special_BL).sum() == pytest.approx(0.15, abs=0.01)
+    assert torch.equal(labels_BL[selected_BL], ids_BL[selected_BL])  # the ORIGINAL tokens
+    assert torch.equal(inputs_BL[~selected_BL], ids_BL[~selected_BL])
+    picked = inputs_BL[selected_BL]
+    masked = picked == 2
+    kept = picked == ids_BL[selected_BL]
+    randomised = ~masked & ~kept
+    n = selected_BL.sum()
+    assert masked.sum() / n == pytest.approx(0.8, abs=0.02)
+    assert randomised.sum() / n == pytest.approx(0.1, abs=0.02)
+    assert kept.sum() / n == pytest.approx(0.1, abs=0.02)
+    assert not torch.isin(picked[randomised], torch.tensor(specials)).any()
+    assert not torch.equal(inputs_BL, ids_BL)  # a new tensor; the input was not modified
+
+
+def test_mask_tokens_is_never_empty_and_leaves_input_alone():
+    ids_BL = torch.tensor([[3, 10, 11, 1]])
+    before = ids_BL.clone()
+    for seed in range(20):
+        gen = torch.Generator().manual_seed(seed)
+        inputs_BL, labels_BL = mask_tokens(
+            ids_BL, mask_id=2, special_ids=[0, 1, 2, 3], vocab_size=50, generator=gen
+        )
+        assert (labels_BL != -100).sum() >= 1
+        assert labels_BL[0, 0] == -100 and labels_BL[0, 3] == -100
+    assert torch.equal(ids_BL, before)
+
+
+@pytest.mark.skipif(not has_shared("corpus/en"), reason="no shared corpus/en")
+def test_default_corpus_has_three_documents():
+    ds = load_texts(["corpus/en"])
+    assert len(ds) == 3 and all(len(t) > 1_000_000 for t in ds["text"])
+
+
+def test_missing_local_path(tmp_path):
+    with pytest.raises(HLMError, match="no file or folder"):
+        load_texts([str(tmp_path / "nope")])
+    with pytest.raises(HLMError, match="no file or folder corpus/missing.txt"):
+        load_texts(["corpus/missing.txt"])
+
+
+def test_empty_corpus(tmp_path):
+    (tmp_path / "empty.jsonl").write_text(json.dumps({"text": ""}) + "\n")
+    with pytest.raises(HLMError, match="no text found"):
+        load_texts([str(tmp_path / "empty.jsonl")])

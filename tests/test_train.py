@@ -1,0 +1,177 @@
+"""The per-worker training loop, end to end on real text, in one process (no Ray)."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
+
+from hlm_ray.cli import main
+from hlm_ray.config import load_config
+from hlm_ray.data import BlockSampler
+from hlm_ray.paths import data_dir
+from hlm_ray.tokenizer import token_byte_lengths
+from hlm_ray.tracking import read_metrics
+from hlm_ray.train import checkpoint as ckpt
+from hlm_ray.train.inputs import build_corpus, build_tokenizer, special_ids
+from hlm_ray.train.loop import WorkerEnv, _Masking, evaluate, train_worker
+from hlm_ray.train.step import LMObjective
+
+SHAKESPEARE = str(data_dir() / "corpus" / "en" / "tinyshakespeare.txt")
+
+
+def tiny_cfg(preset, objective, out, **extra):
+    overrides = {
+        "data.sources": [SHAKESPEARE],
+        "tokenizer.vocab_size": 512,
+        "optim.max_steps": 40,
+        "optim.warmup_steps": 5,
+        "run.output_dir": str(out),
+        "run.log_every": 5,
+        "run.eval_every": 40,
+        "run.checkpoint_every": 20,
+        **extra,
+    }
+    return load_config(preset, objective=objective, overrides=overrides)
+
+
+def reload_plain(model_dir, cfg):
+    """The saved model through plain transformers only."""
+    if cfg.model.family == "decoder":
+        return AutoModelForCausalLM.from_pretrained(model_dir)
+    if cfg.objective.name == "headless":
+        return AutoModel.from_pretrained(model_dir)
+    return AutoModelForMaskedLM.from_pretrained(model_dir)
+
+
+@pytest.mark.parametrize(
+    ("preset", "objective"),
+    [
+        ("tiny-decoder", "headless"),
+        ("tiny-decoder", "vanilla"),
+        ("tiny-decoder", "mixed"),
+        ("tiny-encoder", "headless"),
+        ("tiny-encoder", "vanilla"),
+    ],
+)
+def test_tiny_run_lowers_its_loss_and_saves_a_plain_transformers_model(preset, objective, tmp_path):
+    # Masked LM sees ~15% of the tokens per step: it gets more steps to show progress.
+    steps = 40 if preset == "tiny-decoder" else 80
+    cfg = tiny_cfg(preset, objective, tmp_path / "run", **{"optim.max_steps": steps,
+                                                          "run.eval_every": steps})
+    summary = train_worker(cfg.to_dict(), progress=False)
+
+    losses = [r["train/loss"] for r in read_metrics(tmp_path / "run") if "train/loss" in r]
+    assert len(losses) == steps // 5
+    assert sum(losses[-2:]) / 2 < losses[0] - 0.15, losses
+    assert summary["steps"] == steps and summary["tokens"] == steps * 16 * 64
+
+    # The saved model, loaded by plain transformers, scores the validation slice exactly as the
+    # trained model did at the last step: it is the trained model.
+    model = reload_plain(summary["model_dir"], cfg).eval()
+    assert model.config.vocab_size == summary["vocab_size"]
+    tokenizer = build_tokenizer(cfg)
+    corpus = build_corpus(cfg, tokenizer)
+    masking = _Masking(cfg, tokenizer, special_ids(tokenizer)) if preset == "tiny-encoder" else None
+    val = evaluate(
+        LMObjective(model, cfg.objective), corpus.val, cfg, WorkerEnv(), masking,
+        torch.as_tensor(token_byte_lengths(tokenizer)), None,
+    )
+    for key, value in val.items():
+        assert value == pytest.approx(summary["metrics"][key], rel=1e-4), key
+
+
+@pytest.mark.parametrize("preset", ["tiny-decoder", "tiny-encoder"])
+def test_resume_reproduces_the_uninterrupted_runs_next_losses(preset, tmp_path):
+    extra = {"run.log_every": 1, "run.checkpoint_every": 10, "optim.max_steps": 16,
+             "model.dropout": 0.1}  # dropout: the RNG state must be restored too
+    full = tiny_cfg(preset, "headless", tmp_path / "full", **extra)
+    train_worker(full.to_dict(), progress=False)
+
+    broken = tiny_cfg(preset, "headless", tmp_path / "broken", **extra, **{"run.fail_at_step": 13})
+    with pytest.raises(RuntimeError, match="injected failure at step 13"):
+        train_worker(broken.to_dict(), progress=False)
+    last = ckpt.list_checkpoints(tmp_path / "broken" / "checkpoints")[-1]
+    assert ckpt.checkpoint_step(last) == 10
+    train_worker(broken.to_dict(), resume_from=last, progress=False)
+
+    def losses(run):
+        return {r["step"]: r["train/loss"] for r in read_metrics(tmp_path / run) if "train/loss" in r}
+
+    expected, resumed = losses("full"), losses("broken")
+    assert sorted(resumed) == list(range(1, 17))  # steps 11-13 were redone, not duplicated
+    for step in range(11, 17):
+        assert resumed[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6), step
+
+
+def test_interrupted_checkpoint_save_leaves_the_last_one_intact(tmp_path, monkeypatch):
+    cfg = tiny_cfg("tiny-decoder", "headless", tmp_path / "run", **{"optim.max_steps": 20})
+    train_worker(cfg.to_dict(), progress=False)
+    root = tmp_path / "run" / "checkpoints"
+    before = [p.name for p in ckpt.list_checkpoints(root)]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # Ctrl-C in the middle of writing a checkpoint
+
+    monkeypatch.setattr(ckpt.torch, "save", interrupted)
+    model = reload_plain(tmp_path / "run" / "model", cfg)
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.write_checkpoint(
+            root / "checkpoint_00000030", model=model, tokenizer=build_tokenizer(cfg),
+            config_yaml="", train_state={}, meta={"step": 30},
+        )
+    assert [p.name for p in ckpt.list_checkpoints(root)] == before
+    assert ckpt.resolve_resume(tmp_path / "run").name == before[-1]
+
+
+def test_each_worker_reads_its_own_shard():
+    sampler = BlockSampler(num_blocks=100, global_batch=16, seed=0)
+    shards = [torch.cat(sampler.shard(3, rank, 2, micro_batch=4)) for rank in range(2)]
+    assert set(shards[0].tolist()).isdisjoint(shards[1].tolist())
+    assert sorted(torch.cat(shards).tolist()) == sorted(sampler.indices(3).tolist())
+
+
+def test_cli_train_prints_a_summary(tmp_path, capsys):
+    out = tmp_path / "cli"
+    code = main(["train", "--preset", "tiny-decoder", "--objective", "vanilla", "--output",
+                 str(out), "--set", f"data.sources=[{SHAKESPEARE}]", "--set", "optim.max_steps=10",
+                 "--set", "tokenizer.vocab_size=512"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "| vanilla | gpt_neox | 10 |" in printed and str(out / "model") in printed
+    assert json.loads((out / "params.json").read_text())["objective.name"] == "vanilla"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--preset", "nope"], "unknown preset 'nope'"),
+        (["--objective", "magic"], "unknown objective 'magic'"),
+        (["--set", "tokenizer.vocab_size=100"], "use at least"),
+        (["--set", "data.sources=[/nonexistent/corpus.txt]"], "/nonexistent/corpus.txt"),
+        (["--set", "data.seq_len=512"], "must not exceed model.max_positions=128"),
+        (["--set", "optim.global_batch_size=24"], "not divisible"),
+        (["--set", "tokenizer.kind=file", "--set", "tokenizer.path=BAD"], "BAD"),
+        (["--resume", "RESUME"], "not a checkpoint"),
+    ],
+)
+def test_bad_input_stops_before_training_with_one_line(args, message, tmp_path, capsys):
+    args = [a.replace("BAD", str(tmp_path / "bad.json")).replace("RESUME", str(tmp_path))
+            for a in args]
+    (tmp_path / "bad.json").write_text("{not json")
+    code = main(["train", "--output", str(tmp_path / "out"), *args])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert err.startswith("error: ") and "\n" not in err
+    assert message.replace("BAD", str(tmp_path / "bad.json")) in err, err
+    assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+def test_empty_corpus_and_existing_output_are_refused(tmp_path, capsys):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    assert main(["train", "--output", str(tmp_path / "o"), "--set", f"data.sources=[{empty}]"]) == 2
+    assert "empty" in capsys.readouterr().err.lower()
+    (tmp_path / "o" / "checkpoints").mkdir(parents=True)
+    assert main(["train", "--output", str(tmp_path / "o")]) == 2
+    assert "already holds checkpoints" in capsys.readouterr().err
