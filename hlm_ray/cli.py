@@ -2,6 +2,7 @@
 
     hlm train --preset tiny-decoder --objective headless --output runs/tiny-headless
     hlm train --preset bert-small --config my.yaml --set optim.lr=3e-4 --set data.seq_len=64
+    hlm train --preset tiny-decoder --num-workers 2               # 2 Ray Train workers (gloo)
     hlm train --resume runs/tiny-headless --set optim.max_steps=300
     hlm compare --preset tiny-decoder --output runs/compare    # headless and vanilla, side by side
     hlm presets                                                 # list the presets
@@ -31,17 +32,33 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _launch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--local", action="store_true", help="run in this process, without Ray (debugging)"
+    )
+    p.add_argument("--num-workers", type=int, default=1, help="Ray Train workers (default 1)")
+    p.add_argument("--gpu", action="store_true", default=None, help="one GPU per worker")
+    p.add_argument("--cpus-per-worker", type=float, default=1.0)
+    p.add_argument(
+        "--max-failures", type=int, default=2, help="worker-group restarts from the last checkpoint"
+    )
+    p.add_argument("--storage-path", help="Ray storage (default: the output folder's parent)")
+    p.add_argument("--experiment", default="hlm_ray", help="MLflow experiment name")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hlm", description="Headless language models on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    train = sub.add_parser("train", help="pretrain one model")
+    train = sub.add_parser("train", help="pretrain one model (Ray Train, tracked in MLflow)")
     _config_args(train)
+    _launch_args(train)
     train.add_argument("--output", help="run folder (default runs/<preset>-<objective>)")
-    train.add_argument("--resume", help="a run folder or checkpoint folder to continue")
+    train.add_argument("--resume", help="a run folder (or checkpoint folder) to continue")
 
     compare = sub.add_parser("compare", help="pretrain headless and vanilla, print both")
     _config_args(compare)
+    _launch_args(compare)
     compare.add_argument(
         "--output", default=None, help="folder for both runs and the plot (replaced on re-run)"
     )
@@ -59,36 +76,60 @@ def _load(args, output: str | None, objective: str | None):
     return load_config(args.preset, objective=objective, yaml_file=args.config, overrides=overrides)
 
 
+def _run(cfg, args, *, resume: Path | None = None) -> dict:
+    """One training run, on Ray Train or (with --local) in this process."""
+    if args.local:
+        from hlm_ray.train.launch import open_mlflow_run
+        from hlm_ray.train.loop import train_worker
+
+        out_dir = Path(cfg.run.output_dir)
+        tracker, tracking = open_mlflow_run(
+            cfg, out_dir, experiment=args.experiment, resume=resume is not None
+        )
+        try:
+            summary = train_worker(cfg.to_dict(), tracking=tracking, resume_from=resume)
+        except BaseException:
+            tracker.finish("FAILED")
+            raise
+        tracker.finish("FINISHED")
+        return summary
+    from hlm_ray.train.launch import launch
+
+    return launch(
+        cfg,
+        num_workers=args.num_workers,
+        use_gpu=args.gpu,
+        cpus_per_worker=args.cpus_per_worker,
+        max_failures=args.max_failures,
+        storage_path=args.storage_path,
+        experiment=args.experiment,
+        resume=resume is not None,
+    )
+
+
 def cmd_train(args) -> int:
-    from hlm_ray.train.checkpoint import resolve_resume
-    from hlm_ray.train.loop import train_worker
+    from hlm_ray.train.checkpoint import list_checkpoints, resolve_resume
     from hlm_ray.train.summary import format_summary
 
     resume = None
     if args.resume:
         resume = resolve_resume(args.resume)
-        if not args.output:
-            args.output = str(
-                Path(args.resume)
-                if (Path(args.resume) / "checkpoints").is_dir()
-                else resume.parent.parent
-            )
-    output = args.output
-    if output is None:
-        objective = args.objective or "headless"
-        output = f"runs/{args.preset}-{objective}"
+        args.output = args.output or str(resume.parent)
+    objective = args.objective or "headless"
+    output = args.output or f"runs/{args.preset}-{objective}"
     cfg = _load(args, output, args.objective)
-    if resume is None and (Path(output) / "checkpoints").is_dir():
+    if resume is None and list_checkpoints(Path(output)):
         raise HLMError(
             f"{output} already holds checkpoints; continue it with --resume {output} "
             "or choose another --output"
         )
-    print(f"training {cfg.preset} ({cfg.model.arch}, {cfg.objective.name}) -> {output}")
+    where = "this process" if args.local else f"Ray Train, {args.num_workers} worker(s)"
+    print(f"training {cfg.preset} ({cfg.model.arch}, {cfg.objective.name}) on {where} -> {output}")
     try:
-        summary = train_worker(cfg.to_dict(), resume_from=resume)
+        summary = _run(cfg, args, resume=resume)
     except KeyboardInterrupt:
         print(
-            f"\ninterrupted: the last checkpoint in {output}/checkpoints is intact; "
+            f"\ninterrupted: the checkpoints in {output} are intact; "
             f"continue with: hlm train --resume {output}",
             file=sys.stderr,
         )
@@ -98,15 +139,17 @@ def cmd_train(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from hlm_ray.train.loop import train_worker
+    import shutil
+
     from hlm_ray.train.summary import format_summary, plot_runs
 
     root = Path(args.output or f"runs/compare-{args.preset}")
     summaries = []
     for objective in ("headless", "vanilla"):
         cfg = _load(args, str(root / objective), objective)
+        shutil.rmtree(cfg.run.output_dir, ignore_errors=True)  # compare always starts afresh
         print(f"\n== {objective}: {cfg.preset} ({cfg.model.arch}) -> {cfg.run.output_dir}")
-        summaries.append(train_worker(cfg.to_dict()))
+        summaries.append(_run(cfg, args))
     print()
     print(format_summary(summaries))
     figure = plot_runs([root / "headless", root / "vanilla"], root / "compare.png")

@@ -31,7 +31,7 @@ from transformers import PreTrainedTokenizerFast
 
 from hlm_ray.errors import HLMError
 from hlm_ray.paths import HUB_FALLBACKS, HubDataset, cache_dir, data_dir, has_shared
-from hlm_ray.tokenizer import tokenizer_fingerprint
+from hlm_ray.tokenizer import first_line, tokenizer_fingerprint
 
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 TOKENIZE_BATCH = 256  # documents per encode_batch call (the tokenizer parallelises over them)
@@ -60,6 +60,8 @@ def _only_text(ds: datasets.Dataset, field: str, where: str) -> datasets.Dataset
     ds = ds.select_columns([field])
     if field != "text":
         ds = ds.rename_column(field, "text")
+    if ds.features["text"] != datasets.Value("string"):  # e.g. large_string parquet
+        ds = ds.cast_column("text", datasets.Value("string"))
     # Select non-empty rows by index: no progress bar and no cache file beside the arrow data.
     lengths = pc.fill_null(pc.utf8_length(ds.data.column("text")), 0)
     keep = np.flatnonzero(lengths.to_numpy(zero_copy_only=False) > 0)
@@ -127,10 +129,9 @@ def _load_source(source: str, text_field: str, sample_by: str) -> list[datasets.
     except HLMError:
         raise
     except Exception as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise HLMError(
             f"no file or folder {local}, and the hub dataset {names} could not be loaded "
-            f"({reason}); set HLM_DATA_DIR or pass a local path"
+            f"({first_line(err)}); set HLM_DATA_DIR or pass a local path"
         ) from err
 
 
@@ -306,8 +307,11 @@ class BlockSampler:
         return torch.cat(parts)
 
     def shard(self, step: int, rank: int, world: int, micro_batch: int) -> list[torch.Tensor]:
-        """This worker's rows `indices(step)[rank::world]`, as micro-batches of `micro_batch`."""
-        return list(self.indices(step)[rank::world].split(micro_batch))
+        """This worker's contiguous slice of `indices(step)` (the `rank`-th of `world` equal
+        slices), as micro-batches of `micro_batch` rows. Contiguous slices make W workers see
+        exactly the micro-batches one process sees with W accumulation steps, so runs compare
+        across world sizes (the CWT negatives are the micro-batch's own rows)."""
+        return list(self.indices(step).view(world, -1)[rank].split(micro_batch))
 
     def epoch(self, step: int) -> float:
         """Passes over the training blocks completed before `step`."""

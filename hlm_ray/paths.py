@@ -48,11 +48,30 @@ HUB_FALLBACKS: dict[str, HubDataset | tuple[HubDataset, ...] | str] = {
 
 
 def data_dir() -> Path:
-    """The offline data folder named by ``HLM_DATA_DIR`` (it may not exist)."""
+    """The offline data folder named by ``HLM_DATA_DIR`` (it may not exist).
+
+    Unset, it is ``../shared/data`` beside the project. Inside `ray job submit --working-dir .`
+    the package runs from Ray's copy of the project, so the folder beside the installed
+    (editable) checkout is tried too."""
     value = os.environ.get(DATA_ENV)
     if value:
         return Path(value).expanduser().resolve()
-    return (PROJECT_ROOT / ".." / "shared" / "data").resolve()
+    roots = [PROJECT_ROOT, _installed_source_root()]
+    candidates = [(r / ".." / "shared" / "data").resolve() for r in roots if r is not None]
+    return next((c for c in candidates if c.is_dir()), candidates[0])
+
+
+def _installed_source_root() -> Path | None:
+    """The checkout `pip install -e .` was run in (PEP 610 direct_url.json), if any."""
+    import json
+    from importlib import metadata
+
+    try:
+        text = metadata.distribution("hlm_ray").read_text("direct_url.json")
+    except metadata.PackageNotFoundError:
+        return None
+    url = json.loads(text or "{}").get("url", "")
+    return Path(url.removeprefix("file://")) if url.startswith("file://") else None
 
 
 def shared_file(relative: str) -> Path:

@@ -182,13 +182,8 @@ def train_bpe(
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / META_FILE).exists():
             meta = {"corpus_sha256": corpus_sha, "requested_vocab_size": vocab_size}
-            _build(
-                target,
-                _used_texts(texts, max_bytes),
-                special_tokens,
-                min_frequency,
-                meta,
-            )
+            used = _used_texts(texts, max_bytes)
+            _build(target, used, special_tokens, min_frequency, meta)
     return target
 
 
@@ -230,6 +225,12 @@ def _build(target: Path, texts, special_tokens: dict[str, str], min_frequency: i
 # ----------------------------------------------------------------------------- loading
 
 
+def first_line(err: BaseException) -> str:
+    """An exception as one line for an `HLMError` (HF errors are often multi-line)."""
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def _from_gpt2_files(folder: Path) -> PreTrainedTokenizerFast:
     """GPT-2's original encoder.json + vocab.bpe as a fast tokenizer.
 
@@ -255,8 +256,7 @@ def _from_path(path: Path) -> PreTrainedTokenizerFast:
         if (path / "encoder.json").is_file() and (path / "vocab.bpe").is_file():
             return _from_gpt2_files(path)
     except Exception as err:  # tokenizers raises plain Exception subclasses on bad JSON
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise HLMError(f"cannot read tokenizer {path}: {reason}; {_SOURCE_HINT}") from err
+        raise HLMError(f"cannot read tokenizer {path}: {first_line(err)}; {_SOURCE_HINT}") from err
     raise HLMError(
         f"cannot read tokenizer {path}: no tokenizer.json or encoder.json + vocab.bpe; "
         + _SOURCE_HINT
@@ -267,10 +267,9 @@ def _from_hub(name: str, local: Path | None) -> PreTrainedTokenizerFast:
     try:
         tok = AutoTokenizer.from_pretrained(name)
     except Exception as err:
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         where = f"not in the data folder ({local}) and " if local else ""
         raise HLMError(
-            f"tokenizer {name!r}: {where}the hub could not provide it ({reason}); {_SOURCE_HINT}"
+            f"tokenizer {name!r}: {where}the hub could not provide it ({first_line(err)}); {_SOURCE_HINT}"
         ) from err
     if not isinstance(tok, PreTrainedTokenizerFast):
         raise HLMError(f"tokenizer {name!r} has no fast (tokenizers) version; {_SOURCE_HINT}")

@@ -1,19 +1,67 @@
-"""Where runs are recorded: a five-method tracker interface.
+"""Where runs are recorded: a five-method tracker interface, a local JSONL one and MLflow.
 
     tracker = JsonlTracker(output_dir)        # metrics.jsonl + params.json in the run folder
     tracker.log_params(cfg.to_dict()); tracker.log_metrics({"train/loss": 2.3}, step=10)
     tracker.set_tags({...}); tracker.log_artifact(path); tracker.finish("FINISHED")
 
 `Tracker` itself is the no-op used on non-zero ranks and in tests.
+
+MLflow (the only module in the project that imports it, and only inside functions, so importing
+this module stays cheap):
+
+    uri = default_tracking_uri()          # $MLFLOW_TRACKING_URI, else sqlite:///<root>/mlflow.db
+    ml = MlflowTracker("hlm", run_name="tiny-headless", tracking_uri=uri, tags={"preset": "tiny"})
+    save(ml.run_id)                       # persist it: a restarted worker group passes it back
+    ml = MlflowTracker("hlm", run_id=saved_id)               # ...and continues the same run
+    tracker = MultiTracker(JsonlTracker(output_dir), ml)
+    ...
+    tracker.log_artifact(plot_loss_curve(read_metrics(output_dir), output_dir / "loss.png"))
+    tracker.finish("FINISHED")
+
+Without a tracking server everything lands in `<root>/mlflow.db` with artifacts in
+`<root>/mlartifacts` (`<root>` is the project folder, or ``$HLM_MLFLOW_DIR``); view it with
+``mlflow ui --backend-store-uri sqlite:///mlflow.db`` run in that folder. A new run is tagged
+with `git_commit()` (``mlflow.source.git.commit``) and the user; `parent_run_id` nests it.
+
+Tracking never stops training: if the store cannot be reached or a call fails, `MlflowTracker`
+logs one warning saying why and ignores every later call (the JSONL tracker keeps recording).
+An unreachable HTTP server is detected up front with a short TCP probe; a server that goes away
+mid-run costs one stall of MLflow's own retries (minutes by default: bound it with
+``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` and ``MLFLOW_HTTP_REQUEST_TIMEOUT``).
 """
 
 from __future__ import annotations
 
+import getpass
 import json
+import logging
+import math
+import os
+import socket
+import subprocess
+import time
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from hlm_ray.config import flatten
+from hlm_ray.paths import PROJECT_ROOT
+
+log = logging.getLogger(__name__)
+
+MLFLOW_DIR_ENV = "HLM_MLFLOW_DIR"
+TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
+RUN_STATUSES = ("FINISHED", "FAILED", "KILLED")
+
+# MLflow's per-request limits (mlflow.utils.validation, 3.17): params and tags share one budget
+# of 100 per log_batch; longer values are rejected (tags) or truncated with a warning (params).
+_MAX_PARAMS_TAGS_PER_BATCH = 100
+_MAX_METRICS_PER_BATCH = 1000
+_MAX_PARAM_VALUE = 6000
+_MAX_TAG_VALUE = 8000
+_PROBE_TIMEOUT_S = 3.0
 
 
 class Tracker:
@@ -71,3 +119,378 @@ def read_metrics(folder: str | Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# --------------------------------------------------------------------------------------- MLflow
+
+
+def mlflow_dir() -> Path:
+    """The folder of the embedded store: ``$HLM_MLFLOW_DIR``, else the project root."""
+    value = os.environ.get(MLFLOW_DIR_ENV)
+    return Path(value).expanduser().resolve() if value else PROJECT_ROOT
+
+
+def default_tracking_uri() -> str:
+    """``$MLFLOW_TRACKING_URI`` if set, else ``sqlite:///<mlflow_dir()>/mlflow.db``.
+
+    A relative sqlite path is made absolute here: Ray workers run in other working directories,
+    so a driver should resolve the URI once and hand the result to its workers.
+    """
+    uri = os.environ.get(TRACKING_URI_ENV, "").strip()
+    if not uri:
+        return f"sqlite:///{mlflow_dir() / 'mlflow.db'}"
+    db = _sqlite_path(uri)
+    if db is not None and not db.is_absolute():
+        query = uri.partition("?")[2]
+        return f"sqlite:///{db.resolve()}" + (f"?{query}" if query else "")
+    return uri
+
+
+def git_commit(folder: str | Path | None = None) -> str | None:
+    """``git rev-parse HEAD`` in `folder` (default: the project root); None outside a repo."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=folder or PROJECT_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):  # no git binary, missing folder, hung git
+        return None
+    sha = out.stdout.strip()
+    return sha if out.returncode == 0 and sha else None
+
+
+def plot_loss_curve(
+    metrics_rows: Iterable[dict[str, Any]], out_png: str | Path, *, title: str | None = None
+) -> Path:
+    """`train/loss` and `val/loss` against `step` (rows as from `read_metrics`) as a PNG."""
+    # The object-oriented API with no pyplot: it never switches the process's global backend
+    # (Agg is what Figure.savefig uses for PNG) and never opens windows.
+    from matplotlib.figure import Figure
+
+    rows = list(metrics_rows)
+    fig = Figure(figsize=(6.4, 4.0), layout="constrained")
+    ax = fig.add_subplot()
+    plotted = False
+    for key, style in (("train/loss", "-"), ("val/loss", "o-")):
+        points = [
+            (row["step"], float(row[key]))
+            for row in rows
+            if "step" in row and _is_number(row.get(key)) and math.isfinite(float(row[key]))
+        ]
+        if points:
+            steps, values = zip(*sorted(points), strict=True)
+            ax.plot(steps, values, style, label=key, markersize=3)
+            plotted = True
+    if plotted:
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no loss logged", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    if title:
+        ax.set_title(title)
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    return out
+
+
+class MlflowTracker(Tracker):
+    """One MLflow run, written through an explicit `MlflowClient` and the run id.
+
+    No fluent (`mlflow.start_run`) state is touched, so several trackers can live in one process
+    and nested sweep runs work. Given `run_id`, the existing run is resumed (set back to RUNNING)
+    instead of a new one being created: a restarted Ray worker group must continue its run.
+
+    `run_id` is None when no run could be started or resumed; `active` turns False after the
+    first failure, from which point every call is a no-op (one warning, see the module doc).
+    """
+
+    def __init__(
+        self,
+        experiment: str,
+        run_name: str | None = None,
+        *,
+        tracking_uri: str | None = None,
+        run_id: str | None = None,
+        parent_run_id: str | None = None,
+        tags: dict[str, Any] | None = None,
+    ):
+        self.experiment = experiment
+        self.tracking_uri = tracking_uri or default_tracking_uri()
+        self.run_id: str | None = None
+        self.disabled_reason: str | None = None
+        self._client: Any = None
+        try:
+            self._start(run_name, run_id, parent_run_id, tags or {})
+        except Exception as exc:  # tracking must never stop training
+            self.run_id = None
+            self._disable(f"resuming run {run_id}" if run_id else "starting a run", exc)
+
+    @property
+    def active(self) -> bool:
+        return self.run_id is not None and self.disabled_reason is None
+
+    # ------------------------------------------------------------------------- the interface
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        flat = {key: _clip(str(value), _MAX_PARAM_VALUE) for key, value in flatten(params)}
+
+        def call(client, run_id):
+            from mlflow.entities import Param
+
+            # MLflow raises on a changed value and the restart of a resumed run re-logs them
+            # all: send only new keys; a changed one (e.g. an override on resume) goes to a tag.
+            logged = client.get_run(run_id).data.params
+            new = [Param(k, v) for k, v in flat.items() if k not in logged]
+            changed = {k: v for k, v in flat.items() if k in logged and logged[k] != v}
+            for chunk in _chunks(new, _MAX_PARAMS_TAGS_PER_BATCH):
+                client.log_batch(run_id, params=chunk, synchronous=True)
+            if changed:
+                log.warning(
+                    "MLflow run %s already has different values for %s; the new values are "
+                    "kept as 'param_changed.*' tags",
+                    run_id,
+                    ", ".join(sorted(changed)),
+                )
+                _log_tags(client, run_id, {f"param_changed.{k}": v for k, v in changed.items()})
+
+        self._call("log_params", call)
+
+    def set_tags(self, tags: dict[str, Any]) -> None:
+        flat = dict(flatten(tags))
+        self._call("set_tags", lambda client, run_id: _log_tags(client, run_id, flat))
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        def call(client, run_id):
+            from mlflow.entities import Metric
+
+            now_ms = int(time.time() * 1000)
+            entries = [
+                Metric(key, float(value), now_ms, int(step))
+                for key, value in metrics.items()
+                if _is_number(value)  # a stray string or None must not cost the whole batch
+            ]
+            for chunk in _chunks(entries, _MAX_METRICS_PER_BATCH):
+                client.log_batch(run_id, metrics=chunk, synchronous=True)
+
+        self._call("log_metrics", call)
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        """Upload a file (to `<artifact_path>/<name>`) or a folder's contents.
+
+        A folder's contents go under `artifact_path` when given (``log_artifact(out / "model",
+        "model")`` gives ``model/config.json``, as `MlflowClient.log_artifacts` does), else
+        under the folder's own name, so a bare call keeps the name as it does for a file.
+        """
+        local = Path(path)
+        if self.active and not local.exists():
+            # The caller's mistake, not the store's: say so but keep tracking on.
+            log.warning("MLflow: not logging artifact %s: no such file or folder", local)
+            return
+
+        def call(client, run_id):
+            if local.is_dir():
+                client.log_artifacts(run_id, str(local), artifact_path or local.name)
+            else:
+                client.log_artifact(run_id, str(local), artifact_path)
+
+        self._call("log_artifact", call)
+
+    def finish(self, status: str = "FINISHED") -> None:
+        status = status.upper()
+        if status not in RUN_STATUSES:
+            raise ValueError(f"run status must be one of {', '.join(RUN_STATUSES)}: {status!r}")
+        self._call("finish", lambda client, run_id: client.set_terminated(run_id, status))
+
+    # ------------------------------------------------------------------------------ internals
+
+    def _start(
+        self,
+        run_name: str | None,
+        run_id: str | None,
+        parent_run_id: str | None,
+        tags: dict[str, Any],
+    ) -> None:
+        _probe(self.tracking_uri)
+        db = _sqlite_path(self.tracking_uri)
+        if db is not None:
+            db.parent.mkdir(parents=True, exist_ok=True)  # sqlite creates the file, not folders
+        client = self._get_client()
+        extra = {k: _clip(str(v), _MAX_TAG_VALUE) for k, v in flatten(tags) if v is not None}
+        if parent_run_id:
+            extra["mlflow.parentRunId"] = parent_run_id
+        if run_id is not None:
+            run = client.get_run(run_id)  # raises if it does not exist: never start a second one
+            if run.info.lifecycle_stage == "deleted":
+                client.restore_run(run_id)
+            if run.info.status != "RUNNING":
+                client.update_run(run_id, status="RUNNING")
+            _log_tags(client, run_id, extra)
+            self.run_id = run_id
+            return
+        defaults = {"mlflow.user": _user()}
+        commit = git_commit()
+        if commit:
+            defaults["mlflow.source.git.commit"] = commit
+        run = client.create_run(
+            self._experiment_id(client),
+            start_time=int(time.time() * 1000),
+            tags={**defaults, **extra},
+            run_name=run_name,
+        )
+        self.run_id = run.info.run_id
+
+    def _experiment_id(self, client) -> str:
+        exp = client.get_experiment_by_name(self.experiment)
+        if exp is None:
+            try:
+                return client.create_experiment(
+                    self.experiment, artifact_location=_artifact_location(self.tracking_uri)
+                )
+            except Exception:
+                # Another process may have created it between the lookup and the create.
+                exp = client.get_experiment_by_name(self.experiment)
+                if exp is None:
+                    raise
+        if exp.lifecycle_stage == "deleted":
+            # A deleted experiment still owns its name; bring it back rather than fail.
+            client.restore_experiment(exp.experiment_id)
+        return exp.experiment_id
+
+    def _get_client(self):
+        if self._client is None:
+            from mlflow import MlflowClient
+
+            self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        return self._client
+
+    def _call(self, what: str, fn: Callable[[Any, str], None]) -> None:
+        if not self.active:
+            return
+        try:
+            fn(self._get_client(), self.run_id)
+        except Exception as exc:  # tracking must never stop training
+            self._disable(what, exc)
+
+    def _disable(self, what: str, exc: BaseException) -> None:
+        if self.disabled_reason is not None:
+            return
+        reason = f"{type(exc).__name__}: {_first_line(str(exc))}"
+        self.disabled_reason = reason
+        log.warning(
+            "MLflow tracking is off for the rest of this run (%s at %s failed): %s",
+            what,
+            _redact(self.tracking_uri),
+            reason,
+        )
+
+    # A tracker may be built in a driver and shipped to a Ray worker: the client is rebuilt there.
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_client": None}
+
+    def __repr__(self) -> str:
+        state = "active" if self.active else f"off ({self.disabled_reason})"
+        return (
+            f"MlflowTracker({self.experiment!r}, run_id={self.run_id!r}, "
+            f"uri={_redact(self.tracking_uri)!r}, {state})"
+        )
+
+
+def _log_tags(client, run_id: str, tags: dict[str, Any]) -> None:
+    from mlflow.entities import RunTag
+
+    entries = [RunTag(k, _clip(str(v), _MAX_TAG_VALUE)) for k, v in tags.items()]
+    for chunk in _chunks(entries, _MAX_PARAMS_TAGS_PER_BATCH):
+        client.log_batch(run_id, tags=chunk, synchronous=True)
+
+
+def _sqlite_path(uri: str) -> Path | None:
+    """The database file of a ``sqlite:///`` URI (None for other schemes and in-memory ones)."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    path = uri[len("sqlite:///") :].partition("?")[0]
+    if not path or path == ":memory:":
+        return None
+    return Path(path)
+
+
+def _artifact_location(uri: str) -> str | None:
+    """`mlartifacts` next to a sqlite database; None lets a server or other store decide.
+
+    Without it, a sqlite store puts artifacts in ``./mlruns`` relative to whatever directory
+    the writing process happens to run in (a Ray worker's is not the project's).
+    """
+    db = _sqlite_path(uri)
+    if db is None:
+        return None
+    folder = db.resolve().parent / "mlartifacts"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder.as_uri()
+
+
+def _probe(uri: str) -> None:
+    """Raise quickly if an HTTP tracking server does not accept connections.
+
+    MLflow's own client retries a refused connection for about four minutes by default
+    (measured with 3.17.2) before giving up; a TCP connect answers in milliseconds.
+    """
+    parts = urllib.parse.urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    host = parts.hostname
+    if parts.scheme in urllib.request.getproxies() and not urllib.request.proxy_bypass(host):
+        return  # reached through a proxy: a direct connect says nothing
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    try:
+        with socket.create_connection((host, port), timeout=_PROBE_TIMEOUT_S):
+            pass
+    except OSError as exc:
+        raise ConnectionError(f"cannot connect to {host}:{port}: {exc}") from exc
+
+
+def _redact(uri: str) -> str:
+    """The URI without any user:password part, for messages."""
+    parts = urllib.parse.urlsplit(uri)
+    if parts.username is None and parts.password is None:
+        return uri
+    netloc = parts.hostname or ""
+    if parts.port:
+        netloc += f":{parts.port}"
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no passwd entry (some containers)
+        return "unknown"
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, bool | int | float):
+        return True
+    try:  # numpy and torch scalars
+        float(value)
+    except (TypeError, ValueError):
+        return False
+    return not isinstance(value, str | bytes)
+
+
+def _clip(value: str, limit: int) -> str:
+    return value if len(value) <= limit else value[: limit - 3] + "..."
+
+
+def _first_line(text: str, limit: int = 300) -> str:
+    line = text.strip().splitlines()[0] if text.strip() else "(no message)"
+    return _clip(line, limit)
+
+
+def _chunks(items: list, size: int) -> Iterable[list]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]

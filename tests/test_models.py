@@ -57,7 +57,9 @@ def test_headless_encoder_is_a_bare_body_that_reloads(arch, tmp_path):
     loaded = AutoModel.from_pretrained(tmp_path).eval()
     ids = torch.randint(3, V, (2, 16))
     with torch.no_grad():
-        torch.testing.assert_close(loaded(input_ids=ids).last_hidden_state, hidden_states(model, ids))
+        torch.testing.assert_close(
+            loaded(input_ids=ids).last_hidden_state, hidden_states(model, ids)
+        )
 
 
 def test_vanilla_encoder_reloads_as_masked_lm(tmp_path):

@@ -57,8 +57,9 @@ def reload_plain(model_dir, cfg):
 def test_tiny_run_lowers_its_loss_and_saves_a_plain_transformers_model(preset, objective, tmp_path):
     # Masked LM sees ~15% of the tokens per step: it gets more steps to show progress.
     steps = 40 if preset == "tiny-decoder" else 80
-    cfg = tiny_cfg(preset, objective, tmp_path / "run", **{"optim.max_steps": steps,
-                                                          "run.eval_every": steps})
+    cfg = tiny_cfg(
+        preset, objective, tmp_path / "run", **{"optim.max_steps": steps, "run.eval_every": steps}
+    )
     summary = train_worker(cfg.to_dict(), progress=False)
 
     losses = [r["train/loss"] for r in read_metrics(tmp_path / "run") if "train/loss" in r]
@@ -74,8 +75,13 @@ def test_tiny_run_lowers_its_loss_and_saves_a_plain_transformers_model(preset, o
     corpus = build_corpus(cfg, tokenizer)
     masking = _Masking(cfg, tokenizer, special_ids(tokenizer)) if preset == "tiny-encoder" else None
     val = evaluate(
-        LMObjective(model, cfg.objective), corpus.val, cfg, WorkerEnv(), masking,
-        torch.as_tensor(token_byte_lengths(tokenizer)), None,
+        LMObjective(model, cfg.objective),
+        corpus.val,
+        cfg,
+        WorkerEnv(),
+        masking,
+        torch.as_tensor(token_byte_lengths(tokenizer)),
+        None,
     )
     for key, value in val.items():
         assert value == pytest.approx(summary["metrics"][key], rel=1e-4), key
@@ -83,20 +89,26 @@ def test_tiny_run_lowers_its_loss_and_saves_a_plain_transformers_model(preset, o
 
 @pytest.mark.parametrize("preset", ["tiny-decoder", "tiny-encoder"])
 def test_resume_reproduces_the_uninterrupted_runs_next_losses(preset, tmp_path):
-    extra = {"run.log_every": 1, "run.checkpoint_every": 10, "optim.max_steps": 16,
-             "model.dropout": 0.1}  # dropout: the RNG state must be restored too
+    extra = {
+        "run.log_every": 1,
+        "run.checkpoint_every": 10,
+        "optim.max_steps": 16,
+        "model.dropout": 0.1,
+    }  # dropout: the RNG state must be restored too
     full = tiny_cfg(preset, "headless", tmp_path / "full", **extra)
     train_worker(full.to_dict(), progress=False)
 
     broken = tiny_cfg(preset, "headless", tmp_path / "broken", **extra, **{"run.fail_at_step": 13})
     with pytest.raises(RuntimeError, match="injected failure at step 13"):
         train_worker(broken.to_dict(), progress=False)
-    last = ckpt.list_checkpoints(tmp_path / "broken" / "checkpoints")[-1]
+    last = ckpt.list_checkpoints(tmp_path / "broken")[-1]
     assert ckpt.checkpoint_step(last) == 10
     train_worker(broken.to_dict(), resume_from=last, progress=False)
 
     def losses(run):
-        return {r["step"]: r["train/loss"] for r in read_metrics(tmp_path / run) if "train/loss" in r}
+        return {
+            r["step"]: r["train/loss"] for r in read_metrics(tmp_path / run) if "train/loss" in r
+        }
 
     expected, resumed = losses("full"), losses("broken")
     assert sorted(resumed) == list(range(1, 17))  # steps 11-13 were redone, not duplicated
@@ -107,7 +119,7 @@ def test_resume_reproduces_the_uninterrupted_runs_next_losses(preset, tmp_path):
 def test_interrupted_checkpoint_save_leaves_the_last_one_intact(tmp_path, monkeypatch):
     cfg = tiny_cfg("tiny-decoder", "headless", tmp_path / "run", **{"optim.max_steps": 20})
     train_worker(cfg.to_dict(), progress=False)
-    root = tmp_path / "run" / "checkpoints"
+    root = tmp_path / "run"
     before = [p.name for p in ckpt.list_checkpoints(root)]
 
     def interrupted(*args, **kwargs):
@@ -117,8 +129,12 @@ def test_interrupted_checkpoint_save_leaves_the_last_one_intact(tmp_path, monkey
     model = reload_plain(tmp_path / "run" / "model", cfg)
     with pytest.raises(KeyboardInterrupt):
         ckpt.write_checkpoint(
-            root / "checkpoint_00000030", model=model, tokenizer=build_tokenizer(cfg),
-            config_yaml="", train_state={}, meta={"step": 30},
+            root / "checkpoint_00000030",
+            model=model,
+            tokenizer=build_tokenizer(cfg),
+            config_yaml="",
+            train_state={},
+            meta={"step": 30},
         )
     assert [p.name for p in ckpt.list_checkpoints(root)] == before
     assert ckpt.resolve_resume(tmp_path / "run").name == before[-1]
@@ -133,9 +149,24 @@ def test_each_worker_reads_its_own_shard():
 
 def test_cli_train_prints_a_summary(tmp_path, capsys):
     out = tmp_path / "cli"
-    code = main(["train", "--preset", "tiny-decoder", "--objective", "vanilla", "--output",
-                 str(out), "--set", f"data.sources=[{SHAKESPEARE}]", "--set", "optim.max_steps=10",
-                 "--set", "tokenizer.vocab_size=512"])
+    code = main(
+        [
+            "train",
+            "--local",
+            "--preset",
+            "tiny-decoder",
+            "--objective",
+            "vanilla",
+            "--output",
+            str(out),
+            "--set",
+            f"data.sources=[{SHAKESPEARE}]",
+            "--set",
+            "optim.max_steps=10",
+            "--set",
+            "tokenizer.vocab_size=512",
+        ]
+    )
     assert code == 0
     printed = capsys.readouterr().out
     assert "| vanilla | gpt_neox | 10 |" in printed and str(out / "model") in printed
@@ -156,22 +187,37 @@ def test_cli_train_prints_a_summary(tmp_path, capsys):
     ],
 )
 def test_bad_input_stops_before_training_with_one_line(args, message, tmp_path, capsys):
-    args = [a.replace("BAD", str(tmp_path / "bad.json")).replace("RESUME", str(tmp_path))
-            for a in args]
+    args = [
+        a.replace("BAD", str(tmp_path / "bad.json")).replace("RESUME", str(tmp_path)) for a in args
+    ]
     (tmp_path / "bad.json").write_text("{not json")
-    code = main(["train", "--output", str(tmp_path / "out"), *args])
+    code = main(["train", "--local", "--output", str(tmp_path / "out"), *args])
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert err.startswith("error: ") and "\n" not in err
     assert message.replace("BAD", str(tmp_path / "bad.json")) in err, err
-    assert not (tmp_path / "out" / "checkpoints").exists()
+    assert not ckpt.list_checkpoints(tmp_path / "out")
 
 
 def test_empty_corpus_and_existing_output_are_refused(tmp_path, capsys):
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    assert main(["train", "--output", str(tmp_path / "o"), "--set", f"data.sources=[{empty}]"]) == 2
+    assert (
+        main(
+            [
+                "train",
+                "--local",
+                "--output",
+                str(tmp_path / "o"),
+                "--set",
+                f"data.sources=[{empty}]",
+            ]
+        )
+        == 2
+    )
     assert "empty" in capsys.readouterr().err.lower()
-    (tmp_path / "o" / "checkpoints").mkdir(parents=True)
-    assert main(["train", "--output", str(tmp_path / "o")]) == 2
+    done = tmp_path / "o" / "checkpoint_00000010"
+    done.mkdir(parents=True)
+    (done / ckpt.MARKER).write_text('{"step": 10}')
+    assert main(["train", "--local", "--output", str(tmp_path / "o")]) == 2
     assert "already holds checkpoints" in capsys.readouterr().err

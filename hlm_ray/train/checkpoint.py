@@ -98,11 +98,11 @@ def resolve_resume(path: str | Path) -> Path:
     path = Path(path)
     if is_checkpoint(path):
         return path
-    found = list_checkpoints(path / "checkpoints") or list_checkpoints(path)
+    found = list_checkpoints(path)
     if found:
         return found[-1]
     raise HLMError(
-        f"--resume {path}: not a checkpoint (no {MARKER}) and no checkpoints/ inside it; "
+        f"--resume {path}: not a checkpoint (no {MARKER}) and no {PREFIX}* folders inside it; "
         "pass a run's output folder or one of its checkpoint_* folders"
     )
 

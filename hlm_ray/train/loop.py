@@ -25,10 +25,12 @@ from tqdm.auto import tqdm
 
 from hlm_ray.config import Config
 from hlm_ray.data import BlockSampler, mask_tokens
+from hlm_ray.flops import config_step_flops, describe, device_peak_flops, mfu
 from hlm_ray.models import build_model, num_parameters
 from hlm_ray.tokenizer import token_byte_lengths
 from hlm_ray.tracking import JsonlTracker, MultiTracker, Tracker, read_metrics
 from hlm_ray.train import checkpoint as ckpt
+from hlm_ray.train.distributed import gather_negative_ids, global_mean
 from hlm_ray.train.inputs import build_corpus, build_tokenizer, special_ids
 from hlm_ray.train.optim import build_optimizer, build_scheduler
 from hlm_ray.train.step import LMObjective
@@ -48,10 +50,10 @@ class WorkerEnv:
 
 
 class LocalReporter:
-    """Checkpoints in `<output_dir>/checkpoints`, keeping the newest `keep` (and the best)."""
+    """Checkpoints in `<output_dir>/checkpoint_*`, keeping the newest `keep` (and the best)."""
 
     def __init__(self, output_dir: Path, keep: int):
-        self.root = Path(output_dir) / "checkpoints"
+        self.root = Path(output_dir)
         self.keep = keep
         self.best: tuple[float, Path] | None = None
 
@@ -89,18 +91,20 @@ def train_worker(
     *,
     env: WorkerEnv | None = None,
     reporter: LocalReporter | None = None,
-    tracker: Tracker | None = None,
+    tracking: dict[str, Any] | None = None,
     resume_from: str | Path | None = None,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Train to `optim.max_steps`; returns the run summary (rank 0's view)."""
+    """Train to `optim.max_steps`; returns the run summary (rank 0's view).
+
+    `tracking` ({"uri": ..., "run_id": ...}) makes rank 0 log to that MLflow run as well as to
+    `<output_dir>/metrics.jsonl`; the caller opened the run and closes it."""
     cfg = Config.from_dict(config)
     _quiet_library_progress_bars()
     env = env or WorkerEnv(device=resolve_device(cfg.run.device))
     out_dir = Path(cfg.run.output_dir)
     reporter = reporter or LocalReporter(out_dir, cfg.run.keep_checkpoints)
-    if tracker is None:
-        tracker = MultiTracker(JsonlTracker(out_dir)) if env.is_main else Tracker()
+    tracker = _tracker(out_dir, tracking) if env.is_main else Tracker()
     accum = cfg.optim.grad_accum_steps(env.world_size)
     torch.manual_seed(cfg.run.seed)
 
@@ -119,14 +123,18 @@ def train_worker(
         start = _restore(Path(resume_from), model, optimizer, scheduler)
     if env.is_main:
         _truncate_metrics(out_dir, start)  # a fresh start (or a restart) redoes later steps
-        if start == 0:
-            shutil.rmtree(reporter.root, ignore_errors=True)  # no stale checkpoints to mix in
+        if start == 0:  # no stale checkpoints to mix in
+            for old in ckpt.list_checkpoints(reporter.root):
+                shutil.rmtree(old)
     if env.world_size > 1:
         module = torch.nn.parallel.DistributedDataParallel(module)
 
+    step_cost = config_step_flops(cfg, len(tokenizer), world_size=env.world_size)
+    peak = device_peak_flops() if env.device.type == "cuda" else None
     if env.is_main and start == 0:
         tracker.log_params(cfg.to_dict())
-        tracker.set_tags(_tags(cfg, tokenizer, env, model))
+        tracker.set_tags(_tags(cfg, tokenizer, env, model, step_cost))
+        tracker.log_metrics(describe(step_cost), step=0)
     sampler = BlockSampler(len(corpus.train), cfg.optim.global_batch_size, cfg.run.seed)
     token_bytes = torch.as_tensor(token_byte_lengths(tokenizer), device=env.device)
     masking = _Masking(cfg, tokenizer, ids) if cfg.model.family == "encoder" else None
@@ -146,15 +154,18 @@ def train_worker(
     last: dict[str, float] = {}
     model.train()
     for step in range(start, cfg.optim.max_steps):
-        if cfg.run.fail_at_step == step:
+        if cfg.run.fail_at_step == step and env.rank == env.world_size - 1:
             _inject_failure(out_dir, step)
         step_start = time.perf_counter()
         micro_batches = sampler.shard(step, env.rank, env.world_size, cfg.optim.micro_batch_size)
         for i, idx in enumerate(micro_batches):
             input_ids, labels = _batch(corpus.train, idx, env, masking, cfg.run.seed, step, i)
+            negatives = None
+            if cfg.objective.cross_worker_negatives:
+                negatives = gather_negative_ids(LMObjective.target_ids(input_ids, labels))
             sync = i == len(micro_batches) - 1 or env.world_size == 1
             with _no_sync(module, sync), _autocast(env.device, amp):
-                out = module(input_ids, labels)["loss"]
+                out = module(input_ids, labels, negative_ids=negatives)["loss"]
             scaler.scale(out.loss / accum).backward()
             loss_sum += out.loss.detach() / accum
         scaler.unscale_(optimizer)
@@ -173,7 +184,8 @@ def train_worker(
         if done % cfg.run.log_every == 0 or done == cfg.optim.max_steps:
             elapsed = time.perf_counter() - window_start
             last = {
-                "train/loss": loss_sum.item() / window_steps,  # the one sync per log window
+                # The one sync per log window: the loss averaged over workers.
+                "train/loss": global_mean(loss_sum).item() / window_steps,
                 "train/lr": scheduler.get_last_lr()[0],
                 "train/grad_norm": float(grad_norm),
                 "train/step_time_s": elapsed / window_steps,
@@ -181,6 +193,9 @@ def train_worker(
                 "train/K": float(out.num_rows),
                 **_peak_memory(env.device),
             }
+            utilisation = mfu(step_cost.per_token * last["train/tokens_per_s"], peak)
+            if utilisation is not None:
+                last["train/mfu"] = utilisation / env.world_size  # peak is per device
             tracker.log_metrics(last, step=done)
             bar.set_postfix(loss=f"{last['train/loss']:.3f}")
             loss_sum.zero_()
@@ -202,16 +217,17 @@ def train_worker(
                 last,
                 env,
             )
+            if folder is not None and done == cfg.optim.max_steps:
+                _copy_tree(folder / "model", out_dir / "model")  # before Ray takes the folder
             reporter.report({**last, "step": done}, folder)
             window_start = time.perf_counter()
     bar.close()
 
     model_dir = out_dir / "model"
     if env.is_main:
-        _copy_tree(ckpt.list_checkpoints(reporter.root)[-1] / "model", model_dir)
-        tracker.finish("FINISHED")
+        _log_artifacts(tracker, out_dir, cfg)
     steps_run = cfg.optim.max_steps - start
-    return {
+    summary = {
         "objective": cfg.objective.name,
         "arch": cfg.model.arch,
         "steps": cfg.optim.max_steps,
@@ -222,6 +238,9 @@ def train_worker(
         "metrics": last,
         "model_dir": str(model_dir),
     }
+    if env.is_main:
+        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
 
 
 class _Masking:
@@ -351,8 +370,34 @@ def _inject_failure(out_dir: Path, step: int) -> None:
         raise RuntimeError(f"injected failure at step {step} (run.fail_at_step)")
 
 
-def _tags(cfg: Config, tokenizer, env: WorkerEnv, model) -> dict[str, Any]:
+def _tracker(out_dir: Path, tracking: dict[str, Any] | None) -> Tracker:
+    if not tracking or tracking.get("run_id") is None:  # no MLflow run could be opened
+        return JsonlTracker(out_dir)
+    from hlm_ray.tracking import MlflowTracker
+
+    mlflow = MlflowTracker(
+        tracking["experiment"], tracking_uri=tracking["uri"], run_id=tracking["run_id"]
+    )
+    return MultiTracker(JsonlTracker(out_dir), mlflow)
+
+
+def _log_artifacts(tracker: Tracker, out_dir: Path, cfg: Config) -> None:
+    """The resolved config, the final model (HF format, tokenizer inside) and the loss curve."""
+    from hlm_ray.tracking import plot_loss_curve
+
+    config_path = out_dir / "config.yaml"
+    cfg.save(config_path)
+    tracker.log_artifact(config_path)
+    tracker.log_artifact(out_dir / "model", "model")
+    tracker.log_artifact(plot_loss_curve(read_metrics(out_dir), out_dir / "loss_curve.png"))
+
+
+def _tags(cfg: Config, tokenizer, env: WorkerEnv, model, step_cost) -> dict[str, Any]:
     return {
+        "K": step_cost.target_rows,
+        "K_over_V": round(step_cost.target_rows / len(tokenizer), 4),
+        "head_flop_share": round(step_cost.head_share, 4),
+        "cross_worker_negatives": cfg.objective.cross_worker_negatives,
         "objective": cfg.objective.name,
         "arch": cfg.model.arch,
         "family": cfg.model.family,

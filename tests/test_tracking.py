@@ -1,0 +1,329 @@
+"""MlflowTracker against a real (temporary) sqlite store, and its failure modes.
+
+A fresh sqlite store migrates its schema on first use (seconds), so the module shares one store
+and each test uses its own experiment.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hlm_ray import tracking
+from hlm_ray.paths import PROJECT_ROOT
+from hlm_ray.tracking import (
+    JsonlTracker,
+    MlflowTracker,
+    MultiTracker,
+    default_tracking_uri,
+    git_commit,
+    plot_loss_curve,
+    read_metrics,
+)
+
+mlflow = pytest.importorskip("mlflow")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One sqlite store for the module, found through HLM_MLFLOW_DIR as in real use."""
+    root = tmp_path_factory.mktemp("mlflow")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HLM_MLFLOW_DIR", str(root))
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        uri = default_tracking_uri()
+        start = time.perf_counter()
+        mlflow.MlflowClient(uri).search_experiments()  # pay for the schema migration once
+        print(f"fresh sqlite store ready in {time.perf_counter() - start:.1f} s")
+        yield root, uri
+
+
+@pytest.fixture
+def client(store):
+    return mlflow.MlflowClient(store[1])
+
+
+@pytest.fixture
+def experiment(request, store):
+    return f"test-{request.node.name}"
+
+
+def tracking_warnings(caplog) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "hlm_ray.tracking" and r.levelno == logging.WARNING
+    ]
+
+
+def test_default_tracking_uri(monkeypatch, tmp_path):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("HLM_MLFLOW_DIR", raising=False)
+    assert default_tracking_uri() == f"sqlite:///{PROJECT_ROOT / 'mlflow.db'}"
+    monkeypatch.setenv("HLM_MLFLOW_DIR", str(tmp_path))
+    assert default_tracking_uri() == f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert default_tracking_uri() == "http://127.0.0.1:5000"
+    # Relative sqlite paths are pinned to the current directory (workers run elsewhere).
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///sub/m.db")
+    assert default_tracking_uri() == f"sqlite:///{tmp_path.resolve() / 'sub' / 'm.db'}"
+
+
+def test_import_does_not_load_mlflow_or_matplotlib():
+    code = (
+        "import sys, hlm_ray.tracking; "
+        "assert 'mlflow' not in sys.modules and 'matplotlib' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=PROJECT_ROOT)
+
+
+def test_git_commit(tmp_path):
+    commit = git_commit()
+    assert commit is None or (len(commit) == 40 and int(commit, 16) >= 0)
+    assert git_commit(tmp_path) is None  # not a repository
+
+
+def test_round_trip(store, client, experiment, tmp_path, caplog):
+    root, _ = store
+    file = tmp_path / "notes.txt"
+    file.write_text("hello")
+    folder = tmp_path / "model"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    (folder / "sub" / "w.bin").write_bytes(b"\0" * 8)
+
+    t = MlflowTracker(experiment, run_name="rt", tags={"kind": "test"})
+    assert t.active and t.run_id
+    t.log_params(
+        {"optim": {"lr": 3e-4, "betas": [0.9, 0.95]}, "model": {"arch": "gpt2"}, "n": None}
+    )
+    t.set_tags({"objective": "headless", "world_size": 2})
+    t.log_metrics({"train/loss": 2.5, "train/lr": 1e-3}, step=10)
+    t.log_metrics({"train/loss": 2.0, "val/loss": 2.2, "bad": "x"}, step=20)
+    t.log_artifact(file)
+    t.log_artifact(folder, artifact_path="final")
+    t.log_artifact(folder)
+    t.finish("FINISHED")
+
+    run = client.get_run(t.run_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "rt"
+    assert run.data.params == {
+        "optim.lr": "0.0003",
+        "optim.betas": "[0.9, 0.95]",
+        "model.arch": "gpt2",
+        "n": "None",
+    }
+    tags = run.data.tags
+    assert tags["kind"] == "test" and tags["objective"] == "headless" and tags["world_size"] == "2"
+    assert "mlflow.parentRunId" not in tags
+    if git_commit():
+        assert tags["mlflow.source.git.commit"] == git_commit()
+    history = client.get_metric_history(t.run_id, "train/loss")
+    assert [(m.step, m.value) for m in history] == [(10, 2.5), (20, 2.0)]
+    assert all(m.timestamp > 1e12 for m in history)  # milliseconds
+    assert [m.value for m in client.get_metric_history(t.run_id, "val/loss")] == [2.2]
+    assert "bad" not in run.data.metrics
+
+    assert {a.path for a in client.list_artifacts(t.run_id)} == {"notes.txt", "final", "model"}
+    # A folder's contents go under artifact_path when given, else under the folder's name.
+    assert {a.path for a in client.list_artifacts(t.run_id, "final")} == {
+        "final/config.json",
+        "final/sub",
+    }
+    assert [a.path for a in client.list_artifacts(t.run_id, "model/sub")] == ["model/sub/w.bin"]
+    # Artifacts land under <HLM_MLFLOW_DIR>/mlartifacts, not ./mlruns of the current directory.
+    exp = client.get_experiment_by_name(experiment)
+    assert exp.artifact_location == (root / "mlartifacts").as_uri()
+    assert (root / "mlartifacts" / t.run_id / "artifacts" / "notes.txt").read_text() == "hello"
+    assert not tracking_warnings(caplog)
+
+
+def test_resume_continues_the_same_run(client, experiment, caplog):
+    params = {"optim": {"lr": 1e-3}, "seed": 0}
+    first = MlflowTracker(experiment, run_name="attempt")
+    first.log_params(params)
+    first.log_metrics({"train/loss": 3.0}, step=1)
+    first.log_metrics({"train/loss": 2.9}, step=2)
+    first.finish("FAILED")  # the worker group died; Ray restarts it with the saved run id
+    assert client.get_run(first.run_id).info.status == "FAILED"
+
+    second = MlflowTracker(experiment, run_id=first.run_id, tags={"attempt": 2})
+    assert second.active and second.run_id == first.run_id
+    assert client.get_run(first.run_id).info.status == "RUNNING"
+    second.log_params(params)  # identical values: skipped, no error
+    second.log_params({"optim": {"lr": 5e-4}, "seed": 0})  # changed on resume: kept as a tag
+    second.log_metrics({"train/loss": 2.8}, step=3)
+    assert client.get_run(first.run_id).info.status == "RUNNING"
+    second.finish()
+
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert [r.info.run_id for r in runs] == [first.run_id]
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.params == {"optim.lr": "0.001", "seed": "0"}
+    assert run.data.tags["param_changed.optim.lr"] == "0.0005" and run.data.tags["attempt"] == "2"
+    history = client.get_metric_history(first.run_id, "train/loss")
+    assert [(m.step, m.value) for m in history] == [(1, 3.0), (2, 2.9), (3, 2.8)]
+    assert second.active
+    warnings = tracking_warnings(caplog)
+    assert len(warnings) == 1 and "optim.lr" in warnings[0]
+
+
+def test_resume_of_unknown_run_degrades(experiment, caplog):
+    t = MlflowTracker(experiment, run_id="0" * 32)
+    assert t.run_id is None and not t.active
+    t.log_metrics({"x": 1.0}, step=1)
+    t.finish()
+    warnings = tracking_warnings(caplog)
+    assert len(warnings) == 1 and "resuming run" in warnings[0] and "not found" in warnings[0]
+
+
+def test_parent_run_id(client, experiment):
+    parent = MlflowTracker(experiment, run_name="sweep")
+    child = MlflowTracker(experiment, run_name="trial-0", parent_run_id=parent.run_id)
+    assert client.get_run(child.run_id).data.tags["mlflow.parentRunId"] == parent.run_id
+    child.finish()
+    parent.finish()
+
+
+def test_two_trackers_in_one_process(client, experiment):
+    a = MlflowTracker(experiment, run_name="a")
+    b = MlflowTracker(experiment, run_name="b")
+    a.log_metrics({"m": 1.0}, step=1)
+    b.log_metrics({"m": 2.0}, step=1)
+    a.finish("KILLED")
+    b.log_metrics({"m": 3.0}, step=2)  # b is unaffected by a's end
+    b.finish()
+    assert client.get_run(a.run_id).info.status == "KILLED"
+    assert [m.value for m in client.get_metric_history(b.run_id, "m")] == [2.0, 3.0]
+    assert mlflow.active_run() is None  # no fluent global state was touched
+
+
+def test_pickled_tracker_keeps_logging_to_the_same_run(client, experiment):
+    t = MlflowTracker(experiment)
+    t.log_metrics({"m": 1.0}, step=1)
+    copy = pickle.loads(pickle.dumps(t))  # e.g. built in a driver, shipped to a worker
+    copy.log_metrics({"m": 2.0}, step=2)
+    copy.finish()
+    assert [m.value for m in client.get_metric_history(t.run_id, "m")] == [1.0, 2.0]
+
+
+def test_finish_rejects_an_unknown_status(experiment):
+    t = MlflowTracker(experiment)
+    with pytest.raises(ValueError, match="FINISHED"):
+        t.finish("DONE")
+    t.finish("killed")
+
+
+def test_unreachable_server_is_a_no_op(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    (tmp_path / "a.txt").write_text("a")
+    start = time.perf_counter()
+    t = MlflowTracker("unreachable", run_name="r", tracking_uri="http://127.0.0.1:9")
+    assert t.run_id is None and not t.active
+    t.log_params({"a": {"b": 1}})
+    t.set_tags({"x": 1})
+    t.log_metrics({"train/loss": 1.0}, step=1)
+    t.log_artifact(tmp_path / "a.txt")
+    t.finish("FAILED")
+    assert time.perf_counter() - start < 10
+    warnings = tracking_warnings(caplog)
+    assert len(warnings) == 1
+    assert "MLflow tracking is off" in warnings[0] and "127.0.0.1:9" in warnings[0]
+
+
+def test_unreachable_server_through_the_client(monkeypatch, caplog):
+    """The same without the TCP probe: MLflow's own error degrades the tracker too."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    monkeypatch.setattr(tracking, "_probe", lambda uri: None)
+    t = MlflowTracker("unreachable", tracking_uri="http://127.0.0.1:9")
+    t.log_metrics({"train/loss": 1.0}, step=1)
+    assert t.run_id is None and len(tracking_warnings(caplog)) == 1
+
+
+def test_store_lost_mid_run(client, experiment, tmp_path, monkeypatch, caplog):
+    jsonl = JsonlTracker(tmp_path)
+    t = MlflowTracker(experiment)
+    both = MultiTracker(jsonl, t)
+    both.log_metrics({"train/loss": 2.0}, step=1)
+    calls = []
+
+    def broken(*args, **kwargs):
+        calls.append(args)
+        raise mlflow.exceptions.MlflowException("database is locked")
+
+    monkeypatch.setattr(t._client, "log_batch", broken)
+    both.log_metrics({"train/loss": 1.9}, step=2)
+    both.log_metrics({"train/loss": 1.8}, step=3)
+    both.log_params({"a": 1})
+    both.set_tags({"b": 2})
+    both.finish("FINISHED")
+    assert len(calls) == 1 and not t.active and t.run_id is not None
+    warnings = tracking_warnings(caplog)
+    assert len(warnings) == 1 and "database is locked" in warnings[0]
+    # What reached the store before the failure stays; the local log has everything.
+    assert [m.step for m in client.get_metric_history(t.run_id, "train/loss")] == [1]
+    assert [row["step"] for row in read_metrics(tmp_path)] == [1, 2, 3]
+
+
+def test_missing_artifact_warns_but_keeps_tracking(experiment, tmp_path, caplog):
+    t = MlflowTracker(experiment)
+    t.log_artifact(tmp_path / "nope.png")
+    assert t.active and "nope.png" in tracking_warnings(caplog)[0]
+    t.finish()
+
+
+def test_plot_loss_curve(tmp_path):
+    rows = [{"step": s, "train/loss": 3.0 / s} for s in range(1, 21)]
+    rows += [{"step": 10, "val/loss": 0.5}, {"step": 20, "val/loss": 0.3}]
+    out = plot_loss_curve(rows, tmp_path / "plots" / "loss.png", title="tiny")
+    assert out == tmp_path / "plots" / "loss.png"
+    data = out.read_bytes()
+    assert data.startswith(b"\x89PNG") and len(data) > 1000
+    empty = plot_loss_curve([], tmp_path / "empty.png")  # nothing logged yet: still a PNG
+    assert empty.read_bytes().startswith(b"\x89PNG")
+
+
+def test_loss_curve_as_an_artifact(client, experiment, tmp_path):
+    jsonl = JsonlTracker(tmp_path)
+    for step in (1, 2, 3):
+        jsonl.log_metrics({"train/loss": 1.0 / step}, step)
+    t = MlflowTracker(experiment)
+    t.log_artifact(plot_loss_curve(read_metrics(tmp_path), tmp_path / "loss_curve.png"))
+    t.finish()
+    assert [a.path for a in client.list_artifacts(t.run_id)] == ["loss_curve.png"]
+
+
+def test_sqlite_store_in_a_new_folder(monkeypatch, tmp_path):
+    """The sqlite folder is created; checked with the URI only (no second migration here)."""
+    target = tmp_path / "new" / "deeper"
+    assert tracking._sqlite_path(f"sqlite:///{target / 'm.db'}") == target / "m.db"
+    assert tracking._sqlite_path("sqlite:///:memory:") is None
+    assert tracking._sqlite_path("http://x") is None
+    assert tracking._artifact_location(f"sqlite:///{target / 'm.db'}") == (
+        (target / "mlartifacts").as_uri()
+    )
+    assert (target / "mlartifacts").is_dir()
+
+
+def test_redact():
+    assert tracking._redact("https://u:secret@host:8080/x") == "https://host:8080/x"
+    assert tracking._redact("sqlite:////a/b.db") == "sqlite:////a/b.db"
+
+
+def test_tracker_module_is_the_only_mlflow_importer():
+    offenders = [
+        str(p.relative_to(PROJECT_ROOT))
+        for p in (PROJECT_ROOT / "hlm_ray").rglob("*.py")
+        if p.name != "tracking.py" and re.search(r"^\s*(import|from) mlflow", p.read_text(), re.M)
+    ]
+    assert offenders == []
