@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from hlm_ray.errors import HLMError
+from hlm_ray.paths import resolve_output
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -72,7 +73,7 @@ def _load(args, output: str | None, objective: str | None):
 
     overrides = list(args.set)
     if output:
-        overrides.append(f"run.output_dir={output}")
+        overrides.append(f"run.output_dir={resolve_output(output)}")
     return load_config(args.preset, objective=objective, yaml_file=args.config, overrides=overrides)
 
 

@@ -47,6 +47,29 @@ HUB_FALLBACKS: dict[str, HubDataset | tuple[HubDataset, ...] | str] = {
 }
 
 
+def project_root() -> Path:
+    """The project folder runs and the embedded MLflow store belong to.
+
+    `ray job submit --working-dir .` runs the job from a temporary copy of the project; when the
+    package is also installed (editable) from a checkout on this machine, that checkout is the
+    project, so `runs/` and `mlflow.db` land where the user looks for them."""
+    if "runtime_resources" in PROJECT_ROOT.parts:
+        installed = _installed_source_root()
+        if installed is not None and installed.is_dir():
+            return installed
+    return PROJECT_ROOT
+
+
+def resolve_output(path: str | Path) -> Path:
+    """An output folder as an absolute path: relative ones sit in the project folder when run
+    as a Ray job from a working-dir copy, else in the current directory."""
+    path = Path(path).expanduser()
+    if path.is_absolute():
+        return path
+    base = project_root() if project_root() != PROJECT_ROOT else Path.cwd()
+    return (base / path).resolve()
+
+
 def data_dir() -> Path:
     """The offline data folder named by ``HLM_DATA_DIR`` (it may not exist).
 

@@ -22,7 +22,8 @@ _TINY_OPTIM = {
     "schedule": "linear",
     "warmup_steps": 10,
     "max_steps": 150,
-    "global_batch_size": 16,
+    # Two accumulation steps in one process, one step each on 2 workers: both run as given.
+    "global_batch_size": 32,
     "micro_batch_size": 16,
     "weight_decay": 0.01,
 }

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from hlm_ray.config import flatten
-from hlm_ray.paths import PROJECT_ROOT
+from hlm_ray.paths import project_root
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def read_metrics(folder: str | Path) -> list[dict[str, Any]]:
 def mlflow_dir() -> Path:
     """The folder of the embedded store: ``$HLM_MLFLOW_DIR``, else the project root."""
     value = os.environ.get(MLFLOW_DIR_ENV)
-    return Path(value).expanduser().resolve() if value else PROJECT_ROOT
+    return Path(value).expanduser().resolve() if value else project_root()
 
 
 def default_tracking_uri() -> str:
@@ -151,7 +151,7 @@ def git_commit(folder: str | Path | None = None) -> str | None:
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"],
-            cwd=folder or PROJECT_ROOT,
+            cwd=folder or project_root(),
             capture_output=True,
             text=True,
             timeout=10,

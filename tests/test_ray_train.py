@@ -88,3 +88,19 @@ def test_impossible_requests_fail_before_any_worker_starts(ray_cluster, tmp_path
     with pytest.raises(HLMError, match="not divisible"):
         launch(cfg, num_workers=3)
     assert not (tmp_path / "x").exists()
+
+
+def test_a_run_that_keeps_failing_reports_the_error_and_keeps_its_checkpoints(
+    ray_cluster, mlflow_store, tmp_path
+):
+    from mlflow import MlflowClient
+
+    cfg = cfg_for(tmp_path / "doomed", **{"run.fail_at_step": 11})
+    with pytest.raises(HLMError, match="injected failure at step 11") as err:
+        launch(cfg, num_workers=2, max_failures=0, experiment="test-ray-fail")
+    assert "last checkpoint" in str(err.value)
+    assert [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(tmp_path / "doomed")] == [8]
+    client = MlflowClient(mlflow_store)
+    experiment = client.get_experiment_by_name("test-ray-fail")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FAILED"

@@ -65,7 +65,7 @@ def test_tiny_run_lowers_its_loss_and_saves_a_plain_transformers_model(preset, o
     losses = [r["train/loss"] for r in read_metrics(tmp_path / "run") if "train/loss" in r]
     assert len(losses) == steps // 5
     assert sum(losses[-2:]) / 2 < losses[0] - 0.15, losses
-    assert summary["steps"] == steps and summary["tokens"] == steps * 16 * 64
+    assert summary["steps"] == steps and summary["tokens"] == steps * 32 * 64
 
     # The saved model, loaded by plain transformers, scores the validation slice exactly as the
     # trained model did at the last step: it is the trained model.

@@ -15,6 +15,7 @@ import contextlib
 import json
 import math
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,6 +149,8 @@ def train_worker(
         disable=not (progress and env.is_main),
         desc=f"{cfg.objective.name} {cfg.model.arch}",
         dynamic_ncols=True,
+        # A Ray worker's output is line-buffered into the driver's log: update it rarely there.
+        mininterval=0.1 if sys.stderr.isatty() else 10.0,
     )
     train_time, window_start, window_steps = 0.0, time.perf_counter(), 0
     loss_sum = torch.zeros((), device=env.device)
