@@ -66,6 +66,10 @@ def test_tiny_run_lowers_its_loss_and_saves_a_plain_transformers_model(preset, o
     assert len(losses) == steps // 5
     assert sum(losses[-2:]) / 2 < losses[0] - 0.15, losses
     assert summary["steps"] == steps and summary["tokens"] == steps * 32 * 64
+    # The newest run.keep_checkpoints are kept, and a copy of the best (lowest val loss).
+    kept = [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(tmp_path / "run")]
+    assert kept == [steps - 20, steps]
+    assert ckpt.checkpoint_step(tmp_path / "run" / "best_checkpoint") == steps
 
     # The saved model, loaded by plain transformers, scores the validation slice exactly as the
     # trained model did at the last step: it is the trained model.

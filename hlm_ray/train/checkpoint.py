@@ -112,9 +112,7 @@ def load_train_state(folder: Path) -> dict[str, Any]:
     return torch.load(Path(folder) / "train_state.pt", map_location="cpu", weights_only=False)
 
 
-def prune_checkpoints(root: Path, keep: int, best: Path | None = None) -> None:
-    """Keep the newest `keep` checkpoints plus `best`."""
-    found = list_checkpoints(root)
-    for old in found[:-keep]:
-        if best is None or old.resolve() != Path(best).resolve():
-            shutil.rmtree(old, ignore_errors=True)
+def prune_checkpoints(root: Path, keep: int) -> None:
+    """Keep the newest `keep` checkpoints."""
+    for old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)

@@ -36,6 +36,8 @@ from hlm_ray.train.inputs import build_corpus, build_tokenizer, special_ids
 from hlm_ray.train.optim import build_optimizer, build_scheduler
 from hlm_ray.train.step import LMObjective
 
+BEST = "best_checkpoint"  # a copy of the checkpoint with the lowest validation loss
+
 
 @dataclass
 class WorkerEnv:
@@ -51,20 +53,15 @@ class WorkerEnv:
 
 
 class LocalReporter:
-    """Checkpoints in `<output_dir>/checkpoint_*`, keeping the newest `keep` (and the best)."""
+    """Checkpoints in `<output_dir>/checkpoint_*`, keeping the newest `keep`."""
 
     def __init__(self, output_dir: Path, keep: int):
         self.root = Path(output_dir)
         self.keep = keep
-        self.best: tuple[float, Path] | None = None
 
     def report(self, metrics: dict[str, float], checkpoint_dir: Path | None) -> None:
-        if checkpoint_dir is None:
-            return
-        score = metrics.get("val/loss")
-        if score is not None and (self.best is None or score < self.best[0]):
-            self.best = (score, checkpoint_dir)
-        ckpt.prune_checkpoints(self.root, self.keep, self.best[1] if self.best else None)
+        if checkpoint_dir is not None:
+            ckpt.prune_checkpoints(self.root, self.keep)
 
     def checkpoint_folder(self, step: int) -> Path:
         return self.root / f"{ckpt.PREFIX}{step:08d}"
@@ -125,8 +122,8 @@ def train_worker(
     if env.is_main:
         _truncate_metrics(out_dir, start)  # a fresh start (or a restart) redoes later steps
         if start == 0:  # no stale checkpoints to mix in
-            for old in ckpt.list_checkpoints(reporter.root):
-                shutil.rmtree(old)
+            for old in [*ckpt.list_checkpoints(reporter.root), out_dir / BEST]:
+                shutil.rmtree(old, ignore_errors=True)
     if env.world_size > 1:
         module = torch.nn.parallel.DistributedDataParallel(module)
 
@@ -154,6 +151,7 @@ def train_worker(
     )
     train_time, window_start, window_steps = 0.0, time.perf_counter(), 0
     loss_sum = torch.zeros((), device=env.device)
+    best_val = _best_val_loss(out_dir / BEST) if start else math.inf
     last: dict[str, float] = {}
     model.train()
     for step in range(start, cfg.optim.max_steps):
@@ -222,6 +220,10 @@ def train_worker(
             )
             if folder is not None and done == cfg.optim.max_steps:
                 _copy_tree(folder / "model", out_dir / "model")  # before Ray takes the folder
+            if folder is not None and last.get("val/loss", math.inf) < best_val:
+                # The best checkpoint survives the pruning of old ones (ours or Ray's).
+                best_val = last["val/loss"]
+                _copy_tree(folder, out_dir / BEST)
             reporter.report({**last, "step": done}, folder)
             window_start = time.perf_counter()
     bar.close()
@@ -354,6 +356,12 @@ def _restore(folder: Path, model, optimizer, scheduler) -> int:
     scheduler.load_state_dict(state["scheduler"])
     ckpt.set_rng_state(state["rng"])
     return int(state["step"])
+
+
+def _best_val_loss(folder: Path) -> float:
+    if not ckpt.is_checkpoint(folder):
+        return math.inf
+    return ckpt.load_train_state(folder)["metrics"].get("val/loss", math.inf)
 
 
 def _truncate_metrics(out_dir: Path, step: int) -> None:
