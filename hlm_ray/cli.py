@@ -109,7 +109,7 @@ def _run(cfg, args, *, resume: Path | None = None) -> dict:
 
 
 def cmd_train(args) -> int:
-    from hlm_ray.train.checkpoint import list_checkpoints, resolve_resume
+    from hlm_ray.train.checkpoint import refuse_existing, resolve_resume
     from hlm_ray.train.summary import format_summary
 
     resume = None
@@ -119,11 +119,8 @@ def cmd_train(args) -> int:
     objective = args.objective or "headless"
     output = args.output or f"runs/{args.preset}-{objective}"
     cfg = _load(args, output, args.objective)
-    if resume is None and list_checkpoints(Path(output)):
-        raise HLMError(
-            f"{output} already holds checkpoints; continue it with --resume {output} "
-            "or choose another --output"
-        )
+    if resume is None:
+        refuse_existing(cfg.run.output_dir)
     where = "this process" if args.local else f"Ray Train, {args.num_workers} worker(s)"
     print(f"training {cfg.preset} ({cfg.model.arch}, {cfg.objective.name}) on {where} -> {output}")
     try:

@@ -66,8 +66,8 @@ def resolve_output(path: str | Path) -> Path:
     path = Path(path).expanduser()
     if path.is_absolute():
         return path
-    base = project_root() if project_root() != PROJECT_ROOT else Path.cwd()
-    return (base / path).resolve()
+    root = project_root()
+    return ((root if root != PROJECT_ROOT else Path.cwd()) / path).resolve()
 
 
 def data_dir() -> Path:

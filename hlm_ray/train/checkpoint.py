@@ -107,6 +107,15 @@ def resolve_resume(path: str | Path) -> Path:
     )
 
 
+def refuse_existing(folder: str | Path) -> None:
+    """A fresh run must not start in a folder that holds checkpoints: it would mix with them."""
+    if list_checkpoints(Path(folder)):
+        raise HLMError(
+            f"{folder} already holds checkpoints; continue it with --resume {folder} "
+            "or choose another --output"
+        )
+
+
 def load_train_state(folder: Path) -> dict[str, Any]:
     # The file holds our own optimizer/RNG state (numpy arrays, tuples): not weights-only.
     return torch.load(Path(folder) / "train_state.pt", map_location="cpu", weights_only=False)

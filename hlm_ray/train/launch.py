@@ -185,11 +185,8 @@ def launch(
 
         use_gpu = ray.cluster_resources().get("GPU", 0) >= num_workers
     check_resources(num_workers, use_gpu, cpus_per_worker)
-    if not resume and ckpt.list_checkpoints(out_dir):
-        raise HLMError(
-            f"{out_dir} already holds checkpoints; continue it with --resume {cfg.run.output_dir} "
-            "or choose another --output"
-        )
+    if not resume:
+        ckpt.refuse_existing(out_dir)
 
     # Workers run elsewhere (another cwd, another node): give them absolute paths.
     cfg = apply_overrides(
