@@ -6,6 +6,9 @@
     hlm train --resume runs/tiny-headless --set optim.max_steps=300
     hlm compare --preset tiny-decoder --output runs/compare    # headless and vanilla, side by side
     hlm presets                                                 # list the presets
+    hlm finetune --task clm --model runs/tiny-headless --register hlm-tiny-generator  # -> a generator
+    hlm finetune --task glue:sst2 --model runs/tiny-encoder-headless         # -> a classifier
+    hlm eval --model runs/tiny-headless-clm --task lambada,bpb             # scores, to MLflow
 
 Bad input prints one line, ``error: ...``, and exits with status 2.
 """
@@ -65,6 +68,46 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     sub.add_parser("presets", help="list the presets")
+
+    finetune = sub.add_parser(
+        "finetune", help="headless decoder -> generator (clm); encoder -> classifier (glue/xnli)"
+    )
+    finetune.add_argument("--task", required=True, help="clm | glue:<name> | xnli:<lang>")
+    finetune.add_argument("--model", required=True, help="run/checkpoint/model folder or models:/")
+    finetune.add_argument(
+        "--recipe",
+        default="tiny",
+        help="clm: tiny | code | text | appendix; classifiers: tiny | paper (default tiny)",
+    )
+    finetune.add_argument("--output", help="output folder (default: <model run>-<task>)")
+    finetune.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="clm config override"
+    )
+    finetune.add_argument("--probe", action="store_true", help="clm: train only the new head")
+    finetune.add_argument("--register", metavar="NAME", help="clm: MLflow registered model name")
+    finetune.add_argument(
+        "--eval-limit", type=int, default=500, help="clm: LAMBADA passages scored (0 = all)"
+    )
+    finetune.add_argument("--seeds", help="classifiers: comma-separated seeds, e.g. 0,1,2")
+    finetune.add_argument("--epochs", type=int, help="classifiers: epochs")
+    finetune.add_argument("--lr", type=float, help="classifiers: learning rate")
+    finetune.add_argument("--loss", choices=("balanced", "ce"), help="classifiers: loss")
+    finetune.add_argument(
+        "--eval-languages", help="xnli: 'all' to evaluate every language (zero-shot protocol)"
+    )
+    finetune.add_argument("--train-limit", type=int, help="classifiers: training examples used")
+    finetune.add_argument("--train-file", help="classifiers: your own training file")
+    finetune.add_argument("--eval-file", help="classifiers: your own evaluation file")
+    _launch_args(finetune)
+
+    ev = sub.add_parser("eval", help="LAMBADA, bits per byte, synonyms, anisotropy")
+    ev.add_argument("--model", required=True, help="run/checkpoint/model folder or models:/")
+    ev.add_argument("--task", required=True, help="comma-separated: lambada,bpb,synonyms,...")
+    ev.add_argument("--limit", type=int, help="examples per task (default: all)")
+    ev.add_argument("--batch-size", type=int, default=32)
+    ev.add_argument("--device", default="cpu")
+    ev.add_argument("--output", help="folder for the JSON results (default <model>/eval)")
+    ev.add_argument("--experiment", default="hlm_ray", help="MLflow experiment name")
     return parser
 
 
@@ -169,9 +212,110 @@ def cmd_presets(args) -> int:
     return 0
 
 
+def _default_output(model: str, suffix: str) -> str:
+    if model.startswith("models:/"):
+        return f"runs/{model.removeprefix('models:/').replace('/', '-').replace('@', '-')}-{suffix}"
+    folder = Path(model).resolve()
+    if folder.name == "model":
+        folder = folder.parent
+    return str(folder.with_name(f"{folder.name}-{suffix}"))
+
+
+def cmd_finetune(args) -> int:
+    from hlm_ray import downstream
+
+    suffix = args.task.replace(":", "-")
+    output = str(resolve_output(args.output or _default_output(args.model, suffix)))
+    if args.task == "clm":
+        print(f"fine-tuning {args.model} into a generator ({args.recipe}) -> {output}")
+
+        def train(cfg):
+            return _run(cfg, args)
+
+        out = downstream.finetune_generator(
+            args.model,
+            output_dir=output,
+            recipe=args.recipe,
+            probe=args.probe,
+            overrides=args.set,
+            train=train,
+            eval_limit=args.eval_limit or None,
+            register=args.register,
+            experiment=args.experiment,
+        )
+        from hlm_ray.evaluate import format_results
+
+        facts = out["facts"]
+        fraction = facts["pretrain_token_fraction"]
+        print(
+            f"\nfine-tuned on {facts['finetune_tokens']:,} tokens"
+            + (f" ({fraction:.1%} of pretraining)" if fraction else "")
+            + f": {out['model_dir']}"
+        )
+        print(format_results(out["results"]))
+        if out["registered"]:
+            reg = out["registered"]
+            print(f"registered {reg['name']} version {reg['version']}: {reg['uri']}")
+        return 0
+    if args.task.startswith(("glue:", "xnli:")):
+        settings = {}
+        if args.seeds:
+            settings["seeds"] = tuple(int(s) for s in args.seeds.split(","))
+        for key in ("epochs", "lr", "loss", "eval_languages", "train_limit", "train_file"):
+            if getattr(args, key) is not None:
+                settings[key] = getattr(args, key)
+        if args.eval_file:
+            settings["eval_file"] = args.eval_file
+        print(f"fine-tuning {args.model} on {args.task} ({args.recipe}) -> {output}")
+        result = downstream.finetune_encoder(
+            args.model,
+            args.task,
+            output_dir=output,
+            recipe=args.recipe,
+            settings=settings,
+            experiment=args.experiment,
+        )
+        print(downstream.format_classification(result))
+        return 0
+    raise HLMError(
+        f"unknown task {args.task!r}; choose clm, glue:sst2, glue:cola, glue:mrpc, glue:rte, "
+        "glue:qnli, glue:stsb (your files) or xnli:<ar|de|en|es|fr|hi|zh>"
+    )
+
+
+def cmd_eval(args) -> int:
+    from hlm_ray import downstream
+    from hlm_ray.evaluate import format_results
+
+    tasks = [t.strip() for t in args.task.split(",") if t.strip()]
+    output = args.output or str(Path(downstream.resolve_model_dir(args.model)).parent / "eval")
+    if args.model.startswith("models:/"):
+        output = args.output or _default_output(args.model, "eval")
+    tracker = downstream.run_tracker(args.model, args.experiment)
+    results = downstream.evaluate(
+        args.model,
+        tasks,
+        output_dir=resolve_output(output),
+        limit=args.limit,
+        batch_size=args.batch_size,
+        device=args.device,
+        tracker=tracker,
+    )
+    tracker.finish("FINISHED")
+    print(format_results(results))
+    print(f"results: {output}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler = {"train": cmd_train, "compare": cmd_compare, "presets": cmd_presets}
+    handler = {
+        "train": cmd_train,
+        "compare": cmd_compare,
+        "presets": cmd_presets,
+        "finetune": cmd_finetune,
+        "eval": cmd_eval,
+    }
     try:
         return handler[args.command](args)
     except HLMError as err:

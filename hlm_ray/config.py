@@ -149,6 +149,20 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class InitConfig:
+    """Where the weights start. Empty: random initialisation (pretraining)."""
+
+    model_dir: str | None = None
+    """A model folder to start from (`hlm finetune` sets it); its architecture must match
+    `model`."""
+    new_head: bool = False
+    """Give the decoder a language-modelling head that is an untied copy of the input embedding
+    (the paper's recipe for turning a headless decoder into a generator)."""
+    train: Literal["all", "head"] = "all"
+    """Which parameters learn: everything, or only the new head (a linear probe)."""
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
@@ -156,6 +170,7 @@ class Config:
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    init: InitConfig = field(default_factory=InitConfig)
     preset: str = "custom"
     """The preset this config started from (recorded, not used)."""
 
@@ -296,6 +311,19 @@ def validate(cfg: Config) -> Config:
         _check(getattr(r, name) > 0, f"run.{name}", getattr(r, name), "must be > 0")
     _check(r.keep_checkpoints >= 1, "run.keep_checkpoints", r.keep_checkpoints, "must be >= 1")
     _check(r.device in ("auto", "cpu", "cuda"), "run.device", r.device, "auto | cpu | cuda")
+    i = cfg.init
+    _check(
+        not (i.new_head or i.train == "head") or bool(i.model_dir),
+        "init.model_dir",
+        i.model_dir,
+        "required with init.new_head or init.train=head",
+    )
+    _check(
+        i.train == "all" or i.new_head,
+        "init.train",
+        i.train,
+        "head needs init.new_head=true (only a new head can be probed)",
+    )
     return cfg
 
 
@@ -361,6 +389,7 @@ def flatten(data: dict[str, Any], prefix: str = ""):
 __all__ = [
     "Config",
     "DataConfig",
+    "InitConfig",
     "ModelConfig",
     "ObjectiveConfig",
     "OptimConfig",

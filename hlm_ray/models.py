@@ -244,3 +244,49 @@ def xformers_attention(
         scale=scaling,
     )
     return out, None
+
+
+# --- starting from a trained model (fine-tuning) -----------------------------------------------
+
+
+def init_from_pretrained(
+    model: PreTrainedModel, model_dir: str, *, new_head: bool, train: str = "all"
+) -> PreTrainedModel:
+    """Load the weights of `model_dir` into `model` (same architecture, same vocabulary).
+
+    `new_head`: the paper's recipe for a headless decoder: a language-modelling head that starts
+    as an *untied copy* of the input embedding E (V, D), so it begins exactly at the raw Eᵀ head
+    and then learns on its own while E keeps its role as input table. `train="head"` freezes
+    everything but that head (a linear probe)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    folder = Path(model_dir)
+    source = json.loads((folder / "config.json").read_text())
+    if source.get("vocab_size") != model.config.vocab_size:
+        raise HLMError(
+            f"{model_dir} has vocab_size {source.get('vocab_size')} but the model being "
+            f"initialised has {model.config.vocab_size}; use the tokenizer saved with that model"
+        )
+    weights = load_file(str(folder / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    head_keys = {"lm_head.weight", "embed_out.weight"}
+    if set(missing) - head_keys or unexpected:
+        raise HLMError(
+            f"{model_dir} does not match the model being initialised (missing {missing[:3]}, "
+            f"unexpected {unexpected[:3]}); fine-tune with the architecture it was trained with"
+        )
+    if new_head:
+        embedding = input_embedding_weight(model)
+        head = model.get_output_embeddings()
+        head.weight = nn.Parameter(embedding.detach().clone())  # untied: its own storage
+        model.config.tie_word_embeddings = False
+        model.config.hlm_objective = source.get("hlm_objective", "vanilla")
+        model.config.hlm_finetuned = "clm"
+    if train == "head":
+        for param in model.parameters():
+            param.requires_grad_(False)
+        model.get_output_embeddings().weight.requires_grad_(True)
+    return model

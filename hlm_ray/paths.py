@@ -41,7 +41,7 @@ HUB_FALLBACKS: dict[str, HubDataset | tuple[HubDataset, ...] | str] = {
         HubDataset("karpathy/tiny_shakespeare", None, "train"),
         HubDataset("Salesforce/wikitext", "wikitext-2-raw-v1", "test"),
     ),
-    "eval/lambada_openai.jsonl": HubDataset("EleutherAI/lambada_openai", "en", "test"),
+    "eval/lambada_openai.jsonl": HubDataset("EleutherAI/lambada_openai", "default", "test"),
     "tokenizers/gpt2": "openai-community/gpt2",
     "tokenizers/gpt-neox-20b": "EleutherAI/gpt-neox-20b",
 }

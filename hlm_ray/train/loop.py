@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from hlm_ray.config import Config
 from hlm_ray.data import BlockSampler, mask_tokens
 from hlm_ray.flops import config_step_flops, describe, device_peak_flops, mfu
-from hlm_ray.models import build_model, num_parameters
+from hlm_ray.models import build_model, init_from_pretrained, num_parameters
 from hlm_ray.tokenizer import token_byte_lengths
 from hlm_ray.tracking import JsonlTracker, MultiTracker, Tracker, read_metrics
 from hlm_ray.train import checkpoint as ckpt
@@ -111,7 +111,12 @@ def train_worker(
     ids = special_ids(tokenizer)
     model = build_model(
         cfg.model, vocab_size=len(tokenizer), objective=cfg.objective.name, special_ids=ids
-    ).to(env.device)
+    )
+    if cfg.init.model_dir:
+        init_from_pretrained(
+            model, cfg.init.model_dir, new_head=cfg.init.new_head, train=cfg.init.train
+        )
+    model = model.to(env.device)
     module = LMObjective(model, cfg.objective)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim)

@@ -1,0 +1,28 @@
+"""Sequence classification on top of a pretrained encoder (GLUE and XNLI).
+
+    from hlm_ray.classify import finetune_classifier, load_task, TASKS, TINY, PAPER
+    data = load_task("glue:sst2")                 # a documented split of the dev file here
+    result = finetune_classifier("runs/tiny-enc", "glue:sst2", **TINY, output_dir=Path("out"))
+    result["summary"]["eval/accuracy"]["mean"]
+
+Modules: `tasks` (the task registry and data loading), `metrics` (GLUE metrics in numpy),
+`loss` (balanced and plain cross-entropy), `finetune` (the training loop and recipes).
+"""
+
+from hlm_ray.classify.finetune import PAPER, PAPER_XNLI, RECIPES, TINY, finetune_classifier, recipe
+from hlm_ray.classify.tasks import TASKS, Example, TaskData, TaskSpec, get_task, load_task
+
+__all__ = [
+    "PAPER",
+    "PAPER_XNLI",
+    "RECIPES",
+    "TASKS",
+    "TINY",
+    "Example",
+    "TaskData",
+    "TaskSpec",
+    "finetune_classifier",
+    "get_task",
+    "load_task",
+    "recipe",
+]

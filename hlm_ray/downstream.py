@@ -1,0 +1,338 @@
+"""The stages after pretraining, chained and recorded: evaluate, fine-tune, register.
+
+    results = evaluate("runs/tiny-gen", ["lambada", "bpb"], output_dir="runs/tiny-gen/eval")
+    out = finetune_generator("runs/tiny-headless", output_dir="runs/tiny-gen", register="tiny-gen")
+    out = finetune_encoder("runs/tiny-enc", "glue:sst2", output_dir="runs/tiny-enc/glue-sst2")
+    scores = run_downstream(Path("runs/x/model"), recipe="tiny", output_dir=..., tracker=...)
+
+`hlm finetune` / `hlm eval` are thin over these; a sweep trial calls `run_downstream`, the
+paper's protocol for the model's family (decoders: a headless arm is fine-tuned into a generator
+first, then LAMBADA and bits per byte; encoders: the GLUE-style fine-tuning average).
+Everything is logged to MLflow when a run is given (or found in the model's run folder).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from hlm_ray.config import Config
+from hlm_ray.errors import HLMError
+from hlm_ray.pretrained import load_pretrained, model_info, resolve_model_dir
+from hlm_ray.tracking import MlflowTracker, Tracker, default_tracking_uri
+
+RUN_ID_FILE = "mlflow_run.json"  # written by hlm_ray.train.launch.open_mlflow_run
+
+# What a sweep trial runs downstream, per recipe. The paper's GLUE average leaves RTE out.
+DOWNSTREAM = {
+    "tiny": {
+        "lambada_limit": 500,
+        "bpb_limit": 200,
+        "glue_tasks": ("glue:sst2",),
+        "clm_recipe": "tiny",
+        "classify": "tiny",
+    },
+    "paper": {
+        "lambada_limit": None,
+        "bpb_limit": None,
+        "glue_tasks": ("glue:cola", "glue:sst2", "glue:mrpc", "glue:qnli"),
+        "clm_recipe": "text",
+        "classify": "paper",
+    },
+}
+
+
+def run_tracker(model_ref: str | Path, experiment: str = "hlm_ray") -> Tracker:
+    """The MLflow run of the run folder the model came from (its `mlflow_run.json`), or a no-op
+    tracker when there is none (a bare model folder, a registry URI)."""
+    if str(model_ref).startswith("models:/"):
+        return Tracker()
+    folder = Path(model_ref)
+    for candidate in (folder, folder.parent):
+        id_file = candidate / RUN_ID_FILE
+        if id_file.is_file():
+            saved = json.loads(id_file.read_text())
+            return MlflowTracker(
+                experiment, tracking_uri=saved.get("tracking_uri"), run_id=saved["run_id"]
+            )
+    return Tracker()
+
+
+def evaluate(
+    model_ref: str | Path,
+    tasks: Sequence[str],
+    *,
+    output_dir: str | Path,
+    limit: int | None = None,
+    batch_size: int = 32,
+    device: str = "cpu",
+    tracker: Tracker | None = None,
+    progress: bool = True,
+) -> list[dict[str, Any]]:
+    """Run each evaluation task on the model; JSON per task in `output_dir`; metrics and
+    figures to `tracker` (prefixed ``eval/``)."""
+    from hlm_ray.evaluate import get_task, write_result
+
+    runners = [get_task(name) for name in tasks]  # unknown names fail before any loading
+    pre = load_pretrained(model_ref, device=device)
+    out = Path(output_dir)
+    tracker = tracker or Tracker()
+    results = []
+    for runner in runners:
+        result = runner(
+            pre,
+            output_dir=out,
+            limit=limit,
+            batch_size=batch_size,
+            device=device,
+            progress=progress,
+        )
+        path = write_result(result, out)
+        tracker.log_metrics(
+            {f"eval/{k}": float(v) for k, v in result["metrics"].items() if _finite(v)}, step=0
+        )
+        tracker.log_artifact(path, "eval")
+        for figure in result.get("figures", []):
+            tracker.log_artifact(figure, "eval")
+        results.append(result)
+    return results
+
+
+def finetune_generator(
+    model_ref: str | Path,
+    *,
+    output_dir: str | Path,
+    recipe: str = "tiny",
+    probe: bool = False,
+    overrides: list[str] | dict[str, Any] | None = None,
+    train: Callable[[Config], dict[str, Any]] | None = None,
+    eval_limit: int | None = 500,
+    register: str | None = None,
+    experiment: str = "hlm_ray",
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Fine-tune a headless decoder into a generator, score it on LAMBADA (and bits per byte),
+    and register it. `train` runs the config (the CLI passes Ray Train or the local loop; the
+    default is the local loop, with its own MLflow run)."""
+    from hlm_ray.finetune.clm import clm_config, write_facts
+    from hlm_ray.train.checkpoint import refuse_existing
+
+    cfg, facts = clm_config(
+        model_ref, recipe=recipe, probe=probe, output_dir=output_dir, overrides=overrides
+    )
+    refuse_existing(cfg.run.output_dir)
+    out = Path(cfg.run.output_dir)
+    started = time.perf_counter()
+    summary = (train or _train_local(experiment, progress))(cfg)
+    facts["finetune_seconds"] = time.perf_counter() - started
+    write_facts(out, facts)
+    tracker = run_tracker(out, experiment)
+    tracker.log_params({f"finetune.{k}": v for k, v in facts.items() if k != "finetune_seconds"})
+    results = evaluate(
+        out,
+        ["lambada", "bpb"],
+        output_dir=out / "eval",
+        limit=eval_limit,
+        tracker=tracker,
+        progress=progress,
+    )
+    tracker.log_artifact(out / "finetune.json")
+    registered = None
+    if register:
+        metrics = {k: v for r in results for k, v in r["metrics"].items()}
+        run_id = getattr(tracker, "run_id", None)
+        registered = _register(out, register, run_id, experiment, metrics, facts)
+    tracker.finish("FINISHED")
+    return {
+        "summary": summary,
+        "facts": facts,
+        "results": results,
+        "model_dir": str(out / "model"),
+        "registered": registered,
+    }
+
+
+def _register(out: Path, name: str, run_id, experiment: str, metrics, facts) -> dict[str, Any]:
+    from hlm_ray.tracking import register_model
+
+    extra = [out / "config.yaml"] if (out / "config.yaml").is_file() else []
+    name, version = register_model(
+        out / "model",
+        name,
+        run_id=run_id,
+        experiment=experiment,
+        extra_files=extra,
+        results={"metrics": metrics, "finetune": facts},
+        tags={"hlm.source_model": facts["source_model"], "hlm.recipe": facts["recipe"]},
+    )
+    return {"name": name, "version": version, "uri": f"models:/{name}/{version}"}
+
+
+def _train_local(experiment: str, progress: bool) -> Callable[[Config], dict[str, Any]]:
+    def train(cfg: Config) -> dict[str, Any]:
+        from hlm_ray.train.launch import open_mlflow_run
+        from hlm_ray.train.loop import train_worker
+
+        tracker, tracking = open_mlflow_run(
+            cfg, Path(cfg.run.output_dir), experiment=experiment, resume=False
+        )
+        try:
+            summary = train_worker(cfg.to_dict(), tracking=tracking, progress=progress)
+        except BaseException:
+            tracker.finish("FAILED")
+            raise
+        tracker.finish("FINISHED")
+        return summary
+
+    return train
+
+
+def finetune_encoder(
+    model_ref: str | Path,
+    task: str,
+    *,
+    output_dir: str | Path,
+    recipe: str = "tiny",
+    settings: dict[str, Any] | None = None,
+    experiment: str = "hlm_ray",
+    tracker: Tracker | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Fine-tune an encoder into a classifier on `task` (GLUE / XNLI), seeds and best epoch as
+    in the paper; logged to its own MLflow run unless a tracker is given."""
+    from hlm_ray.classify.finetune import finetune_classifier
+    from hlm_ray.classify.finetune import recipe as classify_recipe
+
+    folder = resolve_model_dir(model_ref)
+    info = model_info(folder)
+    if info["family"] != "encoder":
+        raise HLMError(
+            f"{task} needs an encoder; {model_ref} is a decoder ({info['model_type']}): "
+            "decoders are fine-tuned with --task clm"
+        )
+    kwargs = {**classify_recipe(recipe, task), **(settings or {})}
+    own = tracker is None
+    if own:
+        name = f"{Path(output_dir).name}"
+        tracker = MlflowTracker(
+            experiment,
+            name,
+            tracking_uri=default_tracking_uri(),
+            tags={"task": task, "source_model": str(model_ref), "stage": "classify"},
+        )
+    tracker.log_params({"task": task, "recipe": recipe, **{k: str(v) for k, v in kwargs.items()}})
+    try:
+        result = finetune_classifier(
+            str(model_ref),
+            task,
+            output_dir=Path(output_dir),
+            tracker=tracker,
+            progress=progress,
+            **kwargs,
+        )
+    except BaseException:
+        if own:
+            tracker.finish("FAILED")
+        raise
+    for path in Path(output_dir).glob("classify_*.json"):
+        tracker.log_artifact(path, "classify")
+    if own:
+        tracker.finish("FINISHED")
+    return result
+
+
+def run_downstream(
+    model_dir: Path,
+    *,
+    recipe: str,
+    output_dir: Path,
+    tracker: Tracker,
+    progress: bool = False,
+) -> dict[str, float]:
+    """The paper's downstream protocol for the model's family; flat metrics for a sweep trial.
+
+    Decoders: a headless arm is fine-tuned into a generator (`clm` recipe of `recipe`), then
+    both arms are scored on LAMBADA (``downstream/score`` = accuracy) and bits per byte.
+    Encoders: fine-tuned on the recipe's GLUE tasks; ``downstream/score`` is the mean of each
+    task's main metric (mean over seeds of the best epoch)."""
+    if recipe not in DOWNSTREAM:
+        raise HLMError(
+            f"unknown downstream recipe {recipe!r}; choose one of {', '.join(DOWNSTREAM)}"
+        )
+    plan = DOWNSTREAM[recipe]
+    info = model_info(model_dir)
+    output_dir = Path(output_dir)
+    metrics: dict[str, float] = {}
+    if info["family"] == "decoder":
+        scored = model_dir
+        if info["objective"] == "headless" and not info["finetuned"]:
+            started = time.perf_counter()
+            from hlm_ray.finetune.clm import clm_config
+            from hlm_ray.train.loop import train_worker
+
+            cfg, facts = clm_config(
+                model_dir, recipe=plan["clm_recipe"], output_dir=output_dir / "clm"
+            )
+            train_worker(cfg.to_dict(), progress=progress)
+            scored = output_dir / "clm" / "model"
+            metrics["finetune/seconds"] = time.perf_counter() - started
+            metrics["finetune/pretrain_token_fraction"] = facts["pretrain_token_fraction"] or 0.0
+        pre = load_pretrained(scored)
+        from hlm_ray.evaluate import get_task
+
+        for name, limit in (("lambada", plan["lambada_limit"]), ("bpb", plan["bpb_limit"])):
+            result = get_task(name)(
+                pre,
+                output_dir=output_dir,
+                limit=limit,
+                batch_size=32,
+                device="cpu",
+                progress=progress,
+            )
+            metrics.update(result["metrics"])
+        metrics["downstream/score"] = metrics["lambada/accuracy"]
+        metrics["bpb"] = metrics["bpb/bits_per_byte"]
+    else:
+        scores = []
+        for task in plan["glue_tasks"]:
+            result = finetune_encoder(
+                model_dir,
+                task,
+                output_dir=output_dir / task.replace(":", "-"),
+                recipe=plan["classify"],
+                tracker=Tracker(),
+                progress=progress,
+            )
+            score = float(result["summary"][result["main_metric"]]["mean"])
+            metrics[f"{task}/score"] = score
+            scores.append(score)
+        metrics["downstream/score"] = sum(scores) / len(scores)
+    tracker.log_metrics({k: v for k, v in metrics.items() if _finite(v)}, step=0)
+    return metrics
+
+
+def format_classification(result: dict[str, Any]) -> str:
+    """A Markdown table: one row per metric, mean ± std over seeds at each seed's best epoch."""
+    seeds = result["seeds"]
+    best = ", ".join(f"seed {s['seed']}: epoch {s['best_epoch']}" for s in seeds)
+    lines = [
+        f"{result['task']} on {result['model']['ref']} ({result['data']['note']})",
+        f"best epochs by {result['main_metric']}: {best}",
+        "",
+        "| metric | mean | std | per seed |",
+        "|---|---|---|---|",
+    ]
+    for key, stats in result["summary"].items():
+        values = ", ".join(f"{v:.4f}" for v in stats["values"])
+        std = stats["std"]
+        std_text = "-" if std is None or not math.isfinite(std) else f"{std:.4f}"
+        lines.append(f"| {key} | {stats['mean']:.4f} | {std_text} | {values} |")
+    return "\n".join(lines)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

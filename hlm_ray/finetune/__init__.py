@@ -1,0 +1,2 @@
+"""Fine-tuning: headless decoders into generators (`clm`); encoders into classifiers live in
+`hlm_ray.classify`."""

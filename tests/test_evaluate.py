@@ -1,0 +1,463 @@
+"""hlm_ray.evaluate: LAMBADA as lm-eval scores it, bits per byte, synonyms, anisotropy, tasks."""
+
+import copy
+import gzip
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from hlm_ray.config import ModelConfig
+from hlm_ray.errors import HLMError
+from hlm_ray.evaluate import (
+    EVAL_TASKS,
+    anisotropy,
+    bits_per_byte,
+    format_results,
+    get_task,
+    load_lambada,
+    score_lambada,
+    score_lambada_reference,
+    synonym_pairs,
+    synonym_similarity,
+    write_result,
+)
+from hlm_ray.evaluate.lambada import encode_pair, make_requests
+from hlm_ray.models import body, build_model, input_embedding_weight
+from hlm_ray.paths import has_shared, shared_file
+from hlm_ray.pretrained import Pretrained
+from hlm_ray.tokenizer import load_tokenizer, special_tokens_for, train_bpe
+
+needs_data = pytest.mark.skipif(
+    not (has_shared("corpus/en") and has_shared("eval/lambada_openai.jsonl")),
+    reason="needs the shared data folder (HLM_DATA_DIR)",
+)
+pytestmark = needs_data
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    """A 2048-token BPE on 200 KB of WikiText: big enough for ~190 single-token synonym pairs."""
+    text = shared_file("corpus/en/wikitext2_raw_test.txt").read_text(encoding="utf-8")[:200_000]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HLM_CACHE_DIR", str(tmp_path_factory.mktemp("tok_cache")))
+        folder = train_bpe([text], 2048, special_tokens_for("encoder"))
+        return load_tokenizer(folder)
+
+
+@pytest.fixture(scope="module")
+def passages():
+    return load_lambada(limit=20)
+
+
+def tiny(tok, arch="gpt_neox", objective="vanilla", max_positions=256):
+    """A random tiny model whose head is sharp enough for position bugs to change the scores."""
+    cfg = ModelConfig(
+        arch=arch, hidden_size=32, num_layers=2, num_heads=2, max_positions=max_positions
+    )
+    ids = {role: tok.convert_tokens_to_ids(t) for role, t in special_tokens_for("encoder").items()}
+    torch.manual_seed(0)
+    model = build_model(cfg, vocab_size=len(tok), objective=objective, special_ids=ids)
+    with torch.no_grad():
+        for p in (
+            model.get_input_embeddings().weight,
+            getattr(model.get_output_embeddings(), "weight", None),
+        ):
+            if p is not None:
+                p.mul_(20)  # std 0.4: logits with a spread of a few nats
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------- LAMBADA
+
+
+class Oracle(nn.Module):
+    """A fake causal LM that reads the input prefix and puts logit 30 on the token that follows
+    it in one of `sequences` (on the token after that one for sequences listed in `wrong`)."""
+
+    def __init__(self, sequences, vocab_size, wrong=()):
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.next_token = {}
+        for s, seq in enumerate(sequences):
+            for t in range(1, len(seq)):
+                nxt = (seq[t] + 1) % vocab_size if s in wrong else seq[t]
+                self.next_token[tuple(seq[:t])] = nxt
+        self.anchor = nn.Parameter(torch.zeros(()))  # so .to() / .eval() behave
+
+    def forward(self, input_ids, attention_mask=None):
+        batch, length = input_ids.shape
+        logits = torch.zeros(batch, length, self.vocab_size)
+        for b in range(batch):
+            row = input_ids[b].tolist()
+            n = int(attention_mask[b].sum()) if attention_mask is not None else length
+            for t in range(n):
+                nxt = self.next_token.get(tuple(row[: t + 1]))
+                if nxt is not None:
+                    logits[b, t, nxt] = 30.0
+        return SimpleNamespace(logits=logits)
+
+
+def sequences_of(tok, examples):
+    return [sum(encode_pair(tok, e["context"], e["continuation"]), []) for e in examples]
+
+
+def test_oracle_that_knows_every_continuation_scores_accuracy_one(tok, passages):
+    model = Oracle(sequences_of(tok, passages), len(tok))
+    out = score_lambada(model, tok, passages, batch_size=6, progress=False)
+    assert out["lambada/accuracy"] == 1.0
+    assert out["lambada/num_examples"] == 20
+    assert out["lambada/perplexity"] == pytest.approx(1.0, abs=1e-6)
+    assert out["lambada/mean_continuation_tokens"] >= 1
+
+
+def test_oracle_that_is_always_wrong_scores_zero(tok, passages):
+    model = Oracle(sequences_of(tok, passages), len(tok), wrong=range(len(passages)))
+    out = score_lambada(model, tok, passages, batch_size=6, progress=False)
+    assert out["lambada/accuracy"] == 0.0
+    # Each continuation token gets logprob -log(e^30 + V - 1): ppl = exp(mean tokens * that).
+    per_token = 30 + math.log1p((len(tok) - 1) * math.exp(-30))
+    expected = math.exp(out["lambada/mean_continuation_tokens"] * per_token)
+    assert out["lambada/perplexity"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_batched_results_come_back_in_input_order(tok, passages):
+    wrong = range(1, len(passages), 2)
+    model = Oracle(sequences_of(tok, passages), len(tok), wrong=wrong)
+    out = score_lambada(model, tok, passages, batch_size=7, progress=False, return_per_example=True)
+    ref = score_lambada_reference(model, tok, passages, return_per_example=True)
+    assert [g for _, g in out["per_example"]] == [i % 2 == 0 for i in range(len(passages))]
+    assert out["lambada/accuracy"] == ref["lambada/accuracy"] == 0.5
+
+
+@pytest.mark.parametrize(("max_positions", "batch_sizes"), [(256, (1, 3, 32)), (24, (4,))])
+def test_batched_scorer_matches_the_one_at_a_time_reference(
+    tok, passages, max_positions, batch_sizes
+):
+    model = tiny(tok, max_positions=max_positions).train()
+    ref = score_lambada_reference(model, tok, passages, return_per_example=True)
+    for batch_size in batch_sizes:
+        out = score_lambada(
+            model, tok, passages, batch_size=batch_size, progress=False, return_per_example=True
+        )
+        torch.testing.assert_close(
+            torch.tensor([ll for ll, _ in out["per_example"]], dtype=torch.float64),
+            torch.tensor([ll for ll, _ in ref["per_example"]], dtype=torch.float64),
+            rtol=1e-4,
+            atol=1e-4,
+        )
+        assert [g for _, g in out["per_example"]] == [g for _, g in ref["per_example"]]
+        assert out["lambada/perplexity"] == pytest.approx(ref["lambada/perplexity"], rel=1e-4)
+        assert out["lambada/accuracy"] == ref["lambada/accuracy"]
+    assert model.training  # scoring switched to eval mode and back
+
+
+def test_left_truncation_keeps_the_continuation(tok, passages):
+    full = make_requests(tok, passages)
+    cut = make_requests(tok, passages, max_length=24)
+    assert any(len(r.tokens) > 25 for r in full)
+    for a, b in zip(full, cut, strict=True):
+        assert len(b.tokens) == min(len(a.tokens), 25)
+        assert b.tokens == a.tokens[-len(b.tokens) :]  # the context lost its start, nothing else
+        assert b.num_continuation == a.num_continuation
+
+
+def test_encoding_is_lm_evals(tok):
+    ctx, cont = encode_pair(tok, "He walked to the", "river")
+    assert ctx == tok.encode("He walked to the", add_special_tokens=False)
+    assert tok.decode(cont) == " river"
+    # Trailing whitespace of the context moves into the continuation.
+    ctx, cont = encode_pair(tok, "He walked to the ", "river")
+    assert ctx == tok.encode("He walked to the", add_special_tokens=False)
+    assert tok.decode(ctx + cont) == "He walked to the  river"
+
+
+def test_bf16_model_scores_close_to_fp32(tok, passages):
+    model = tiny(tok)
+    fp32 = score_lambada(
+        model, tok, passages, batch_size=8, progress=False, return_per_example=True
+    )
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    bf16 = score_lambada(half, tok, passages, batch_size=8, progress=False, return_per_example=True)
+    lls32 = torch.tensor([ll for ll, _ in fp32["per_example"]])
+    lls16 = torch.tensor([ll for ll, _ in bf16["per_example"]])
+    torch.testing.assert_close(lls16, lls32, rtol=0.01, atol=0.1)
+    assert bf16["lambada/perplexity"] == pytest.approx(fp32["lambada/perplexity"], rel=0.1)
+
+
+def test_bad_lambada_files_name_the_line_and_field(tmp_path):
+    path = tmp_path / "lambada.jsonl"
+    good = json.dumps({"context": "a b", "continuation": "c"})
+    path.write_text(good + "\n" + json.dumps({"context": "a b"}) + "\n")
+    with pytest.raises(HLMError, match=r"line 2: missing or empty field 'continuation'"):
+        load_lambada(path)
+    path.write_text(good + "\n{not json\n")
+    with pytest.raises(HLMError, match="line 2: invalid JSON"):
+        load_lambada(path)
+    path.write_text(good + "\n" + good + "\n")
+    assert load_lambada(path, limit=1) == [{"context": "a b", "continuation": "c"}]
+
+
+def test_lambada_falls_back_to_the_hub_then_explains(tmp_path, monkeypatch):
+    import datasets
+
+    monkeypatch.setenv("HLM_DATA_DIR", str(tmp_path))
+    calls = []
+
+    def fake(name, config, split):
+        calls.append((name, config, split))
+        return [{"text": "the cat sat on the mat"}, {"text": "one two"}]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake)
+    assert load_lambada() == [
+        {"context": "the cat sat on the", "continuation": "mat"},
+        {"context": "one", "continuation": "two"},
+    ]
+    assert calls == [("EleutherAI/lambada_openai", "default", "test")]
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(HLMError, match="set HLM_DATA_DIR"):
+        load_lambada()
+
+
+# ----------------------------------------------------------------------------- bits per byte
+
+
+def hand_bpb(model, tok, texts, window):
+    """Every token scored on its own forward pass over the tokens of its window before it."""
+    nats, nbytes = 0.0, 0
+    with torch.no_grad():
+        for text in texts:
+            stream = [tok.eos_token_id, *tok.encode(text, add_special_tokens=False)]
+            for k in range(1, len(stream)):
+                context = stream[((k - 1) // window) * window : k]
+                logits = model(input_ids=torch.tensor([context])).logits[0, -1].double()
+                nats -= logits.log_softmax(-1)[stream[k]].item()
+            nbytes += len(text.encode("utf-8"))
+    return nats / math.log(2) / nbytes
+
+
+@pytest.mark.parametrize("seq_len", [None, 5])
+def test_bits_per_byte_equals_a_hand_computation(tok, seq_len):
+    model = tiny(tok, max_positions=64)
+    texts = ["The river bank was quiet that night.", "Café 東京, naïve façade!", "Ok."]
+    out = bits_per_byte(model, tok, texts, batch_size=2, seq_len=seq_len, progress=False)
+    assert out["bpb"] == pytest.approx(hand_bpb(model, tok, texts, seq_len or 64), rel=1e-4)
+    assert out["bytes"] == sum(len(t.encode()) for t in texts)
+    assert out["tokens"] == sum(len(tok.encode(t, add_special_tokens=False)) for t in texts)
+    assert out["documents"] == 3
+    assert out["nats_per_token"] == pytest.approx(
+        out["bpb"] * math.log(2) * out["bytes"] / out["tokens"]
+    )
+
+
+def test_bits_per_byte_refuses_an_encoder(tok):
+    with pytest.raises(HLMError, match="needs a decoder with a head"):
+        bits_per_byte(tiny(tok, arch="bert"), tok, ["some text"], progress=False)
+
+
+# ----------------------------------------------------------------------------- synonyms
+
+
+def write_pairs(path: Path, rows):
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.write("word1\tword2\tpos\tsynset_offset\n")
+        for a, b in rows:
+            f.write(f"{a}\t{b}\tn\t00000001\n")
+    return path
+
+
+def test_synonym_pairs_keep_distinct_single_tokens_once(tok, tmp_path):
+    the, and_ = (tok.encode(" " + w, add_special_tokens=False) for w in ("the", "and"))
+    assert len(the) == len(and_) == 1
+    assert len(tok.encode(" xqzvkjw", add_special_tokens=False)) > 1
+    rows = [("the", "and"), ("and", "the"), ("the", "the"), ("the", "xqzvkjw")]
+    pairs, words = synonym_pairs(tok, write_pairs(tmp_path / "p.tsv.gz", rows))
+    assert pairs == [tuple(sorted((the[0], and_[0])))]
+    assert words == ["and", "the"]
+
+
+def test_synonym_file_missing_says_where(tok, tmp_path, monkeypatch):
+    monkeypatch.setenv("HLM_DATA_DIR", str(tmp_path))
+    with pytest.raises(HLMError, match="HLM_DATA_DIR.*no hub fallback"):
+        synonym_pairs(tok)
+
+
+def test_too_few_pairs_is_an_error(tok, tmp_path):
+    path = write_pairs(tmp_path / "p.tsv.gz", [("the", "and"), ("of", "in")])
+    with pytest.raises(HLMError, match="only 2 WordNet synonym pairs"):
+        synonym_similarity(tiny(tok), tok, path=path)
+
+
+def test_synonym_similarity_runs_and_plots(tok, tmp_path):
+    out = synonym_similarity(tiny(tok), tok, num_random=2000, plot_path=tmp_path / "syn.png")
+    assert out["synonyms/num_pairs"] >= 100
+    for key in ("synonyms/mean_cos", "synonyms/random_mean_cos"):
+        assert -1 <= out[key] <= 1
+    assert out["synonyms/gap"] == pytest.approx(
+        out["synonyms/mean_cos"] - out["synonyms/random_mean_cos"]
+    )
+    assert (tmp_path / "syn.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_synonyms_with_identical_embeddings_score_one(tok):
+    model = tiny(tok)
+    pairs, _ = synonym_pairs(tok)
+    parent = {}  # union-find: every word of a synonym chain gets the same vector
+
+    def root(i):
+        while parent.setdefault(i, i) != i:
+            i = parent[i]
+        return i
+
+    for a, b in pairs:
+        parent[root(a)] = root(b)
+    weight = input_embedding_weight(model)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        vectors = {}
+        for i in parent:
+            r = root(i)
+            if r not in vectors:
+                vectors[r] = torch.randn(weight.shape[1], generator=gen)
+            weight[i] = vectors[r]
+    out = synonym_similarity(model, tok)
+    assert out["synonyms/mean_cos"] == pytest.approx(1.0, abs=1e-5)
+    assert out["synonyms/random_mean_cos"] < 0.5
+
+
+# ----------------------------------------------------------------------------- anisotropy
+
+
+def exact_anisotropy(model, tok, texts):
+    """Mean cosine over all pairs i != j of the unpadded tokens, per layer (one text a pass)."""
+    per_layer = None
+    with torch.no_grad():
+        for text in texts:
+            ids = torch.tensor([tok.encode(text, add_special_tokens=False)])
+            states = body(model)(input_ids=ids, output_hidden_states=True).hidden_states
+            rows = [s[0] for s in states]
+            per_layer = (
+                rows
+                if per_layer is None
+                else [torch.cat(p) for p in zip(per_layer, rows, strict=True)]
+            )
+    out = []
+    for states_ND in per_layer:
+        unit = torch.nn.functional.normalize(states_ND.double(), dim=-1)
+        n = unit.shape[0]
+        out.append(((unit.sum(0).square().sum() - n) / (n * (n - 1))).item())
+    return out
+
+
+@pytest.mark.parametrize(
+    ("arch", "objective"),
+    [
+        ("gpt_neox", "vanilla"),
+        ("gpt2", "headless"),
+        ("bert", "headless"),
+        ("distilbert", "vanilla"),
+    ],
+)
+def test_anisotropy_matches_the_all_pairs_mean(tok, arch, objective, tmp_path):
+    model = tiny(tok, arch=arch, objective=objective, max_positions=64)
+    texts = [
+        "The river bank was quiet that night, and the boats were still.",
+        "A short one.",
+        "Then three more words",
+    ]
+    out = anisotropy(
+        model, tok, texts, num_pairs=40_000, batch_size=2, plot_path=tmp_path / "a.png"
+    )
+    exact = exact_anisotropy(model, tok, texts)
+    assert [k for k in out if "/layer_" in k] == [f"anisotropy/layer_{i}" for i in range(3)]
+    for layer, value in enumerate(exact):
+        assert -1 <= out[f"anisotropy/layer_{layer}"] <= 1
+        assert out[f"anisotropy/layer_{layer}"] == pytest.approx(value, abs=0.01)
+    assert out["anisotropy/mean"] == pytest.approx(sum(exact) / 3, abs=0.01)
+    assert (tmp_path / "a.png").is_file()
+
+
+@pytest.mark.parametrize("arch", ["gpt_neox", "bert"])
+def test_anisotropy_is_one_when_every_token_looks_the_same(tok, arch):
+    model = tiny(tok, arch=arch, objective="headless")
+    with torch.no_grad():
+        weight = input_embedding_weight(model)
+        weight.copy_(torch.randn(weight.shape[1]).expand_as(weight))
+        for name, param in body(model).embeddings.named_parameters() if arch == "bert" else []:
+            if "position" in name or "token_type" in name:
+                param.zero_()
+    texts = [p["context"] for p in load_lambada(limit=3)]
+    out = anisotropy(model, tok, texts, num_pairs=2000)
+    for key, value in out.items():
+        if key.startswith("anisotropy/layer_"):
+            assert value == pytest.approx(1.0, abs=1e-5), key
+
+
+# ----------------------------------------------------------------------------- tasks
+
+
+def pretrained(model, tok, family, objective, tmp_path, finetuned=None):
+    return Pretrained(
+        model=model,
+        tokenizer=tok,
+        family=family,
+        objective=objective,
+        finetuned=finetuned,
+        path=tmp_path,
+        run_config=None,
+        source="tiny-" + objective,
+    )
+
+
+def test_tasks_run_write_and_format(tok, tmp_path):
+    pre = pretrained(tiny(tok, objective="headless"), tok, "decoder", "headless", tmp_path)
+    results = [
+        get_task(name)(
+            pre, output_dir=tmp_path, limit=4, batch_size=4, device="cpu", progress=False
+        )
+        for name in ("lambada", "bpb")
+    ]
+    for result in results:
+        assert result["note"] == "raw Eᵀ head: headless decoder not fine-tuned"
+        assert result["model"] == "tiny-headless" and result["seconds"] >= 0
+        saved = json.loads(write_result(result, tmp_path).read_text())
+        assert saved["metrics"] == result["metrics"]
+    assert results[0]["metrics"]["lambada/num_examples"] == 4
+    table = format_results(results)
+    assert "| model | task | lambada/accuracy |" in table
+    assert "| tiny-headless [1] | bpb |" in table
+    assert "[1] raw Eᵀ head" in table
+
+
+def test_embedding_tasks_write_their_figures(tok, tmp_path):
+    pre = pretrained(tiny(tok), tok, "decoder", "headless", tmp_path, finetuned="clm")
+    for name in ("synonyms", "anisotropy", "lambada"):
+        result = get_task(name)(
+            pre, output_dir=tmp_path, limit=2, batch_size=2, device="cpu", progress=False
+        )
+        assert "note" not in result  # fine-tuned: a real head
+        assert all(Path(f).is_file() for f in result["figures"])
+        assert len(result["figures"]) == (name != "lambada")
+
+
+def test_decoder_tasks_refuse_an_encoder(tok, tmp_path):
+    pre = pretrained(
+        tiny(tok, arch="bert", objective="headless"), tok, "encoder", "headless", tmp_path
+    )
+    with pytest.raises(HLMError, match="lambada needs a decoder"):
+        EVAL_TASKS["lambada"](
+            pre, output_dir=tmp_path, limit=2, batch_size=2, device="cpu", progress=False
+        )
+
+
+def test_unknown_task_lists_the_tasks():
+    with pytest.raises(HLMError, match="lambada, bpb, synonyms, anisotropy"):
+        get_task("hellaswag")

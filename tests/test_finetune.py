@@ -1,0 +1,168 @@
+"""Headless decoder -> generator, the model registry, and the `hlm finetune` / `hlm eval` CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hlm_ray.cli import main
+from hlm_ray.config import load_config
+from hlm_ray.errors import HLMError
+from hlm_ray.finetune.clm import clm_config, model_config_from_hf
+from hlm_ray.models import build_model, init_from_pretrained, input_embedding_weight
+from hlm_ray.pretrained import load_pretrained, resolve_model_dir
+from hlm_ray.train.loop import train_worker
+
+
+def _pretrain(folder: Path, preset: str, objective: str, steps: int, **extra) -> Path:
+    overrides = {"optim.max_steps": steps, "run.output_dir": str(folder), **extra}
+    cfg = load_config(preset, objective=objective, overrides=overrides)
+    train_worker(cfg.to_dict(), progress=False)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    # One tokenizer/corpus cache for the module: the per-test cache would retrain the BPE.
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def headless_run(tmp_path_factory, cache):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HLM_CACHE_DIR", str(cache))
+        return _pretrain(tmp_path_factory.mktemp("hd") / "run", "tiny-decoder", "headless", 60)
+
+
+@pytest.fixture(scope="module")
+def vanilla_run(tmp_path_factory, cache):
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HLM_CACHE_DIR", str(cache))
+        return _pretrain(tmp_path_factory.mktemp("vd") / "run", "tiny-decoder", "vanilla", 2)
+
+
+@pytest.fixture
+def shared_cache(cache, monkeypatch):
+    monkeypatch.setenv("HLM_CACHE_DIR", str(cache))
+
+
+@pytest.mark.parametrize("arch", ["gpt_neox", "gpt2"])
+def test_new_head_starts_as_an_untied_copy_of_the_embedding_and_then_diverges(tmp_path, arch):
+    cfg = load_config("tiny-decoder", overrides={"model.arch": arch})
+    ids = {"eos_token": 0, "pad_token": 1}
+    headless = build_model(cfg.model, vocab_size=96, objective="headless", special_ids=ids)
+    assert headless.get_output_embeddings().weight is input_embedding_weight(headless)
+    headless.save_pretrained(tmp_path)
+
+    model = build_model(cfg.model, vocab_size=96, objective="vanilla", special_ids=ids)
+    init_from_pretrained(model, str(tmp_path), new_head=True)
+    head, embedding = model.get_output_embeddings().weight, input_embedding_weight(model)
+    torch.testing.assert_close(head, embedding, rtol=0, atol=0)
+    torch.testing.assert_close(embedding, input_embedding_weight(headless), rtol=0, atol=0)
+    assert head.data_ptr() != embedding.data_ptr()
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    input_ids = torch.randint(2, 96, (2, 16))
+    model(input_ids=input_ids, labels=input_ids).loss.backward()
+    optimizer.step()
+    assert (head - embedding).abs().max() > 1e-4
+
+    model.save_pretrained(tmp_path / "ft")  # the untied head survives save / load
+    again = type(model).from_pretrained(tmp_path / "ft")
+    torch.testing.assert_close(again.get_output_embeddings().weight, head)
+    assert again.config.hlm_finetuned == "clm" and again.config.hlm_objective == "headless"
+    assert model_config_from_hf(tmp_path).arch == arch
+
+
+def test_probe_trains_only_the_head(tmp_path):
+    cfg = load_config("tiny-decoder")
+    ids = {"eos_token": 0, "pad_token": 1}
+    build_model(cfg.model, vocab_size=64, objective="headless", special_ids=ids).save_pretrained(
+        tmp_path
+    )
+    model = build_model(cfg.model, vocab_size=64, objective="vanilla", special_ids=ids)
+    init_from_pretrained(model, str(tmp_path), new_head=True, train="head")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(trainable) == 1 and trainable[0] is model.get_output_embeddings().weight
+
+
+def test_finetune_lowers_lambada_perplexity(headless_run, tmp_path, shared_cache):
+    from hlm_ray.evaluate.lambada import load_lambada, score_lambada
+
+    examples = load_lambada(limit=100)
+    before = load_pretrained(headless_run)
+    assert before.objective == "headless" and before.finetuned is None
+    ppl_before = score_lambada(before.model, before.tokenizer, examples, progress=False)
+
+    cfg, facts = clm_config(headless_run, recipe="tiny", output_dir=tmp_path / "gen")
+    assert cfg.objective.name == "vanilla" and cfg.init.new_head
+    assert 0 < facts["pretrain_token_fraction"] < 1
+    train_worker(cfg.to_dict(), progress=False)
+    after = load_pretrained(tmp_path / "gen")
+    assert after.finetuned == "clm" and after.objective == "headless"
+    ppl_after = score_lambada(after.model, after.tokenizer, examples, progress=False)
+    assert ppl_after["lambada/perplexity"] < 0.5 * ppl_before["lambada/perplexity"]
+
+
+def test_bad_finetune_requests_say_what_to_do(vanilla_run, headless_run, tmp_path, capsys):
+    with pytest.raises(HLMError, match="nothing to fine-tune"):
+        clm_config(vanilla_run, output_dir=tmp_path / "x")
+    with pytest.raises(HLMError, match="unknown clm recipe"):
+        clm_config(headless_run, recipe="fast", output_dir=tmp_path / "x")
+    with pytest.raises(HLMError, match="is not a model"):
+        resolve_model_dir(tmp_path)
+    with pytest.raises(HLMError, match="does not exist"):
+        resolve_model_dir(tmp_path / "nope")
+    assert main(["finetune", "--task", "glue:sst2", "--model", str(vanilla_run)]) == 2
+    assert "needs an encoder" in capsys.readouterr().err
+    assert main(["finetune", "--task", "squad", "--model", str(vanilla_run)]) == 2
+    assert "glue:sst2" in capsys.readouterr().err
+    assert main(["eval", "--task", "nope", "--model", str(vanilla_run)]) == 2
+    assert "lambada" in capsys.readouterr().err
+
+
+def test_register_and_load_from_the_registry(vanilla_run):
+    from hlm_ray.tracking import download_model, register_model
+
+    name, version = register_model(
+        vanilla_run / "model",
+        "test-registry",
+        extra_files=[vanilla_run / "config.yaml"],
+        results={"lambada/accuracy": 0.5},
+    )
+    assert name == "test-registry" and version >= 1
+    pre = load_pretrained(f"models:/{name}/{version}")
+    assert pre.family == "decoder" and pre.run_config is not None
+    files = {p.name for p in download_model(f"models:/{name}/{version}").iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "eval_results.json"} <= files
+    with pytest.raises(HLMError, match="cannot be loaded from the registry"):
+        load_pretrained("models:/no-such-model/1")
+    with pytest.raises(HLMError, match="not a registry URI"):
+        load_pretrained("models:/only-a-name")
+
+
+def test_cli_finetune_clm_then_eval_from_the_registry(headless_run, tmp_path, capsys):
+    import mlflow
+
+    out = tmp_path / "gen"
+    argv = ["finetune", "--task", "clm", "--model", str(headless_run), "--local"]
+    argv += ["--output", str(out), "--register", "cli-gen", "--eval-limit", "50"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "registered cli-gen version" in printed and "lambada" in printed
+    facts = json.loads((out / "finetune.json").read_text())
+    assert facts["recipe"] == "tiny" and facts["finetune_tokens"] > 0
+
+    run_id = json.loads((out / "mlflow_run.json").read_text())["run_id"]
+    run = mlflow.MlflowClient().get_run(run_id)
+    assert "eval/lambada/accuracy" in run.data.metrics
+    assert run.data.params["finetune.recipe"] == "tiny"
+    (version,) = mlflow.MlflowClient().search_model_versions("name='cli-gen'")
+    assert version.run_id == run_id
+
+    uri = f"models:/cli-gen/{version.version}"
+    assert main(["eval", "--model", uri, "--task", "lambada", "--limit", "20"]) == 0
+    assert "lambada" in capsys.readouterr().out
