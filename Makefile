@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test setup setup-dev lint
+.PHONY: demo test setup setup-dev lint compare
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -14,8 +14,12 @@ setup: $(BIN)/python
 setup-dev: $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
 
-# Main job: a tiny headless and a tiny vanilla pretraining run on the shipped corpus, compared.
+# Main job: the tiny vocabulary-size ablation (paper Figure 7), headless vs vanilla, on local Ray.
 demo: setup
+	$(BIN)/python sweeps/vocab.py --preset tiny
+
+# A tiny headless and a tiny vanilla decoder, pretrained side by side.
+compare: setup
 	$(BIN)/hlm compare --preset tiny-decoder --output runs/demo
 
 test: setup-dev

@@ -267,6 +267,9 @@ def run_downstream(
     info = model_info(model_dir)
     output_dir = Path(output_dir)
     metrics: dict[str, float] = {}
+    import torch
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the trial's GPU, when it has one
     if info["family"] == "decoder":
         scored = model_dir
         if info["objective"] == "headless" and not info["finetuned"]:
@@ -281,7 +284,7 @@ def run_downstream(
             scored = output_dir / "clm" / "model"
             metrics["finetune/seconds"] = time.perf_counter() - started
             metrics["finetune/pretrain_token_fraction"] = facts["pretrain_token_fraction"] or 0.0
-        pre = load_pretrained(scored)
+        pre = load_pretrained(scored, device=device)
         from hlm_ray.evaluate import get_task
 
         for name, limit in (("lambada", plan["lambada_limit"]), ("bpb", plan["bpb_limit"])):
@@ -290,7 +293,7 @@ def run_downstream(
                 output_dir=output_dir,
                 limit=limit,
                 batch_size=32,
-                device="cpu",
+                device=device,
                 progress=progress,
             )
             metrics.update(result["metrics"])

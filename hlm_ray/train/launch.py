@@ -27,6 +27,7 @@ from typing import Any
 
 from hlm_ray.config import Config, apply_overrides
 from hlm_ray.errors import HLMError
+from hlm_ray.paths import CACHE_ENV
 from hlm_ray.train import checkpoint as ckpt
 from hlm_ray.train.inputs import build_corpus, build_tokenizer
 
@@ -61,6 +62,8 @@ def _ray_worker(loop_config: dict[str, Any]) -> None:
 
     from hlm_ray.train.loop import WorkerEnv, train_worker
 
+    # The driver's cache folder (when it set one): its tokenizer and tokenized corpus are here.
+    os.environ.update(loop_config.get("env", {}))
     ctx = ray.train.get_context()
     env = WorkerEnv(
         rank=ctx.get_world_rank(),
@@ -107,14 +110,16 @@ def _probe(address: str) -> None:
         ) from None
 
 
-def check_resources(num_workers: int, use_gpu: bool, cpus_per_worker: float) -> None:
+def check_resources(
+    num_workers: int, use_gpu: bool, cpus_per_worker: float, gpus_per_worker: float = 1.0
+) -> None:
     import ray
 
     total = ray.cluster_resources()
-    if use_gpu and total.get("GPU", 0) < num_workers:
+    if use_gpu and total.get("GPU", 0) < num_workers * gpus_per_worker:
         raise HLMError(
-            f"asked for {num_workers} GPU worker(s) but the cluster has "
-            f"{int(total.get('GPU', 0))} GPU(s); drop --gpu or lower --num-workers"
+            f"asked for {num_workers} GPU worker(s) × {gpus_per_worker:g} GPU but the cluster has "
+            f"{total.get('GPU', 0):g} GPU(s); drop --gpu or lower --num-workers"
         )
     need = num_workers * cpus_per_worker
     if total.get("CPU", 0) < need:
@@ -140,15 +145,31 @@ def check_storage(storage_path: str) -> None:
         ) from None
 
 
-def open_mlflow_run(cfg: Config, out_dir: Path, *, experiment: str, resume: bool):
+def open_mlflow_run(
+    cfg: Config,
+    out_dir: Path,
+    *,
+    experiment: str,
+    resume: bool,
+    parent_run_id: str | None = None,
+    tags: dict[str, Any] | None = None,
+):
     """The MLflow run of this training run: reopened on --resume (its id is kept in the run
-    folder), so a continued run or a restarted worker group never starts a second one."""
+    folder), so a continued run or a restarted worker group never starts a second one.
+    `parent_run_id` nests it under a sweep's run."""
     from hlm_ray.tracking import MlflowTracker, default_tracking_uri
 
     id_file = out_dir / RUN_ID_FILE
     run_id = json.loads(id_file.read_text())["run_id"] if resume and id_file.exists() else None
     uri = default_tracking_uri()
-    tracker = MlflowTracker(experiment, out_dir.name, tracking_uri=uri, run_id=run_id)
+    tracker = MlflowTracker(
+        experiment,
+        out_dir.name,
+        tracking_uri=uri,
+        run_id=run_id,
+        parent_run_id=parent_run_id,
+        tags=tags,
+    )
     if tracker.run_id is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         id_file.write_text(json.dumps({"run_id": tracker.run_id, "tracking_uri": uri}))
@@ -166,8 +187,15 @@ def launch(
     storage_path: str | None = None,
     experiment: str = "hlm_ray",
     resume: bool = False,
+    gpus_per_worker: float = 1.0,
+    parent_run_id: str | None = None,
+    tags: dict[str, Any] | None = None,
+    callbacks: list[Any] | None = None,
 ) -> dict[str, Any]:
-    """Train `cfg` on `num_workers` Ray Train workers; returns rank 0's run summary."""
+    """Train `cfg` on `num_workers` Ray Train workers; returns rank 0's run summary.
+
+    A sweep trial (Train inside Tune) passes `parent_run_id` (its MLflow run nests under the
+    sweep's), `tags`, and `callbacks=[TuneReportCallback()]` (reports reach Tune)."""
     import ray.train
     from ray.train.torch import TorchTrainer
 
@@ -184,7 +212,7 @@ def launch(
         import ray
 
         use_gpu = ray.cluster_resources().get("GPU", 0) >= num_workers
-    check_resources(num_workers, use_gpu, cpus_per_worker)
+    check_resources(num_workers, use_gpu, cpus_per_worker, gpus_per_worker)
     if not resume:
         ckpt.refuse_existing(out_dir)
 
@@ -198,11 +226,15 @@ def launch(
             ],
         },
     )
-    tracker, tracking = open_mlflow_run(cfg, out_dir, experiment=experiment, resume=resume)
-    resources = {"CPU": cpus_per_worker, **({"GPU": 1} if use_gpu else {})}
+    tracker, tracking = open_mlflow_run(
+        cfg, out_dir, experiment=experiment, resume=resume, parent_run_id=parent_run_id, tags=tags
+    )
+    resources = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if use_gpu else {})}
+    cache = os.environ.get(CACHE_ENV)
+    env = {CACHE_ENV: str(Path(cache).expanduser().resolve())} if cache else {}
     trainer = TorchTrainer(
         _ray_worker,
-        train_loop_config={"config": cfg.to_dict(), "tracking": tracking},
+        train_loop_config={"config": cfg.to_dict(), "tracking": tracking, "env": env},
         scaling_config=ray.train.ScalingConfig(
             num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources
         ),
@@ -211,6 +243,7 @@ def launch(
             storage_path=storage,
             checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
             failure_config=ray.train.FailureConfig(max_failures=max_failures),
+            callbacks=callbacks,
         ),
     )
     try:

@@ -1,0 +1,97 @@
+"""The command line shared by the scripts in `sweeps/` (each is `sweep_main(<kind>, argv)`).
+
+    python sweeps/vocab.py --preset tiny
+    python sweeps/vocab.py --preset tiny --set optim.max_steps=20 --set sweep.values=[512,768]
+    python sweeps/batch_size.py --preset paper --workers-per-trial 2 --gpus-per-worker 1
+    python sweeps/vocab.py --preset tiny --search --set sweep.search_samples=8
+
+Exit status: 0 when every trial finished, 1 when some failed (they are in the summary), 2 on
+bad input (one line, ``error: ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from hlm_ray.errors import HLMError
+
+
+def build_parser(kind: str) -> argparse.ArgumentParser:
+    from hlm_ray.tune.presets import SWEEPS
+
+    p = argparse.ArgumentParser(
+        prog=f"sweeps/{kind}.py",
+        description=f"The {kind} ablation as a Ray Tune sweep (headless vs vanilla).",
+    )
+    p.add_argument("--preset", default="tiny", choices=sorted(SWEEPS[kind]), help="scale")
+    p.add_argument(
+        "--name",
+        help=f"sweep name: runs/sweeps/<name>; the same name resumes (default {kind}-<preset>)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override (optim.max_steps=20) or sweep setting (sweep.values=[512,1024])",
+    )
+    p.add_argument("--num-seeds", type=int, help="seeds per (value, objective)")
+    p.add_argument("--workers-per-trial", type=int, help="Ray Train workers of each trial")
+    p.add_argument("--cpus-per-worker", type=float)
+    p.add_argument("--gpus-per-worker", type=float)
+    p.add_argument("--max-failures", type=int, help="retries of a failed trial")
+    p.add_argument(
+        "--search",
+        action="store_true",
+        help="random search over lr and warm-up with ASHA early stopping (for one grid cell) "
+        "instead of the grid",
+    )
+    return p
+
+
+def sweep_main(kind: str, argv: list[str] | None = None) -> int:
+    args = build_parser(kind).parse_args(argv)
+    flags = {
+        "num_seeds": args.num_seeds,
+        "workers_per_trial": args.workers_per_trial,
+        "cpus_per_worker": args.cpus_per_worker,
+        "gpus_per_worker": args.gpus_per_worker,
+        "max_failures": args.max_failures,
+    }
+    overrides = [*args.set, *(f"sweep.{k}={v}" for k, v in flags.items() if v is not None)]
+    name = args.name or f"{kind}-{args.preset}" + ("-search" if args.search else "")
+    try:
+        from hlm_ray.tune.presets import get_sweep
+        from hlm_ray.tune.sweep import run_sweep
+
+        spec = get_sweep(kind, args.preset, overrides)
+        if args.search:
+            print(
+                f"--search: random lr / warm-up samples with ASHA for objective="
+                f"{spec.objectives[0]}, {spec.axis}={spec.values[0]} (validation losses are "
+                "not comparable across objectives or vocabularies); pick the cell with "
+                "--set sweep.objectives=[...] --set sweep.values=[...]"
+            )
+        outcome = run_sweep(spec, name=name, search=args.search)
+    except HLMError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"\n== sweep {outcome.name}: {len(outcome.rows)} trial(s) in {outcome.seconds:.0f} s")
+    print(outcome.table)
+    print("\nfiles (also on the parent MLflow run):")
+    for path in outcome.files:
+        print(f"  {path}")
+    stopped = sum(r["status"] == "STOPPED" for r in outcome.rows)
+    if stopped:
+        print(f"\n{stopped} trial(s) stopped early by ASHA")
+    best = outcome.best() if args.search else None
+    if best is not None:
+        print(
+            f"best: lr={best['lr']:.3g} warmup_steps={best['warmup_steps']} "
+            f"(downstream score {best['downstream/score']:.4f}, trial {best['trial_id']})"
+        )
+    if outcome.failed:
+        print(f"\n{len(outcome.failed)} trial(s) did not finish; re-run the same command to retry")
+        return 1
+    return 0

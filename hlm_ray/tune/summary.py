@@ -1,0 +1,184 @@
+"""The sweep's summary: one row per trial (failed ones included), as CSV, Markdown and figures.
+
+    rows = [trial_row(trial_id=..., status="FINISHED", metrics=result.metrics, ...), ...]
+    files = write_summary(rows, folder, kind="vocab")     # summary.csv, summary.md, figures
+    print(markdown_table(rows, "vocab"))
+
+Figures (the paper's): vocab -> downstream score vs vocabulary size and training tokens/s vs
+vocabulary size, per objective (Figure 7a / 7b); batch_size -> LAMBADA accuracy vs micro-batch
+size per objective (Figure 8), and the generators' bits per byte beside it. Each point is the
+mean over seeds (each seed a faint dot); only finished trials count.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any
+
+# (column, header, format) in table order; missing values print as "-".
+COLUMNS = [
+    ("trial_id", "trial", "{}"),
+    ("status", "status", "{}"),
+    ("objective", "objective", "{}"),
+    ("value", "value", "{}"),
+    ("seed", "seed", "{}"),
+    ("V", "V", "{:.0f}"),
+    ("downstream/score", "downstream", "{:.4f}"),
+    ("lambada/accuracy", "LAMBADA acc", "{:.4f}"),
+    ("lambada/perplexity", "LAMBADA ppl", "{:.4g}"),
+    ("bpb", "bpb", "{:.4f}"),
+    ("loss", "loss", "{:.4f}"),
+    ("tokens_per_s", "tokens/s", "{:,.0f}"),
+    ("peak_mem_mb", "peak MB", "{:,.0f}"),
+    ("head_flop_share", "head FLOPs", "{:.3f}"),
+    ("K", "K", "{:.0f}"),
+    ("K_over_V", "K/V", "{:.3f}"),
+    ("lr", "lr", "{:.3g}"),
+    ("warmup_steps", "warm-up", "{}"),
+    ("run", "run", "{}"),
+    ("error", "error", "{}"),
+]
+FIGURES = {
+    "vocab": [
+        ("fig7a_score_vs_vocab.png", "downstream/score", "downstream score"),
+        ("fig7b_tokens_per_s_vs_vocab.png", "tokens_per_s", "training tokens / s"),
+    ],
+    "batch_size": [
+        ("fig8_lambada_vs_batch_size.png", "lambada/accuracy", "LAMBADA accuracy"),
+        # Not in the paper: informative where LAMBADA accuracy is still 0 (tiny models).
+        ("fig8b_bpb_vs_batch_size.png", "bpb", "bits per byte (generator, lower is better)"),
+    ],
+}
+X_LABELS = {"vocab": "vocabulary size", "batch_size": "micro-batch size (in-batch negatives)"}
+# The swept value's column: header in the table, name in the CSV.
+VALUE_COLUMN = {
+    "vocab": ("vocab (asked)", "vocab_size"),
+    "batch_size": ("micro-batch", "micro_batch"),
+}
+
+
+def trial_row(
+    *,
+    trial_id: str,
+    run: str,
+    status: str,
+    value: int,
+    objective: str,
+    seed: int,
+    metrics: dict[str, Any],
+    error: str = "",
+    lr: float | None = None,
+    warmup_steps: int | None = None,
+) -> dict[str, Any]:
+    row: dict[str, Any] = {
+        "trial_id": trial_id,
+        "run": run,
+        "status": status,
+        "objective": objective,
+        "value": value,
+        "seed": seed,
+        "error": error,
+        "lr": lr,
+        "warmup_steps": warmup_steps,
+    }
+    if "loss" not in metrics and "val/loss" in metrics:  # stopped early: its last report
+        metrics = {**metrics, "loss": metrics["val/loss"]}
+    for key, _, _ in COLUMNS:
+        if key not in row and _number(metrics.get(key)) is not None:
+            row[key] = float(metrics[key])
+    return row
+
+
+def markdown_table(rows: list[dict[str, Any]], kind: str) -> str:
+    columns = [_named(c, kind) for c in COLUMNS if any(_present(r.get(c[0])) for r in rows)]
+    lines = [
+        "| " + " | ".join(h for _, h, _ in columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
+    for row in rows:
+        cells = [_format(row.get(key), fmt) for key, _, fmt in columns]
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def write_summary(
+    rows: list[dict[str, Any]], folder: Path, *, kind: str, figures: bool = True
+) -> list[Path]:
+    """summary.csv, summary.md and the kind's figures in `folder`; returns their paths."""
+    folder.mkdir(parents=True, exist_ok=True)
+    csv_path = folder / "summary.csv"
+    with csv_path.open("w", newline="") as f:
+        names = {key: VALUE_COLUMN[kind][1] if key == "value" else key for key, _, _ in COLUMNS}
+        writer = csv.DictWriter(f, fieldnames=list(names.values()))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({names[key]: _csv(row.get(key)) for key in names})
+    md_path = folder / "summary.md"
+    md_path.write_text(markdown_table(rows, kind) + "\n")
+    paths = [csv_path, md_path]
+    if figures:
+        for filename, key, label in FIGURES[kind]:
+            paths.append(plot_by_objective(rows, key, folder / filename, kind=kind, y_label=label))
+    return paths
+
+
+def plot_by_objective(
+    rows: list[dict[str, Any]], key: str, out_png: Path, *, kind: str, y_label: str
+) -> Path:
+    """`key` against the swept value, one line per objective (mean over seeds, each seed a dot)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(5.6, 4.0), layout="constrained")
+    ax = fig.add_subplot()
+    finished = [r for r in rows if r["status"] == "FINISHED" and _number(r.get(key)) is not None]
+    for objective in sorted({r["objective"] for r in finished}):
+        points = [(r["value"], r[key]) for r in finished if r["objective"] == objective]
+        xs = sorted({x for x, _ in points})
+        means = [
+            sum(y for x2, y in points if x2 == x) / sum(x2 == x for x2, _ in points) for x in xs
+        ]
+        line = ax.plot(xs, means, "o-", label=objective)[0]
+        ax.scatter(*zip(*points, strict=True), color=line.get_color(), alpha=0.35, s=12)
+    if finished:
+        ax.legend()
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["value"] for r in finished}))
+        ax.set_xticklabels([str(v) for v in sorted({r["value"] for r in finished})])
+    else:
+        ax.text(0.5, 0.5, "no finished trials", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel(X_LABELS[kind])
+    ax.set_ylabel(y_label)
+    ax.grid(alpha=0.3)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    return out_png
+
+
+def _named(column: tuple[str, str, str], kind: str) -> tuple[str, str, str]:
+    key, header, fmt = column
+    return (key, VALUE_COLUMN[kind][0], fmt) if key == "value" else column
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def _present(value: Any) -> bool:
+    return value not in (None, "") and not (isinstance(value, float) and math.isnan(value))
+
+
+def _format(value: Any, fmt: str) -> str:
+    if not _present(value):
+        return "-"
+    try:
+        return fmt.format(value)
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def _csv(value: Any) -> Any:
+    return "" if value is None else value

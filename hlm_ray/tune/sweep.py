@@ -1,0 +1,414 @@
+"""The sweep driver: a grid of Train-inside-Tune trials, one MLflow parent run, resume by name.
+
+    spec = get_sweep("vocab", "tiny")
+    outcome = run_sweep(spec, name="vocab-tiny")        # again with the same name: resumes
+    print(outcome.table); outcome.failed                # trials that kept failing
+
+What `run_sweep` does, in order; everything that can be wrong fails before any trial starts:
+1. joins the Ray cluster (RAY_ADDRESS, a `ray start` cluster on this machine, or a new local
+   one) and derives how many trials run at once from its CPUs and GPUs (`plan_concurrency`);
+2. checks the grid (an empty one, vocabulary sizes below the special tokens) and prepares the
+   shared inputs once per distinct tokenizer: the BPE and the tokenized corpus are cached by
+   their inputs, so concurrent trials of one size find them built (`prepare_inputs`);
+3. opens the parent MLflow run (through a local tracking server unless one is configured) and
+   runs the `Tuner`, or `Tuner.restore`s it when `runs/sweeps/<name>/tune` exists: finished
+   trials are kept, unfinished and failed ones run again (each up to `max_failures` retries);
+4. writes the summary (one row per trial) and the figures, logs them to the parent run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hlm_ray.config import Config
+from hlm_ray.errors import HLMError
+from hlm_ray.paths import CACHE_ENV, resolve_output
+from hlm_ray.tracking import TRACKING_URI_ENV
+from hlm_ray.tune import summary as summary_mod
+from hlm_ray.tune.spec import SweepSpec
+from hlm_ray.tune.trial import (
+    RUN_ID_FILE,
+    TRIAL_RESOURCES,
+    TrialRuntime,
+    axis_value,
+    run_name,
+    run_trial,
+)
+
+SWEEPS_DIR = "runs/sweeps"
+STATE_FILE = "sweep.json"
+TUNE_DIR = "tune"
+ASHA_METRIC = "val/loss"
+
+
+@dataclass
+class SweepOutcome:
+    name: str
+    folder: Path
+    rows: list[dict[str, Any]]
+    table: str
+    files: list[Path]
+    parent_run_id: str | None
+    resumed: bool
+    seconds: float
+    real_vocab: dict[int, int] = field(default_factory=dict)
+
+    @property
+    def failed(self) -> list[dict[str, Any]]:
+        """Trials that errored (after their retries); ASHA's early stops are not failures."""
+        return [r for r in self.rows if r["status"] == "FAILED"]
+
+    def best(self, key: str = "downstream/score") -> dict[str, Any] | None:
+        done = [r for r in self.rows if r["status"] == "FINISHED" and r.get(key) is not None]
+        return max(done, key=lambda r: r[key]) if done else None
+
+
+# ------------------------------------------------------------------------------ checks
+
+
+def plan_concurrency(spec: SweepSpec, num_trials: int, nodes: list[dict[str, float]]) -> int:
+    """Trials that fit side by side on the cluster (`nodes`: each alive node's resources), or
+    an HLMError when one trial can never be placed."""
+    need_cpu = spec.workers_per_trial * spec.cpus_per_worker
+    need_gpu = spec.workers_per_trial * spec.gpus_per_worker
+    total_cpu = sum(n.get("CPU", 0.0) for n in nodes)
+    total_gpu = sum(n.get("GPU", 0.0) for n in nodes)
+    hint = "lower --workers-per-trial, --cpus-per-worker or --gpus-per-worker"
+    if not any(n.get("CPU", 0.0) >= spec.cpus_per_worker for n in nodes):
+        biggest = max((n.get("CPU", 0.0) for n in nodes), default=0.0)
+        raise HLMError(
+            f"a worker needs {spec.cpus_per_worker:g} CPUs but the largest node has "
+            f"{biggest:g}; {hint}"
+        )
+    if need_cpu > total_cpu + 1e-9:
+        raise HLMError(
+            f"a trial needs {spec.workers_per_trial} worker(s) × {spec.cpus_per_worker:g} CPU = "
+            f"{need_cpu:g} CPUs but the cluster has {total_cpu:g}; {hint}"
+        )
+    if spec.gpus_per_worker and not any(n.get("GPU", 0.0) >= spec.gpus_per_worker for n in nodes):
+        raise HLMError(
+            f"a worker needs {spec.gpus_per_worker:g} GPU(s) but the cluster has "
+            f"{total_gpu:g} GPU(s) (none on one node); {hint}, or --gpus-per-worker 0"
+        )
+    if need_gpu > total_gpu + 1e-9:
+        raise HLMError(
+            f"a trial needs {spec.workers_per_trial} worker(s) × {spec.gpus_per_worker:g} GPU = "
+            f"{need_gpu:g} GPUs but the cluster has {total_gpu:g}; {hint}"
+        )
+    fits = math.floor(total_cpu / need_cpu + 1e-9)
+    if need_gpu:
+        fits = min(fits, math.floor(total_gpu / need_gpu + 1e-9))
+    return max(1, min(fits, num_trials))
+
+
+def check_vocab_sizes(spec: SweepSpec) -> None:
+    """Sizes the BPE trainer cannot produce: below the byte alphabet + special tokens."""
+    if spec.kind != "vocab":
+        return
+    from hlm_ray.tokenizer import BYTE_ALPHABET, special_tokens_for
+
+    cfg = spec.base_config()
+    if cfg.tokenizer.kind != "bpe":
+        raise HLMError(
+            f"the vocabulary sweep trains a BPE per size but tokenizer.kind={cfg.tokenizer.kind}"
+            "; remove the tokenizer.kind override"
+        )
+    minimum = BYTE_ALPHABET + len(special_tokens_for(cfg.model.family))
+    small = [v for v in spec.values if v < minimum]
+    if small:
+        raise HLMError(
+            f"vocabulary size {small[0]} is below the {BYTE_ALPHABET} byte-level + "
+            f"{minimum - BYTE_ALPHABET} special tokens of a {cfg.model.family}; use sizes >= "
+            f"{minimum}"
+        )
+
+
+def prepare_inputs(
+    spec: SweepSpec, values: tuple[int, ...] | None = None, *, progress: bool = True
+) -> dict[int, int]:
+    """Train each distinct tokenizer and tokenize the corpus with it, once, before any trial
+    (both cached by their inputs under HLM_CACHE_DIR). Returns {requested size: real size}.
+
+    A BPE that stops below its requested size (the corpus has too few merges) is an error
+    unless `spec.allow_smaller_vocab`; then the real size is used, said and recorded."""
+    from hlm_ray.train.inputs import build_corpus, build_tokenizer
+
+    check_vocab_sizes(spec)
+    real: dict[int, int] = {}
+    built: dict[str, int] = {}  # tokenizer + data settings -> real vocabulary size
+    for value in values or spec.values:
+        cfg = spec.cell_config(value, spec.objectives[0], 0)
+        key = json.dumps([asdict(cfg.tokenizer), asdict(cfg.data), cfg.model.family])
+        if key not in built:
+            started = time.perf_counter()
+            tokenizer = build_tokenizer(cfg)
+            build_corpus(cfg, tokenizer)
+            built[key] = len(tokenizer)
+            if progress:
+                print(
+                    f"prepared a {len(tokenizer)}-token tokenizer and its tokenized corpus "
+                    f"({time.perf_counter() - started:.1f} s)"
+                )
+        real[cfg.tokenizer.vocab_size] = built[key]
+    if spec.kind == "vocab":
+        _check_real_sizes(spec, real)
+    return real
+
+
+def _check_real_sizes(spec: SweepSpec, real: dict[int, int]) -> None:
+    short = {req: got for req, got in real.items() if got < req}
+    if not short:
+        return
+    req, got = next(iter(short.items()))
+    if not spec.allow_smaller_vocab:
+        raise HLMError(
+            f"vocabulary size {req} is more than the corpus supports: BPE training stopped at "
+            f"{got} tokens; lower the size, add text (data.sources), or run at the real size "
+            "with --set sweep.allow_smaller_vocab=true"
+        )
+    for req, got in short.items():
+        print(
+            f"warning: vocabulary size {req}: BPE training stopped at {got} tokens; "
+            f"its trials use V={got} (recorded in the summary)"
+        )
+
+
+def check_resume(folder: Path, spec: SweepSpec, search: bool) -> dict[str, Any] | None:
+    """The stored state of an existing sweep, or None; an HLMError if it was a different one."""
+    path = folder / STATE_FILE
+    if not path.is_file():
+        return None
+    state = json.loads(path.read_text())
+    now = {"spec": spec.identity(), "search": search}
+    before = {"spec": state["spec"], "search": state["search"]}
+    if json.loads(json.dumps(now)) != before:
+        diff = [k for k in now["spec"] if now["spec"][k] != before["spec"].get(k)]
+        what = ", ".join(diff) if diff else "search mode"
+        raise HLMError(
+            f"sweep {folder.name} exists in {folder} with other settings ({what}); resume it "
+            "with the same settings, choose another --name, or remove the folder"
+        )
+    return state
+
+
+# ------------------------------------------------------------------------------ the driver
+
+
+def run_sweep(
+    spec: SweepSpec,
+    *,
+    name: str,
+    search: bool = False,
+    root: str | Path = SWEEPS_DIR,
+    verbose: int = 1,
+) -> SweepOutcome:
+    from hlm_ray.train.launch import connect
+
+    started = time.perf_counter()
+    folder = resolve_output(root) / name
+    state = check_resume(folder, spec, search)
+    check_vocab_sizes(spec)
+    connect()
+    import ray
+
+    num_trials = spec.search_samples if search else len(spec.cells())
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    concurrency = plan_concurrency(spec, num_trials, nodes)
+    real_vocab = prepare_inputs(spec, spec.values[:1] if search else None)
+
+    from hlm_ray.tune.mlflow_server import tracking_server
+
+    with tracking_server(folder / "mlflow_server.log") as uri:
+        parent = _open_parent(spec, name, uri, state, search, concurrency, real_vocab)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / STATE_FILE).write_text(
+            json.dumps(
+                {"spec": spec.identity(), "search": search, "parent_run_id": parent.run_id},
+                indent=1,
+            )
+        )
+        runtime = TrialRuntime(
+            sweep=name,
+            kind=spec.kind,
+            experiment=spec.experiment,
+            parent_run_id=parent.run_id,
+            trials_dir=str(folder / "trials"),
+            recipe=spec.recipe,
+            workers=spec.workers_per_trial,
+            cpus_per_worker=spec.cpus_per_worker,
+            gpus_per_worker=spec.gpus_per_worker,
+            env=_trial_env(uri),
+        )
+        resumed = _tuner_exists(folder)
+        print(
+            f"sweep {name}: {'resuming' if resumed else 'starting'} {num_trials} trial(s), "
+            f"{concurrency} at a time, in {folder}"
+        )
+        try:
+            results = _tuner(spec, folder, runtime, search, concurrency, verbose).fit()
+        except BaseException:
+            parent.finish("KILLED")
+            raise
+        rows = _rows(results, spec, runtime, search)
+        _close_orphans(rows, spec, runtime)
+        files = summary_mod.write_summary(rows, folder, kind=spec.kind, figures=not search)
+        for path in files:
+            parent.log_artifact(path)
+        counts = {s: sum(r["status"] == s for r in rows) for s in ("FINISHED", "FAILED")}
+        parent.log_metrics({f"trials_{k.lower()}": v for k, v in counts.items()}, step=0)
+        parent.finish("FINISHED")
+    table = summary_mod.markdown_table(rows, spec.kind)
+    return SweepOutcome(
+        name=name,
+        folder=folder,
+        rows=rows,
+        table=table,
+        files=files,
+        parent_run_id=parent.run_id,
+        resumed=resumed,
+        seconds=time.perf_counter() - started,
+        real_vocab=real_vocab,
+    )
+
+
+def _open_parent(spec, name, uri, state, search, concurrency, real_vocab):
+    from hlm_ray.config import flatten
+    from hlm_ray.tracking import MlflowTracker
+
+    run_id = state.get("parent_run_id") if state else None
+    parent = MlflowTracker(
+        spec.experiment,
+        name,
+        tracking_uri=uri,
+        run_id=run_id,
+        tags={"sweep": name, "sweep_kind": spec.kind, "sweep_role": "parent", "search": search},
+    )
+    params = dict(flatten({"sweep": spec.identity()}))
+    params["sweep.max_concurrent_trials"] = concurrency
+    params.update({f"sweep.real_vocab.{k}": v for k, v in real_vocab.items()})
+    parent.log_params(params)
+    return parent
+
+
+def _trial_env(uri: str) -> dict[str, str]:
+    env = {TRACKING_URI_ENV: uri}
+    if os.environ.get(CACHE_ENV):  # else every process on this machine uses the same default
+        env[CACHE_ENV] = str(Path(os.environ[CACHE_ENV]).expanduser().resolve())
+    return env
+
+
+def _tuner_exists(folder: Path) -> bool:
+    from ray import tune
+
+    return (folder / TUNE_DIR).is_dir() and tune.Tuner.can_restore(str(folder / TUNE_DIR))
+
+
+def _tuner(spec, folder, runtime, search, concurrency, verbose):
+    from ray import tune
+
+    trainable = tune.with_resources(
+        tune.with_parameters(run_trial, runtime=runtime), TRIAL_RESOURCES
+    )
+    if _tuner_exists(folder):
+        return tune.Tuner.restore(
+            str(folder / TUNE_DIR),
+            trainable,
+            resume_unfinished=True,
+            # Keeps the trial id (restart_errored would give a new one, hence a new run folder):
+            # the trial finds its folder and continues from its last checkpoint.
+            resume_errored=True,
+        )
+    scheduler = search_alg = None
+    if search:
+        from ray.tune.schedulers import ASHAScheduler
+        from ray.tune.search.basic_variant import BasicVariantGenerator
+
+        # No optuna here: random sampling (BasicVariantGenerator) with ASHA on the validation
+        # loss, reported at every checkpoint (a Tune iteration); max_t stays above the number
+        # of reports so ASHA never stops a trial that reached its last step.
+        cfg = spec.base_config()
+        reports = math.ceil(cfg.optim.max_steps / cfg.run.checkpoint_every) + 2
+        scheduler = ASHAScheduler(
+            time_attr="training_iteration",
+            metric=ASHA_METRIC,
+            mode="min",
+            max_t=reports + 1,
+            grace_period=1,
+            reduction_factor=2,
+        )
+        # Given a search algorithm, Tune leaves max_concurrent_trials to it.
+        search_alg = BasicVariantGenerator(random_state=0, max_concurrent=concurrency)
+    return tune.Tuner(
+        trainable,
+        param_space=spec.param_space(search=search),
+        tune_config=tune.TuneConfig(
+            num_samples=spec.search_samples if search else 1,
+            max_concurrent_trials=concurrency,
+            scheduler=scheduler,
+            search_alg=search_alg,
+        ),
+        run_config=tune.RunConfig(
+            name=TUNE_DIR,
+            storage_path=str(folder),
+            failure_config=tune.FailureConfig(max_failures=spec.max_failures),
+            verbose=verbose,
+        ),
+    )
+
+
+def _rows(results, spec: SweepSpec, runtime: TrialRuntime, search: bool) -> list[dict]:
+    rows = []
+    for result in results:
+        metrics = result.metrics or {}
+        cfg = Config.from_dict(result.config["config"])
+        trial_id = metrics.get("trial_id", Path(result.path).name)
+        if result.error is not None:
+            status = "FAILED"
+        elif "downstream/score" in metrics:
+            status = "FINISHED"
+        else:
+            status = "STOPPED"  # early-stopped by ASHA
+        rows.append(
+            summary_mod.trial_row(
+                trial_id=trial_id,
+                run=run_name(cfg, spec.kind, trial_id),
+                status=status,
+                value=axis_value(cfg, spec.kind),
+                objective=cfg.objective.name,
+                seed=cfg.run.seed,
+                metrics=metrics,
+                error=_error_line(result.error),
+                lr=cfg.optim.lr if search else None,
+                warmup_steps=cfg.optim.warmup_steps if search else None,
+            )
+        )
+    return sorted(rows, key=lambda r: (r["objective"], r["value"], r["seed"], r["trial_id"]))
+
+
+def _close_orphans(rows, spec: SweepSpec, runtime: TrialRuntime) -> None:
+    """A trial stopped by ASHA was killed mid-run: mark its child MLflow run KILLED."""
+    from hlm_ray.tracking import MlflowTracker
+
+    for row in rows:
+        if row["status"] != "STOPPED":
+            continue
+        id_file = Path(runtime.trials_dir) / row["run"] / RUN_ID_FILE
+        if id_file.is_file():
+            run_id = json.loads(id_file.read_text())["run_id"]
+            MlflowTracker(
+                spec.experiment, run_id=run_id, tracking_uri=runtime.env[TRACKING_URI_ENV]
+            ).finish("KILLED")
+
+
+def _error_line(error: BaseException | None) -> str:
+    if error is None:
+        return ""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    line = lines[-1] if lines else type(error).__name__
+    return line if len(line) <= 200 else line[:197] + "..."

@@ -1,0 +1,206 @@
+"""One sweep trial: pretrain through a TorchTrainer (Train inside Tune), run the downstream
+protocol, report the final metrics to Tune.
+
+    trainable = tune.with_resources(tune.with_parameters(run_trial, runtime=runtime),
+                                    TRIAL_RESOURCES)
+
+Tune calls `run_trial(params)`; `params["config"]` is a whole `Config` as a dict (the grid values
+already in it). The trial's run folder is named from its cell and trial id, never a timestamp, so
+a retried or resumed trial finds its own folder: the TorchTrainer (same storage path and name)
+continues from its last checkpoint, the MLflow child run (its id is in the folder) continues,
+and finished stages (`summary.json`, `downstream.json`) are not redone.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hlm_ray.config import Config, apply_overrides
+from hlm_ray.flops import config_step_flops
+from hlm_ray.train.launch import RUN_ID_FILE  # the child run's id, kept in its run folder
+
+# The trial function itself only waits on its trainer and downstream task: it takes no CPU
+# (0.01 CPU per trial would leave a 2-CPU machine unable to run two 1-CPU trials side by side),
+# only a token of memory, because a placement group bundle cannot be empty.
+TRIAL_RESOURCES = {"cpu": 0, "memory": 64 * 2**20}
+DOWNSTREAM_FILE = "downstream.json"
+
+
+@dataclass(frozen=True)
+class TrialRuntime:
+    """What the trials of one invocation share; kept out of Tune's `param_space` because it
+    may change when the sweep is resumed (a new tracking server, other resources)."""
+
+    sweep: str
+    kind: str
+    experiment: str
+    parent_run_id: str | None
+    trials_dir: str
+    recipe: str
+    workers: int
+    cpus_per_worker: float
+    gpus_per_worker: float
+    env: dict[str, str] = field(default_factory=dict)
+    """Environment for the trial, its workers and its downstream task: the tracking URI and
+    the driver's cache folder (where the tokenizers and corpora were prepared)."""
+
+
+def axis_value(cfg: Config, kind: str) -> int:
+    return cfg.tokenizer.vocab_size if kind == "vocab" else cfg.optim.micro_batch_size
+
+
+def run_name(cfg: Config, kind: str, trial_id: str) -> str:
+    """`headless-v512-s0-<trial id>`: readable in `mlflow ui`, stable across retries."""
+    short = {"vocab": "v", "batch_size": "b"}[kind]
+    return f"{cfg.objective.name}-{short}{axis_value(cfg, kind)}-s{cfg.run.seed}-{trial_id}"
+
+
+def run_trial(params: dict[str, Any], runtime: TrialRuntime) -> None:
+    cfg = Config.from_dict(params["config"])
+    import ray.tune
+
+    os.environ.update(runtime.env)
+    trial_id = ray.tune.get_context().get_trial_id()
+    out_dir = Path(runtime.trials_dir) / run_name(cfg, runtime.kind, trial_id)
+    cfg = apply_overrides(cfg, {"run.output_dir": str(out_dir)})
+    summary = _pretrain(cfg, runtime, out_dir, trial_id)
+    scores = _downstream(runtime, out_dir, Path(summary["model_dir"]))
+    ray.tune.report(final_metrics(cfg, summary, scores, runtime.workers))
+
+
+def _pretrain(cfg: Config, runtime: TrialRuntime, out_dir: Path, trial_id: str) -> dict[str, Any]:
+    done = _finished_summary(out_dir, cfg.optim.max_steps)
+    if done is not None:  # a retry after a downstream failure: training is complete
+        return done
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    from hlm_ray.train.launch import launch
+
+    tags = {
+        "sweep": runtime.sweep,
+        "sweep_kind": runtime.kind,
+        "trial_id": trial_id,
+        "seed": cfg.run.seed,
+    }
+    return launch(
+        cfg,
+        num_workers=runtime.workers,
+        use_gpu=runtime.gpus_per_worker > 0,
+        cpus_per_worker=runtime.cpus_per_worker,
+        gpus_per_worker=runtime.gpus_per_worker,
+        max_failures=0,  # Tune retries the trial, which continues from the last checkpoint
+        experiment=runtime.experiment,
+        resume=True,  # a fresh folder starts fresh; a retried trial's folder continues
+        parent_run_id=runtime.parent_run_id,
+        tags=tags,
+        callbacks=[TuneReportCallback()],
+    )
+
+
+def _finished_summary(out_dir: Path, max_steps: int) -> dict[str, Any] | None:
+    path = out_dir / "summary.json"
+    if not path.is_file() or not (out_dir / "model").is_dir():
+        return None
+    summary = json.loads(path.read_text())
+    if summary.get("steps") != max_steps or not math.isfinite(
+        summary.get("tokens_per_s", math.nan)
+    ):
+        return None
+    return summary
+
+
+def _downstream(runtime: TrialRuntime, out_dir: Path, model_dir: Path) -> dict[str, float]:
+    """`run_downstream`, logging into the trial's MLflow run. With GPU workers it runs as a Ray
+    task holding one worker's resources (the trial function holds none); on CPU it runs here,
+    in the trial's process, once its trainer has given the worker's CPUs back."""
+    path = out_dir / DOWNSTREAM_FILE
+    if path.is_file():
+        return json.loads(path.read_text())
+    id_file = out_dir / RUN_ID_FILE
+    run_id = json.loads(id_file.read_text())["run_id"] if id_file.is_file() else None
+    args = (str(model_dir), runtime.recipe, str(out_dir / "downstream"), runtime.experiment)
+    try:
+        if runtime.gpus_per_worker > 0:
+            import ray
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            task = ray.remote(_downstream_task).options(
+                num_cpus=runtime.cpus_per_worker,
+                num_gpus=runtime.gpus_per_worker,
+                # Outside the trial's placement group (Tune puts child tasks there by
+                # default; it holds only the trial function's token of memory).
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None),
+            )
+            scores = ray.get(task.remote(*args, run_id, runtime.env))
+        else:
+            scores = _downstream_task(*args, run_id, runtime.env)
+    except BaseException:
+        if run_id:  # the task may never have started: the child run must not say FINISHED
+            from hlm_ray.tracking import MlflowTracker
+
+            MlflowTracker(runtime.experiment, run_id=run_id).finish("FAILED")
+        raise
+    path.write_text(json.dumps(scores, indent=1))
+    return scores
+
+
+def _downstream_task(
+    model_dir: str,
+    recipe: str,
+    output_dir: str,
+    experiment: str,
+    run_id: str | None,
+    env: dict[str, str],
+) -> dict[str, float]:
+    os.environ.update(env)
+    from hlm_ray.downstream import run_downstream
+    from hlm_ray.tracking import MlflowTracker, Tracker
+
+    tracker = MlflowTracker(experiment, run_id=run_id) if run_id else Tracker()
+    try:
+        scores = run_downstream(
+            Path(model_dir),
+            recipe=recipe,
+            output_dir=Path(output_dir),
+            tracker=tracker,
+            progress=False,
+        )
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+    tracker.finish("FINISHED")
+    return {k: float(v) for k, v in scores.items() if isinstance(v, int | float)}
+
+
+def final_metrics(
+    cfg: Config, summary: dict[str, Any], scores: dict[str, float], workers: int
+) -> dict[str, float]:
+    """What a trial reports: downstream score, bits per byte (where the model has a head),
+    the objective's loss, tokens/s, peak memory, the head's FLOP share, K, V and K/V."""
+    metrics = summary.get("metrics") or {}
+    vocab = int(summary["vocab_size"])
+    step = config_step_flops(cfg, vocab, world_size=workers)
+    rows = float(metrics.get("train/K", step.target_rows))
+    # Decoders: bits per byte of the (fine-tuned) generator; encoders: the vanilla MLM's
+    # masked-token bits per byte from pretraining validation (a headless encoder has no head).
+    bpb = scores.get("bpb", scores.get("bpb/bits_per_byte", metrics.get("val/bpb", math.nan)))
+    out = {
+        **{k: v for k, v in metrics.items() if isinstance(v, int | float)},
+        **scores,
+        "downstream/score": scores.get("downstream/score", math.nan),
+        "bpb": bpb,
+        "loss": metrics.get("val/loss", metrics.get("train/loss", math.nan)),
+        "train/loss": metrics.get("train/loss", math.nan),
+        "tokens_per_s": summary.get("tokens_per_s", math.nan),
+        "peak_mem_mb": metrics.get("train/peak_mem_mb", math.nan),
+        "head_flop_share": step.head_share,
+        "K": rows,
+        "V": float(vocab),
+        "K_over_V": rows / vocab,
+    }
+    return {k: float(v) for k, v in out.items() if v is not None}

@@ -1,0 +1,351 @@
+"""The ablation sweeps: grid and resource checks as plain functions, then each tiny sweep end to
+end on the shared Ray cluster (Train inside Tune, MLflow parent and child runs, resume)."""
+
+import csv
+import importlib.util
+import json
+import math
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from hlm_ray.errors import HLMError
+from hlm_ray.flops import config_step_flops
+from hlm_ray.paths import data_dir
+from hlm_ray.tune.presets import SWEEPS, get_sweep
+from hlm_ray.tune.spec import SweepSpec
+from hlm_ray.tune.summary import markdown_table, write_summary
+from hlm_ray.tune.sweep import (
+    _rows,
+    check_resume,
+    check_vocab_sizes,
+    plan_concurrency,
+    prepare_inputs,
+)
+from hlm_ray.tune.trial import TrialRuntime, final_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAKESPEARE = data_dir() / "corpus" / "en" / "tinyshakespeare.txt"
+EXPERIMENT = "hlm_ray-sweeps"
+# Tiny runs: 8 steps, one checkpoint (one ~2 s report), a 300 kB BPE training text.
+FAST = [
+    "optim.max_steps=8",
+    "run.checkpoint_every=8",
+    "run.eval_every=8",
+    "run.log_every=4",
+    "tokenizer.max_train_bytes=300000",
+]
+
+
+def _set(items):
+    return [arg for item in items for arg in ("--set", item)]
+
+
+def _load_script(path: Path):
+    spec = importlib.util.spec_from_file_location(f"sweep_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sweep_main(kind: str):
+    """`main(argv)` of sweeps/<kind>.py, called in this process: it joins the test cluster."""
+    return _load_script(ROOT / "sweeps" / f"{kind}.py").main
+
+
+# ------------------------------------------------------------------------------ plain checks
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "sweeps").glob("*.py")), ids=lambda p: p.name)
+def test_every_sweep_script_imports(path):
+    assert callable(_load_script(path).main)
+
+
+@pytest.mark.parametrize("kind", sorted(SWEEPS))
+def test_every_preset_builds_valid_trial_configs(kind):
+    for preset in SWEEPS[kind]:
+        spec = get_sweep(kind, preset)
+        for cell in spec.cells():
+            cfg = spec.cell_config(cell["value"], cell["objective"], cell["seed"])
+            cfg.optim.grad_accum_steps(spec.workers_per_trial)  # raises if inconsistent
+
+
+def test_an_empty_grid_fails_before_anything_runs():
+    with pytest.raises(HLMError, match="sweep.values is empty"):
+        get_sweep("vocab", "tiny", ["sweep.values=[]"])
+    with pytest.raises(HLMError, match="sweep.objectives is empty"):
+        get_sweep("batch_size", "tiny", ["sweep.objectives=[]"])
+    with pytest.raises(HLMError, match="unknown config field sweep.valuez"):
+        get_sweep("vocab", "tiny", ["sweep.valuez=[512]"])
+    with pytest.raises(HLMError, match="unknown config field optim.lrr"):
+        get_sweep("vocab", "tiny", ["optim.lrr=1"])
+
+
+def test_a_vocabulary_below_the_special_tokens_fails_before_training():
+    # Encoders: 256 bytes + eos, pad, mask, cls, sep.
+    spec = get_sweep("vocab", "tiny", ["sweep.values=[260,512]"])
+    with pytest.raises(HLMError, match="260 is below .* use sizes >= 261"):
+        check_vocab_sizes(spec)
+    check_vocab_sizes(get_sweep("vocab", "tiny", ["sweep.values=[261]"]))
+
+
+def test_a_vocabulary_larger_than_the_corpus_supports_is_said_and_recorded(tmp_path, capsys):
+    corpus = tmp_path / "small.txt"
+    corpus.write_text(SHAKESPEARE.read_text()[:20_000])
+    items = [f"data.sources=[{corpus}]", "sweep.values=[300,20000]"]
+    with pytest.raises(HLMError, match="20000 is more than the corpus supports: .*stopped at"):
+        prepare_inputs(get_sweep("vocab", "tiny", items), progress=False)
+    spec = get_sweep("vocab", "tiny", [*items, "sweep.allow_smaller_vocab=true"])
+    real = prepare_inputs(spec, progress=False)
+    assert real[300] == 300 and 300 < real[20000] < 20000
+    assert f"BPE training stopped at {real[20000]} tokens" in capsys.readouterr().out
+
+
+def test_concurrency_comes_from_the_cluster_and_impossible_trials_fail():
+    spec = get_sweep("vocab", "tiny")
+    assert plan_concurrency(spec, 4, [{"CPU": 2.0}]) == 2
+    assert plan_concurrency(spec, 4, [{"CPU": 16.0}]) == 4  # never more than the trials
+    two = get_sweep("vocab", "tiny", ["sweep.workers_per_trial=2", "sweep.cpus_per_worker=2"])
+    assert plan_concurrency(two, 8, [{"CPU": 8.0}, {"CPU": 4.0}]) == 3
+    gpu = get_sweep("vocab", "tiny", ["sweep.workers_per_trial=2", "sweep.gpus_per_worker=1"])
+    assert plan_concurrency(gpu, 8, [{"CPU": 32.0, "GPU": 4.0}, {"CPU": 32.0, "GPU": 2.0}]) == 3
+    with pytest.raises(HLMError, match="needs 2 worker.* = 4 CPUs but the cluster has 2"):
+        plan_concurrency(two, 4, [{"CPU": 2.0}, {"CPU": 2.0}][:1])
+    with pytest.raises(HLMError, match="a worker needs 3 CPUs but the largest node has 2"):
+        plan_concurrency(
+            get_sweep("vocab", "tiny", ["sweep.cpus_per_worker=3"]), 4, [{"CPU": 2.0}] * 2
+        )
+    with pytest.raises(HLMError, match="GPU"):
+        plan_concurrency(gpu, 4, [{"CPU": 2.0}])
+
+
+def test_the_tune_space_resolves_to_the_grid_cells():
+    from ray.tune.search.variant_generator import generate_variants
+
+    from hlm_ray.config import Config
+
+    for kind, items in (
+        ("vocab", ["sweep.num_seeds=2"]),
+        ("batch_size", ["sweep.workers_per_trial=2"]),
+    ):
+        spec = get_sweep(kind, "tiny", items)
+        resolved = [cfg["config"] for _, cfg in generate_variants(spec.param_space())]
+        assert len(resolved) == len(spec.cells())
+        for cell in spec.cells():
+            expected = spec.cell_config(cell["value"], cell["objective"], cell["seed"])
+            assert sum(Config.from_dict(r) == expected for r in resolved) == 1, cell
+    spec = get_sweep("batch_size", "tiny", ["sweep.workers_per_trial=2"])
+    assert spec.cell_config(8, "headless", 0).optim.global_batch_size == 16  # micro × workers
+
+
+def test_search_samples_lr_and_warmup_for_one_cell():
+    from ray.tune.search.variant_generator import generate_variants
+
+    spec = get_sweep("vocab", "tiny", ["sweep.search_lr=[1e-4,1e-2]", "sweep.search_warmup=[0,5]"])
+    (_, cfg), *_ = generate_variants(spec.param_space(search=True))
+    optim = cfg["config"]["optim"]
+    assert 1e-4 <= optim["lr"] <= 1e-2 and optim["warmup_steps"] in (0, 5)
+    assert cfg["config"]["objective"]["name"] == "headless"
+    assert cfg["config"]["tokenizer"]["vocab_size"] == 512
+    assert cfg["config"]["run"]["eval_every"] == cfg["config"]["run"]["checkpoint_every"]
+
+
+def test_resuming_with_other_settings_is_refused(tmp_path):
+    spec = get_sweep("vocab", "tiny")
+    assert check_resume(tmp_path, spec, search=False) is None
+    state = {"spec": spec.identity(), "search": False, "parent_run_id": "abc"}
+    (tmp_path / "sweep.json").write_text(json.dumps(state))
+    assert check_resume(tmp_path, spec, search=False)["parent_run_id"] == "abc"
+    # Resources may change on resume; the grid may not.
+    assert check_resume(tmp_path, get_sweep("vocab", "tiny", ["sweep.cpus_per_worker=2"]), False)
+    with pytest.raises(HLMError, match=r"other settings \(values\)"):
+        check_resume(tmp_path, get_sweep("vocab", "tiny", ["sweep.values=[512]"]), False)
+
+
+def test_final_metrics_carry_k_v_head_share_and_bits_per_byte():
+    spec = get_sweep("vocab", "tiny")
+    cfg = spec.cell_config(512, "vanilla", 0)
+    summary = {
+        "vocab_size": 512,
+        "tokens_per_s": 1000.0,
+        "metrics": {"train/K": 150.0, "val/loss": 5.0, "val/bpb": 2.5, "train/peak_mem_mb": 9.0},
+    }
+    out = final_metrics(cfg, summary, {"downstream/score": 0.6}, workers=1)
+    assert out["K_over_V"] == pytest.approx(150 / 512)
+    assert out["head_flop_share"] == pytest.approx(config_step_flops(cfg, 512).head_share)
+    assert (out["bpb"], out["loss"], out["downstream/score"]) == (2.5, 5.0, 0.6)
+    # A decoder's downstream bits per byte (of the fine-tuned generator) wins over pretraining's.
+    out = final_metrics(cfg, summary, {"bpb/bits_per_byte": 1.5}, workers=1)
+    assert out["bpb"] == 1.5 and math.isnan(out["downstream/score"])
+
+
+def test_the_summary_keeps_failed_trials(tmp_path):
+    spec = get_sweep("vocab", "tiny")
+    runtime = TrialRuntime("s", "vocab", EXPERIMENT, None, str(tmp_path), "tiny", 1, 1.0, 0.0)
+
+    def result(value, objective, metrics, error=None):
+        config = {"config": spec.cell_config(value, objective, 0).to_dict()}
+        return SimpleNamespace(metrics=metrics, config=config, error=error, path=str(tmp_path))
+
+    ok = {"trial_id": "t1", "downstream/score": 0.7, "tokens_per_s": 900.0, "K": 10.0, "V": 512.0}
+    results = [
+        result(512, "headless", ok),
+        result(1024, "vanilla", {"trial_id": "t2"}, RuntimeError("boom\nHLMError: out of memory")),
+    ]
+    rows = _rows(results, spec, runtime, search=False)
+    assert [(r["trial_id"], r["status"]) for r in rows] == [("t1", "FINISHED"), ("t2", "FAILED")]
+    assert rows[1]["error"] == "HLMError: out of memory"
+    assert rows[0]["run"] == "headless-v512-s0-t1"
+    files = write_summary(rows, tmp_path, kind="vocab")
+    with open(tmp_path / "summary.csv") as f:
+        table = list(csv.DictReader(f))
+    assert [(r["vocab_size"], r["status"]) for r in table] == [
+        ("512", "FINISHED"),
+        ("1024", "FAILED"),
+    ]
+    assert "| FAILED |" in markdown_table(rows, "vocab")
+    assert {p.name for p in files} >= {
+        "fig7a_score_vs_vocab.png",
+        "fig7b_tokens_per_s_vs_vocab.png",
+    }
+    assert all(p.stat().st_size > 0 for p in files)
+
+
+def test_sweep_spec_validates_settings():
+    with pytest.raises(HLMError, match="sweep.num_seeds=0"):
+        SweepSpec(kind="vocab", base="tiny-encoder", values=(512,), num_seeds=0)
+    with pytest.raises(HLMError, match="unknown objective 'cwt'"):
+        SweepSpec(kind="vocab", base="tiny-encoder", values=(512,), objectives=("cwt",))
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
+@pytest.fixture(scope="module")
+def sweep_server(tmp_path_factory, mlflow_store):
+    """One local MLflow server (what a sweep starts on a sqlite store) for the module's sweeps,
+    over the session's sqlite store: starting one takes 10-45 s."""
+    from hlm_ray.tune.mlflow_server import tracking_server
+
+    log = tmp_path_factory.mktemp("mlflow_server") / "server.log"
+    with tracking_server(log) as uri:
+        assert uri.startswith("http://127.0.0.1:")
+        os.environ["MLFLOW_TRACKING_URI"] = uri
+        try:
+            yield uri
+        finally:
+            os.environ["MLFLOW_TRACKING_URI"] = mlflow_store
+
+
+def _runs(uri, sweep):
+    from mlflow import MlflowClient
+
+    client = MlflowClient(uri)
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    runs = client.search_runs([experiment.experiment_id], f"tags.sweep = '{sweep}'")
+    parents = [r for r in runs if r.data.tags.get("sweep_role") == "parent"]
+    children = [r for r in runs if r.data.tags.get("sweep_role") != "parent"]
+    return client, parents, children
+
+
+def _summary(folder):
+    with open(folder / "summary.csv") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_vocab_sweep_end_to_end_then_resumes_without_retraining(
+    ray_cluster, sweep_server, mlflow_store, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    main = _sweep_main("vocab")
+    argv = ["--preset", "tiny", "--name", "vocab-e2e", *_set(FAST)]
+    assert main(argv) == 0
+    folder = tmp_path / "runs" / "sweeps" / "vocab-e2e"
+    rows = _summary(folder)
+    assert sorted((r["objective"], r["vocab_size"]) for r in rows) == [
+        ("headless", "1024"),
+        ("headless", "512"),
+        ("vanilla", "1024"),
+        ("vanilla", "512"),
+    ]
+    for row in rows:
+        assert row["status"] == "FINISHED", row
+        assert float(row["V"]) == float(row["vocab_size"])
+        assert float(row["K_over_V"]) == pytest.approx(float(row["K"]) / float(row["V"]))
+        assert float(row["tokens_per_s"]) > 0 and 0 <= float(row["downstream/score"]) <= 1
+        assert 0 < float(row["head_flop_share"]) < 1
+    # The vanilla MLM has a head: its masked-token bits per byte; a headless encoder has none.
+    assert all((r["bpb"] != "") == (r["objective"] == "vanilla") for r in rows)
+
+    client, parents, children = _runs(sweep_server, "vocab-e2e")
+    (parent,) = parents
+    assert parent.info.status == "FINISHED"
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} >= {
+        "summary.csv",
+        "summary.md",
+        "fig7a_score_vs_vocab.png",
+        "fig7b_tokens_per_s_vs_vocab.png",
+    }
+    assert len(children) == 4
+    for child in children:
+        assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert child.info.status == "FINISHED"
+        assert "downstream/score" in child.data.metrics and "train/loss" in child.data.metrics
+        assert child.data.params["objective.name"] == child.data.tags["objective"]
+        assert {"model", "config.yaml", "loss_curve.png"} <= {
+            a.path for a in client.list_artifacts(child.info.run_id)
+        }
+    # The store the server wrote is the sqlite file `mlflow ui` reads.
+    assert len(_runs(mlflow_store, "vocab-e2e")[2]) == 4
+
+    # Same name again: Tune restores the finished trials; nothing is trained again.
+    models = sorted((folder / "trials").glob("*/model/model.safetensors"))
+    stamps = [p.stat().st_mtime_ns for p in models]
+    assert len(models) == 4
+    assert main(argv) == 0
+    assert [p.stat().st_mtime_ns for p in models] == stamps
+    assert len(_runs(sweep_server, "vocab-e2e")[2]) == 4
+    assert [r["trial_id"] for r in _summary(folder)] == [r["trial_id"] for r in rows]
+    assert main([*argv, "--set", "sweep.values=[512]"]) == 2  # another grid, same name
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_batch_size_sweep_retries_a_failed_trial_from_its_checkpoint(
+    ray_cluster, sweep_server, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    # Every trial's worker dies once at step 4, after the checkpoint at step 4; Tune retries
+    # the trial (same id, same run folder) and training continues from that checkpoint.
+    items = [*FAST, "run.checkpoint_every=4", "run.fail_at_step=4"]
+    argv = ["--preset", "tiny", "--name", "bs-e2e", "--max-failures", "1", *_set(items)]
+    assert _sweep_main("batch_size")(argv) == 0
+    folder = tmp_path / "runs" / "sweeps" / "bs-e2e"
+    rows = _summary(folder)
+    assert sorted((r["objective"], r["micro_batch"]) for r in rows) == [
+        ("headless", "16"),
+        ("headless", "8"),
+        ("vanilla", "16"),
+        ("vanilla", "8"),
+    ]
+    assert all(r["status"] == "FINISHED" and r["lambada/accuracy"] != "" for r in rows)
+    # K is the in-batch rows of one micro-batch: B·(L−1) targets of a decoder.
+    assert {int(r["micro_batch"]) * 63 for r in rows} == {int(float(r["K"])) for r in rows}
+    for trial in (folder / "trials").iterdir():
+        assert (trial / ".failed_at_4").exists()  # it did fail once
+
+    client, (parent,), children = _runs(sweep_server, "bs-e2e")
+    assert "fig8_lambada_vs_batch_size.png" in {
+        a.path for a in client.list_artifacts(parent.info.run_id)
+    }
+    assert len(children) == 4  # the retry continued each trial's run
+    for child in children:
+        micro = int(child.data.params["optim.micro_batch_size"])
+        assert int(child.data.params["optim.global_batch_size"]) == micro  # one worker
+        steps = {m.step for m in client.get_metric_history(child.info.run_id, "train/loss")}
+        assert steps == {4, 8}
+        assert "lambada/accuracy" in child.data.metrics
