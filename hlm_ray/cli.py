@@ -9,6 +9,7 @@
     hlm finetune --task clm --model runs/tiny-headless --register hlm-tiny-generator  # -> a generator
     hlm finetune --task glue:sst2 --model runs/tiny-encoder-headless         # -> a classifier
     hlm eval --model runs/tiny-headless-clm --task lambada,bpb             # scores, to MLflow
+    hlm serve --model models:/hlm-tiny-generator/1                # OpenAI-style HTTP endpoint
 
 Bad input prints one line, ``error: ...``, and exits with status 2.
 """
@@ -108,6 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--device", default="cpu")
     ev.add_argument("--output", help="folder for the JSON results (default <model>/eval)")
     ev.add_argument("--experiment", default="hlm_ray", help="MLflow experiment name")
+
+    from hlm_ray.serve import cli as serve_cli
+
+    serve_cli.add_parser(sub).set_defaults(handler=serve_cli.run)
     return parser
 
 
@@ -317,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         "eval": cmd_eval,
     }
     try:
-        return handler[args.command](args)
+        return handler.get(args.command, getattr(args, "handler", None))(args)
     except HLMError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -164,5 +164,7 @@ def test_cli_finetune_clm_then_eval_from_the_registry(headless_run, tmp_path, ca
     assert version.run_id == run_id
 
     uri = f"models:/cli-gen/{version.version}"
-    assert main(["eval", "--model", uri, "--task", "lambada", "--limit", "20"]) == 0
+    argv = ["eval", "--model", uri, "--task", "lambada", "--limit", "20"]
+    assert main([*argv, "--output", str(tmp_path / "eval")]) == 0
+    assert (tmp_path / "eval" / "eval_lambada.json").is_file()
     assert "lambada" in capsys.readouterr().out

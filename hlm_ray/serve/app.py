@@ -1,0 +1,462 @@
+"""The Ray Serve application: an OpenAI-compatible completions endpoint over `hlm_ray.generate`.
+
+    serve run deploy/serve.yaml                  # import_path: hlm_ray.serve.app:build_app
+    hlm serve --model models:/hlm-tiny-generator/1 --port 8000
+
+    curl -s localhost:8000/v1/completions -H 'content-type: application/json' \\
+         -d '{"prompt": "The cat", "max_tokens": 16, "temperature": 0}'
+    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+    client.completions.create(model="hlm-tiny-generator/1", prompt="The cat", max_tokens=16)
+
+Routes: `POST /v1/completions` (JSON, or server-sent events with `stream: true`),
+`GET /v1/models` (the served model and its source / MLflow URI), `GET /healthz` (with batching
+counters). Every response carries the model's id (`model` in the body, `x-hlm-model` header).
+
+Bad input is answered before any decoding, in OpenAI's error shape
+(`{"error": {"message", "type", "param", "code"}}`, the message naming the field): 400 for
+invalid JSON and for limits that depend on the model or the server (`max_tokens`, `n`, prompt
+length in tokens against the model's positions), 404 for another model's id, 413 for a body
+over `max_body_bytes`, 422 for unknown fields, wrong types and out-of-range values. Over
+`max_queued_requests` Serve itself answers 503.
+
+Non-streaming requests are batched on the replica (`serve.batch`, counted in rows: prompts x n),
+each row decoding with its own settings and seed; a streamed request decodes alone. All decoding
+runs on one worker thread, so the event loop keeps accepting and queueing requests meanwhile.
+One log line per request (`ray.serve` logger: id, status, latency, token counts).
+"""
+
+# No `from __future__ import annotations` in this module: Serve reads `build_app`'s parameter
+# annotation at run time to turn a config file's `args:` into `AppArgs`, which a string defeats.
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
+from ray import serve
+from ray.serve import Application
+
+from hlm_ray.errors import HLMError
+from hlm_ray.generate import (
+    Generator,
+    Row,
+    SamplingParams,
+    check_generation_ready,
+    default_model_name,
+    row_seed,
+)
+from hlm_ray.pretrained import REGISTRY_SCHEME, model_info, resolve_model_dir
+from hlm_ray.serve.schemas import (
+    AppArgs,
+    Choice,
+    CompletionRequest,
+    CompletionResponse,
+    Health,
+    ModelCard,
+    ModelList,
+    Usage,
+)
+
+log = logging.getLogger("ray.serve")
+api = FastAPI(title="hlm_ray completions", version="1")
+
+_COMPLETION_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {"application/json": {"schema": CompletionRequest.model_json_schema()}},
+    }
+}
+
+
+class ApiError(Exception):
+    """An error answered to the client: status and a message naming the field (`param`)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict[str, Any]:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": None}}
+
+
+@dataclass
+class _Job:
+    """One request's rows, batched with other requests' rows."""
+
+    rows: list[Row]
+
+
+def _num_rows(jobs: list[_Job]) -> int:
+    return sum(len(job.rows) for job in jobs)
+
+
+def parse_request(body: bytes) -> CompletionRequest:
+    """Parse and validate a request body; ApiError 400 for invalid JSON, 422 naming the field
+    for anything pydantic rejects."""
+    try:
+        return CompletionRequest.model_validate_json(body)
+    except ValidationError as err:
+        errors = err.errors(include_url=False)
+        if errors[0]["type"] == "json_invalid":
+            raise ApiError(400, f"request body is not valid JSON: {errors[0]['msg']}") from None
+        messages = [f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in errors]
+        param = str(errors[0]["loc"][0]) if errors[0]["loc"] else None
+        raise ApiError(422, "; ".join(messages), param) from None
+
+
+def _usage(prompt_tokens: int, rows: list[Row]) -> Usage:
+    completion = sum(row.result.completion_tokens for row in rows if row.result is not None)
+    return Usage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=prompt_tokens + completion,
+    )
+
+
+def _one_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"
+
+
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+# Helpers the routes use are defined above the class: `serve.ingress` pickles the FastAPI app,
+# with its routes' globals, when the class is decorated.
+@serve.deployment(
+    # Enough in flight on a replica for batches to fill; beyond that requests wait in the
+    # router's queue, and past max_queued_requests they are refused with 503.
+    max_ongoing_requests=64,
+    max_queued_requests=256,
+    ray_actor_options={"num_cpus": 1},
+    max_constructor_retry_count=2,  # a model that does not load will not load on retry 20
+)
+@serve.ingress(api)
+class CompletionServer:
+    def __init__(self, args: AppArgs):
+        import torch
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        self.args = AppArgs.model_validate(args) if isinstance(args, dict) else args
+        if self.args.num_threads:
+            torch.set_num_threads(self.args.num_threads)
+        self.generator = Generator.load(
+            self.args.model,
+            device=self.args.device,
+            allow_raw_head=self.args.allow_raw_head,
+            name=self.args.name,
+        )
+        self.name = self.generator.name
+        self.created = int(time.time())
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode")
+        self._complete_batch.set_max_batch_size(self.args.max_batch_size)
+        self._complete_batch.set_batch_wait_timeout_s(self.args.batch_wait_timeout_s)
+        self._stats = {"requests": 0, "batches": 0, "max_batch_requests": 0, "max_batch_rows": 0}
+        log.info(
+            "serving %s (%s) from %s, %d positions",
+            self.name,
+            self.args.model,
+            self.generator.info.get("path"),
+            self.generator.max_positions,
+        )
+
+    # ------------------------------------------------------------------------- routes
+
+    @api.get("/healthz")
+    async def healthz(self) -> JSONResponse:
+        return self._json(Health(model=self.name, **self._stats).model_dump())
+
+    @api.get("/v1/models")
+    async def models(self) -> JSONResponse:
+        info = self.generator.info
+        card = ModelCard(
+            id=self.name,
+            created=self.created,
+            source=self.args.model,
+            mlflow_uri=self.args.model if self.args.model.startswith(REGISTRY_SCHEME) else None,
+            path=str(info.get("path", "")),
+            objective=info.get("objective"),
+            finetuned=info.get("finetuned"),
+            max_positions=self.generator.max_positions,
+        )
+        return self._json(ModelList(data=[card]).model_dump())
+
+    @api.post("/v1/completions", openapi_extra=_COMPLETION_BODY)
+    async def completions(self, request: Request):
+        start = time.perf_counter()
+        rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+        try:
+            req = parse_request(await self._read_body(request))
+            rows, prompt_tokens = self._rows(req)
+        except ApiError as err:
+            return self._fail(rid, err, start)
+        if req.stream:
+            events = self._events(rid, req, rows, prompt_tokens, start)
+            return StreamingResponse(events, media_type="text/event-stream", headers=self._headers)
+        try:
+            await self._complete_batch(_Job(rows))
+        except Exception as err:  # a bug or the device failing, not the request: say so
+            log.exception("completion %s failed", rid)
+            return self._fail(rid, ApiError(500, f"generation failed: {_one_line(err)}"), start)
+        if any(row.result.finish_reason == "timeout" for row in rows):
+            return self._fail(rid, self._timeout_error(), start)
+        choices = [
+            Choice(text=row.result.text, index=i, finish_reason=row.result.finish_reason)
+            for i, row in enumerate(rows)
+        ]
+        usage = _usage(prompt_tokens, rows)
+        body = CompletionResponse(
+            id=rid,
+            created=int(time.time()),
+            model=self.name,
+            choices=choices,
+            usage=usage,
+            system_fingerprint=self.args.model,
+        )
+        self._log(rid, 200, start, usage, len(rows), stream=False)
+        return self._json(body.model_dump())
+
+    # ------------------------------------------------------------------------- batching
+
+    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.02, batch_size_fn=_num_rows)
+    async def _complete_batch(self, jobs: list[_Job]) -> list[_Job]:
+        """Decode the rows of several requests as one batch (results land in the rows)."""
+        rows = [row for job in jobs for row in job.rows]
+        stats = self._stats
+        stats["batches"] += 1
+        stats["max_batch_requests"] = max(stats["max_batch_requests"], len(jobs))
+        stats["max_batch_rows"] = max(stats["max_batch_rows"], len(rows))
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._pool, self.generator.complete_rows, rows)
+        return jobs
+
+    # ------------------------------------------------------------------------- streaming
+
+    async def _events(
+        self, rid: str, req: CompletionRequest, rows: list[Row], prompt_tokens: int, start: float
+    ) -> AsyncIterator[str]:
+        """Server-sent events: one chunk per decoding step, then usage (if asked) and [DONE]."""
+        loop = asyncio.get_running_loop()
+        steps = self.generator.stream_rows(rows)
+        created, status = int(time.time()), 200
+        try:
+            while (deltas := await loop.run_in_executor(self._pool, next, steps, None)) is not None:
+                if any(d.finish_reason == "timeout" for d in deltas):
+                    status = 504
+                    yield _sse(self._timeout_error().body())
+                    break
+                chunk = CompletionResponse(
+                    id=rid,
+                    created=created,
+                    model=self.name,
+                    choices=[
+                        Choice(text=d.text, index=d.index, finish_reason=d.finish_reason)
+                        for d in deltas
+                    ],
+                    system_fingerprint=self.args.model,
+                )
+                yield _sse(chunk.model_dump())
+            if status == 200 and req.stream_options and req.stream_options.include_usage:
+                usage = CompletionResponse(
+                    id=rid,
+                    created=created,
+                    model=self.name,
+                    choices=[],
+                    usage=_usage(prompt_tokens, rows),
+                    system_fingerprint=self.args.model,
+                )
+                yield _sse(usage.model_dump())
+            yield "data: [DONE]\n\n"
+        except Exception as err:
+            status = 500
+            log.exception("completion %s failed", rid)
+            yield _sse(ApiError(500, f"generation failed: {_one_line(err)}").body())
+        finally:
+            # On the decoding thread, after any step in progress: a client that went away
+            # stops its rows there.
+            self._pool.submit(steps.close)
+            done = [row for row in rows if row.result is not None]
+            self._log(rid, status, start, _usage(prompt_tokens, done), len(rows), stream=True)
+
+    # ------------------------------------------------------------------------- validation
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.args.max_body_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}")
+        body = await request.body()
+        if len(body) > limit:
+            raise ApiError(413, f"request body is {len(body)} bytes; the limit is {limit}")
+        return body
+
+    def _rows(self, req: CompletionRequest) -> tuple[list[Row], int]:
+        """The request's rows, after every limit that depends on the model or the server."""
+        args, gen = self.args, self.generator
+        if req.model is not None and req.model != self.name:
+            raise ApiError(
+                404,
+                f"model {req.model!r} is not served here; this server serves {self.name!r}",
+                "model",
+            )
+        limit = min(args.max_tokens_limit, gen.max_positions - 1)
+        if req.max_tokens > limit:
+            raise ApiError(
+                400,
+                f"max_tokens={req.max_tokens} is above this server's limit of {limit}",
+                "max_tokens",
+            )
+        if req.n > args.max_n:
+            raise ApiError(400, f"n={req.n} is above this server's limit of {args.max_n}", "n")
+        prompts = req.prompts()
+        if len(prompts) * req.n > args.max_batch_size:
+            raise ApiError(
+                400,
+                f"{len(prompts)} prompts x n={req.n} is {len(prompts) * req.n} completions; this "
+                f"server decodes at most {args.max_batch_size} per request",
+                "prompt",
+            )
+        try:
+            params = SamplingParams(
+                max_new_tokens=req.max_tokens,
+                temperature=req.temperature,
+                top_k=req.top_k,
+                top_p=req.top_p,
+                stop=req.stops(),
+            )
+        except HLMError as err:
+            raise ApiError(400, str(err)) from None
+        deadline = time.monotonic() + args.request_timeout_s
+        rows, prompt_tokens = [], 0
+        for i, prompt in enumerate(prompts):
+            ids = gen.encode(prompt)
+            self._check_prompt(len(ids), req.max_tokens, i if len(prompts) > 1 else None)
+            prompt_tokens += len(ids)
+            rows += [Row(ids, params, row_seed(req.seed, c), deadline) for c in range(req.n)]
+        return rows, prompt_tokens
+
+    def _check_prompt(self, num_tokens: int, max_tokens: int, index: int | None) -> None:
+        where = "prompt" if index is None else f"prompt[{index}]"
+        positions = self.generator.max_positions
+        if self.args.max_prompt_tokens and num_tokens > self.args.max_prompt_tokens:
+            raise ApiError(
+                400,
+                f"{where} has {num_tokens} tokens; this server accepts at most "
+                f"{self.args.max_prompt_tokens}",
+                "prompt",
+            )
+        if num_tokens + max_tokens > positions:
+            raise ApiError(
+                400,
+                f"{where} has {num_tokens} tokens and max_tokens={max_tokens}: together more than "
+                f"the model's {positions} positions; shorten the prompt or lower max_tokens",
+                "prompt",
+            )
+
+    def _timeout_error(self) -> ApiError:
+        return ApiError(504, f"generation took longer than {self.args.request_timeout_s} s")
+
+    # ------------------------------------------------------------------------- responses, logs
+
+    @property
+    def _headers(self) -> dict[str, str]:
+        return {"x-hlm-model": self.name}
+
+    def _json(self, body: dict[str, Any], status: int = 200) -> JSONResponse:
+        return JSONResponse(body, status_code=status, headers=self._headers)
+
+    def _fail(self, rid: str, err: ApiError, start: float) -> JSONResponse:
+        self._log(rid, err.status, start, None, 0, stream=False, reason=err.message)
+        return self._json(err.body(), err.status)
+
+    def _log(
+        self,
+        rid: str,
+        status: int,
+        start: float,
+        usage: Usage | None,
+        rows: int,
+        *,
+        stream: bool,
+        reason: str = "",
+    ) -> None:
+        self._stats["requests"] += 1
+        log.info(
+            "completion %s status=%d latency_ms=%.1f prompt_tokens=%d completion_tokens=%d "
+            "rows=%d stream=%s model=%s%s",
+            rid,
+            status,
+            (time.perf_counter() - start) * 1000,
+            usage.prompt_tokens if usage else 0,
+            usage.completion_tokens if usage else 0,
+            rows,
+            stream,
+            self.name,
+            f" error={reason!r}" if reason else "",
+        )
+
+
+# ----------------------------------------------------------------------------- builders
+
+
+def check_model(args: AppArgs) -> None:
+    """Fail fast, with the reason, when the model does not resolve or cannot generate (before
+    any replica starts: a `models:/` URI that does not exist, an encoder, a headless decoder)."""
+    folder = resolve_model_dir(args.model)
+    check_generation_ready(model_info(folder), args.model, allow_raw_head=args.allow_raw_head)
+
+
+def build_app(args: AppArgs) -> Application:
+    """The application a Serve config file names (`import_path: hlm_ray.serve.app:build_app`);
+    Serve validates the file's `args:` into `AppArgs`. Deployment options (replicas,
+    autoscaling, resources, queue limits) come from the file's `deployments:` section."""
+    if not isinstance(args, AppArgs):
+        args = AppArgs.model_validate(args)
+    check_model(args)
+    return CompletionServer.bind(args)
+
+
+def make_app(
+    args: AppArgs,
+    *,
+    num_replicas: int | str | None = None,
+    autoscaling_config: dict[str, Any] | None = None,
+    num_cpus: float | None = None,
+    num_gpus: float | None = None,
+    max_ongoing_requests: int | None = None,
+    max_queued_requests: int | None = None,
+    name: str | None = None,
+) -> Application:
+    """`build_app` with deployment options given in code (what `hlm serve` and tests use);
+    None keeps the deployment's default."""
+    check_model(args)
+    actor = dict(CompletionServer.ray_actor_options or {})
+    if num_cpus is not None:
+        actor["num_cpus"] = num_cpus
+    if num_gpus is not None:
+        actor["num_gpus"] = num_gpus
+    options: dict[str, Any] = {
+        "num_replicas": num_replicas,
+        "autoscaling_config": autoscaling_config,
+        "max_ongoing_requests": max_ongoing_requests,
+        "max_queued_requests": max_queued_requests,
+        "name": name,
+    }
+    options = {k: v for k, v in options.items() if v is not None}
+    return CompletionServer.options(ray_actor_options=actor, **options).bind(args)
+
+
+def model_name(args: AppArgs) -> str:
+    """The id the app serves its model under."""
+    return args.name or default_model_name(args.model)

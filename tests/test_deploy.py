@@ -1,0 +1,254 @@
+"""Every file in deploy/ is loaded and checked: the Serve config against Serve's own schema and
+the app's typed arguments, the KubeRay manifests against the CRDs' OpenAPI schemas (as
+`kubectl apply` would, unknown fields included), and every script, path and command they
+reference."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+
+import jsonschema
+import pytest
+import yaml
+
+from hlm_ray.paths import project_root
+
+ROOT = project_root()
+DEPLOY = ROOT / "deploy"
+# The KubeRay CRDs live beside the data folder (../shared/schemas/kuberay), not in the repo.
+CRDS = ROOT.parent / "shared" / "schemas" / "kuberay"
+KUBERAY = {"RayCluster": "rayclusters", "RayJob": "rayjobs", "RayService": "rayservices"}
+MANIFESTS = {
+    "kuberay/raycluster.yaml": "RayCluster",
+    "kuberay/rayjob-vocab-sweep.yaml": "RayJob",
+    "kuberay/rayservice.yaml": "RayService",
+}
+TRACKING_URI = "http://mlflow.mlflow.svc.cluster.local:5000"
+
+_Loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def _load(rel: str) -> dict:
+    return yaml.load((DEPLOY / rel).read_text(), Loader=_Loader)
+
+
+def _crd_schema(kind: str, api_version: str) -> dict:
+    path = CRDS / f"ray.io_{KUBERAY[kind]}.yaml"
+    if not path.is_file():
+        pytest.skip(f"KubeRay CRDs not found at {CRDS}")
+    crd = yaml.load(path.read_text(), Loader=_Loader)
+    version = api_version.split("/")[-1]
+    [entry] = [v for v in crd["spec"]["versions"] if v["name"] == version]
+    assert entry["served"], f"{kind} {version} is not served by this KubeRay"
+    return entry["schema"]["openAPIV3Schema"]
+
+
+def unknown_fields(obj, schema: dict, path: str = "") -> list[str]:
+    """Fields the schema does not declare (kubectl's strict field validation rejects them)."""
+    if isinstance(obj, dict):
+        props = schema.get("properties")
+        if props is None or schema.get("x-kubernetes-preserve-unknown-fields"):
+            extra = schema.get("additionalProperties")
+            if isinstance(extra, dict):
+                return [f for k, v in obj.items() for f in unknown_fields(v, extra, f"{path}.{k}")]
+            return []
+        found = []
+        for key, value in obj.items():
+            if key not in props:
+                found.append(f"{path}.{key}")
+            else:
+                found += unknown_fields(value, props[key], f"{path}.{key}")
+        return found
+    if isinstance(obj, list) and isinstance(schema.get("items"), dict):
+        return [
+            f for i, v in enumerate(obj) for f in unknown_fields(v, schema["items"], f"{path}[{i}]")
+        ]
+    return []
+
+
+def crd_errors(manifest: dict) -> list[str]:
+    schema = _crd_schema(manifest["kind"], manifest["apiVersion"])
+    validator = jsonschema.Draft7Validator(schema)
+    errors = [
+        f"{'.'.join(map(str, e.absolute_path))}: {e.message}"
+        for e in validator.iter_errors(manifest)
+    ]
+    return errors + [f"{f}: unknown field" for f in unknown_fields(manifest, schema)]
+
+
+def _containers(manifest: dict) -> list[dict]:
+    spec = manifest["spec"]
+    cluster = spec.get("rayClusterSpec") or spec.get("rayClusterConfig") or spec
+    pods = [cluster["headGroupSpec"]] + cluster.get("workerGroupSpecs", [])
+    return [c for pod in pods for c in pod["template"]["spec"]["containers"]]
+
+
+def _serve_config_v2() -> dict:
+    return yaml.safe_load(_load("kuberay/rayservice.yaml")["spec"]["serveConfigV2"])
+
+
+# ----------------------------------------------------------------------------- inventory
+
+
+def test_every_file_in_deploy_is_checked_here():
+    files = {str(p.relative_to(DEPLOY)) for p in DEPLOY.rglob("*") if p.is_file()}
+    assert files == {"README.md", "serve.yaml", *MANIFESTS}, (
+        "a new file in deploy/ needs a check in tests/test_deploy.py"
+    )
+
+
+# ----------------------------------------------------------------------------- serve.yaml
+
+
+def _check_serve_config(config: dict) -> dict:
+    """Serve's own schema, the import path, the typed args and the deployment names; returns
+    the application."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from hlm_ray.serve.schemas import AppArgs
+
+    ServeDeploySchema.model_validate(config)
+    [app] = config["applications"]
+    module, _, attr = app["import_path"].partition(":")
+    builder = getattr(importlib.import_module(module), attr)
+    assert callable(builder)
+    [param] = inspect.signature(builder).parameters.values()
+    assert param.annotation is AppArgs  # Serve validates `args` into it
+    AppArgs.model_validate(app["args"])
+    AppArgs.model_validate({**app["args"], "model": "runs/any-run"})
+    served = {importlib.import_module(module).CompletionServer.name}
+    assert {d["name"] for d in app["deployments"]} <= served
+    return app
+
+
+def test_serve_yaml_is_a_valid_serve_config_for_the_app():
+    config = _load("serve.yaml")
+    app = _check_serve_config(config)
+    assert config["http_options"] == {"host": "127.0.0.1", "port": 8000}
+    assert app["args"]["model"].startswith("models:/")
+    [deployment] = app["deployments"]
+    assert deployment["max_ongoing_requests"] >= app["args"]["max_batch_size"]
+    assert deployment["max_queued_requests"] > 0  # overload answers 503, not an endless queue
+
+
+def test_serve_yaml_with_a_missing_model_fails_with_the_reason(tmp_path):
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    from hlm_ray.errors import HLMError
+    from hlm_ray.serve.app import build_app
+
+    [app] = _load("serve.yaml")["applications"]
+    args = {**app["args"], "model": str(tmp_path / "no-such-run")}
+    with pytest.raises(HLMError, match="no-such-run does not exist"):
+        call_user_app_builder_with_args_if_necessary(build_app, args)
+
+
+# ----------------------------------------------------------------------------- KubeRay
+
+
+@pytest.mark.parametrize("rel", sorted(MANIFESTS))
+def test_kuberay_manifest_validates_against_the_crd(rel):
+    manifest = _load(rel)
+    assert manifest["kind"] == MANIFESTS[rel] and manifest["apiVersion"] == "ray.io/v1"
+    assert crd_errors(manifest) == []
+
+
+def test_the_crd_check_catches_mistakes():
+    manifest = _load("kuberay/raycluster.yaml")
+    manifest["spec"]["workerGroupSpecs"][0]["rayStartParam"] = {}  # typo
+    manifest["spec"]["workerGroupSpecs"][0]["replicas"] = "two"  # wrong type
+    del manifest["spec"]["headGroupSpec"]["template"]  # required
+    errors = "\n".join(crd_errors(manifest))
+    assert "rayStartParam: unknown field" in errors
+    assert "'two' is not of type 'integer'" in errors
+    assert "'template' is a required property" in errors
+
+
+@pytest.mark.parametrize("rel", sorted(MANIFESTS))
+def test_manifests_use_this_ray_and_reach_mlflow(rel):
+    import ray
+
+    manifest = _load(rel)
+    spec = manifest["spec"]
+    cluster = spec.get("rayClusterSpec") or spec.get("rayClusterConfig") or spec
+    assert cluster["rayVersion"] == ray.__version__
+    assert cluster["authOptions"]["mode"] == "token"
+    containers = _containers(manifest)
+    for c in containers:
+        assert c["image"].startswith(f"rayproject/ray:{ray.__version__}-py311")
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        assert env["MLFLOW_TRACKING_URI"] == TRACKING_URI
+    gpu_workers = [
+        g
+        for g in cluster["workerGroupSpecs"]
+        for c in g["template"]["spec"]["containers"]
+        if c["resources"]["limits"].get("nvidia.com/gpu") == "1"
+    ]
+    assert gpu_workers and all(
+        c["image"].endswith("-gpu")
+        for g in gpu_workers
+        for c in g["template"]["spec"]["containers"]
+    )
+
+
+def test_rayjob_runs_the_vocab_sweep_with_the_project_installed():
+    from hlm_ray.tune.presets import SWEEPS
+
+    spec = _load("kuberay/rayjob-vocab-sweep.yaml")["spec"]
+    scripts = re.findall(r"sweeps/\w+\.py", spec["entrypoint"])
+    assert scripts == ["sweeps/vocab.py"]
+    assert (ROOT / scripts[0]).is_file()
+    preset = re.search(r"--preset (\w+)", spec["entrypoint"]).group(1)
+    assert preset == "paper" and preset in SWEEPS["vocab"]
+    runtime_env = yaml.safe_load(spec["runtimeEnvYAML"])
+    _check_runtime_env(runtime_env)
+    assert runtime_env["working_dir"].endswith(".zip")  # a remote URI, as a RayJob needs
+    assert spec["shutdownAfterJobFinishes"] is True
+
+
+def _check_runtime_env(runtime_env: dict) -> None:
+    from ray.runtime_env import RuntimeEnv
+
+    RuntimeEnv(**runtime_env)  # Ray's own validation
+    [package] = runtime_env["pip"]["packages"]
+    assert package.startswith("hlm_ray @ ")
+    assert runtime_env["env_vars"]["MLFLOW_TRACKING_URI"] == TRACKING_URI
+
+
+def test_rayservice_mirrors_serve_yaml():
+    local = _load("serve.yaml")
+    cluster = _serve_config_v2()
+    app = _check_serve_config(cluster)
+    [local_app] = local["applications"]
+    assert app["import_path"] == local_app["import_path"]
+    assert app["args"].keys() == local_app["args"].keys()
+    assert app["args"]["model"] == local_app["args"]["model"]
+    assert [d["name"] for d in app["deployments"]] == [d["name"] for d in local_app["deployments"]]
+    for deployment in app["deployments"]:
+        assert deployment["ray_actor_options"]["num_gpus"] == 1
+        assert deployment["max_ongoing_requests"] >= app["args"]["max_batch_size"]
+    assert cluster["http_options"]["host"] == "0.0.0.0"
+    _check_runtime_env(app["runtime_env"])
+
+
+# ----------------------------------------------------------------------------- README
+
+
+def test_readme_commands_and_references():
+    text = (DEPLOY / "README.md").read_text()
+    commands = re.sub(r"\s*\\\n\s*", " ", text)  # shell continuation lines joined
+    for path in sorted(set(re.findall(r"\b(?:deploy|sweeps)/[\w./-]+\.(?:ya?ml|py|md)", text))):
+        assert (ROOT / path).is_file(), f"README names {path}, which does not exist"
+    for command in (
+        "mlflow server --backend-store-uri postgresql://",
+        "--artifacts-destination s3://",
+        "--host 0.0.0.0",
+        "RAY_AUTH_MODE=token ray job submit",
+        "python sweeps/vocab.py --preset paper",
+        "kubectl apply -f deploy/kuberay/rayservice.yaml",
+        "serve run deploy/serve.yaml",
+    ):
+        assert command in commands, command
+    assert TRACKING_URI in text
