@@ -10,6 +10,7 @@
     hlm finetune --task glue:sst2 --model runs/tiny-encoder-headless         # -> a classifier
     hlm eval --model runs/tiny-headless-clm --task lambada,bpb             # scores, to MLflow
     hlm serve --model models:/hlm-tiny-generator/1                # OpenAI-style HTTP endpoint
+    hlm bench --preset cpu                                           # headless vs vanilla speed
 
 Bad input prints one line, ``error: ...``, and exits with status 2.
 """
@@ -110,9 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--output", help="folder for the JSON results (default <model>/eval)")
     ev.add_argument("--experiment", default="hlm_ray", help="MLflow experiment name")
 
+    from hlm_ray.bench import cli as bench_cli
     from hlm_ray.serve import cli as serve_cli
 
     serve_cli.add_parser(sub).set_defaults(handler=serve_cli.run)
+    bench_cli.add_parser(sub).set_defaults(handler=bench_cli.run)
     return parser
 
 

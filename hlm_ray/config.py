@@ -121,6 +121,12 @@ class OptimConfig:
     """Sequences per forward pass on one device: K for the CWT loss comes from this."""
     precision: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """auto: bf16 autocast on a CUDA device that supports it, fp32 otherwise."""
+    embedding_update: Literal["dense", "lazy"] = "dense"
+    """dense: AdamW over the whole input-embedding table every step (the paper's optimizer).
+    lazy: sparse gradients for the table and a row-wise AdamW over the rows a step touches, so
+    the step's cost no longer grows with the vocabulary; untouched rows pause their momentum and
+    weight decay, so results differ from dense (see hlm_ray/train/optim.py). Needs a table no
+    vocabulary head reads: headless models, or vanilla gpt_neox (untied head)."""
 
     def grad_accum_steps(self, world_size: int) -> int:
         per_step = self.micro_batch_size * world_size
@@ -307,6 +313,13 @@ def validate(cfg: Config) -> Config:
     _check(p.warmup_steps >= 0, "optim.warmup_steps", p.warmup_steps, "must be >= 0")
     _check(p.micro_batch_size > 0, "optim.micro_batch_size", p.micro_batch_size, "must be > 0")
     p.grad_accum_steps(world_size=1)
+    _check(
+        p.embedding_update == "dense" or o.name == "headless" or m.arch == "gpt_neox",
+        "optim.embedding_update",
+        p.embedding_update,
+        "lazy needs an input embedding no vocabulary head reads: the headless objective, or "
+        "arch gpt_neox (untied head); use dense",
+    )
     for name in ("log_every", "eval_every", "checkpoint_every", "eval_batches"):
         _check(getattr(r, name) > 0, f"run.{name}", getattr(r, name), "must be > 0")
     _check(r.keep_checkpoints >= 1, "run.keep_checkpoints", r.keep_checkpoints, "must be >= 1")

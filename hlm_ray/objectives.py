@@ -211,6 +211,7 @@ def cwt_loss_from_ids(
     chunk_size: int | None = None,
     reduction: str = "mean",
     return_accuracy: bool = False,
+    sparse_grad: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """CWT loss of predictions (K×D) for target token ids (K,) with the embedding table (V×D).
 
@@ -228,6 +229,9 @@ def cwt_loss_from_ids(
 
     With ``return_accuracy``, returns ``(loss, accuracy)``: the fraction of rows whose
     top-scoring distinct column (plain dot products) is their own id, without gradient.
+
+    ``sparse_grad``: the table's gradient from the gathered rows is a sparse (COO) tensor of U
+    rows instead of a dense V×D one (for a row-wise optimizer update; same values).
     """
     if variant not in CWT_VARIANTS:
         raise ValueError(f"variant={variant!r}; use one of {', '.join(CWT_VARIANTS)}")
@@ -251,7 +255,7 @@ def cwt_loss_from_ids(
             pos_K = _locate(target_ids, col_ids_U)  # torch.unique sorts
     pred_KD = _upcast(predictions)
     # Gather before upcasting: only U rows of the table are converted, not all V.
-    cols_UD = _upcast(F.embedding(col_ids_U, embedding_weight))
+    cols_UD = _upcast(F.embedding(col_ids_U, embedding_weight, sparse=sparse_grad))
     if variant != "plain":
         log_count_U = count_U.to(pred_KD.dtype).log()
     loss_K, correct_K = _cwt_per_row(
@@ -395,6 +399,7 @@ def _headless(
     negative_ids: Tensor | None,
     chunk_size: int | None,
     return_accuracy: bool,
+    sparse_grad: bool = False,
 ) -> LossOutput:
     out = cwt_loss_from_ids(
         pred_KD,
@@ -405,6 +410,7 @@ def _headless(
         negative_ids=negative_ids,
         chunk_size=chunk_size,
         return_accuracy=return_accuracy,
+        sparse_grad=sparse_grad,
     )
     if return_accuracy:
         return LossOutput(loss=out[0], num_rows=len(ids_K), accuracy=out[1])
@@ -422,6 +428,7 @@ def headless_causal_loss(
     negative_ids: Tensor | None = None,
     chunk_size: int | None = None,
     return_accuracy: bool = False,
+    sparse_grad: bool = False,
 ) -> LossOutput:
     """CWT for a decoder: hidden[:, :-1] predicts the embedding of input_ids[:, 1:].
 
@@ -438,6 +445,7 @@ def headless_causal_loss(
         negative_ids,
         chunk_size,
         return_accuracy,
+        sparse_grad,
     )
 
 
@@ -451,6 +459,7 @@ def headless_masked_loss(
     negative_ids: Tensor | None = None,
     chunk_size: int | None = None,
     return_accuracy: bool = False,
+    sparse_grad: bool = False,
 ) -> LossOutput:
     """CWT for an encoder: at masked positions only, the raw last hidden state predicts the
     embedding of the original token. ``labels_BL`` holds that token id there and -100 elsewhere.
@@ -465,6 +474,7 @@ def headless_masked_loss(
         negative_ids,
         chunk_size,
         return_accuracy,
+        sparse_grad,
     )
 
 

@@ -33,7 +33,7 @@ from hlm_ray.tracking import JsonlTracker, MultiTracker, Tracker, read_metrics
 from hlm_ray.train import checkpoint as ckpt
 from hlm_ray.train.distributed import gather_negative_ids, global_mean
 from hlm_ray.train.inputs import build_corpus, build_tokenizer, special_ids
-from hlm_ray.train.optim import build_optimizer, build_scheduler
+from hlm_ray.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 from hlm_ray.train.step import LMObjective
 
 BEST = "best_checkpoint"  # a copy of the checkpoint with the lowest validation loss
@@ -175,9 +175,8 @@ def train_worker(
             scaler.scale(out.loss / accum).backward()
             loss_sum += out.loss.detach() / accum
         scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            model.parameters(), cfg.optim.grad_clip or float("inf")
-        )
+        # Sparse-aware (the lazy embedding update's gradient): torch's clip_grad_norm_ raises.
+        grad_norm = clip_grad_norm(model.parameters(), cfg.optim.grad_clip or float("inf"))
         scaler.step(optimizer)
         scaler.update()
         scheduler.step()

@@ -9,6 +9,11 @@ as inputs and as CWT targets).
     out = module(input_ids_BL)                  # decoders
     out = module(masked_inputs_BL, labels_BL)   # encoders: labels = originals, -100 elsewhere
     out.loss.backward()
+
+A headless step never touches the vocabulary head: `hidden_states` runs the body only (a
+headless decoder's tied Eᵀ head is not called), and the loss reads the embedding rows of the
+micro-batch's targets. Nothing here forces a host-device sync except what the shapes need
+(`torch.unique` for the de-duplicated CWT, boolean selection of masked rows).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from hlm_ray.objectives import (
     vanilla_causal_loss,
     vanilla_masked_loss,
 )
+from hlm_ray.train.optim import uses_sparse_embedding
 
 
 class LMObjective(nn.Module):
@@ -71,6 +77,9 @@ class LMObjective(nn.Module):
             chunk_size=self.cfg.cwt_chunk_size,
             negative_ids=negative_ids,
             return_accuracy=return_accuracy,
+            # With the lazy embedding update the table's gradient stays sparse: the CWT gather
+            # must not add a dense V×D gradient to the input look-up's sparse one.
+            sparse_grad=uses_sparse_embedding(self.model),
         )
         weight_VD = input_embedding_weight(self.model)
         if self.causal:

@@ -1,0 +1,525 @@
+"""Benchmark outputs: the targets with their verdicts, CSV and Markdown tables, PNG figures.
+
+    targets = evaluate_targets(preset, loss_rows, step_rows, ray_rows)
+    write_csv(step_rows, out / "train_step.csv", STEP_COLUMNS)
+    print(markdown_report(preset, env, loss_rows, step_rows, ray_rows, targets))
+    figures = write_figures(out, loss_rows, step_rows)
+
+Each target is a ratio from one run, compared with its threshold: PASS, MISS (with by how
+much), or PENDING when this run cannot measure it (GPU targets on a CPU machine).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import statistics
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hlm_ray.bench.presets import BenchPreset
+
+LOSS_COLUMNS = [
+    "sweep", "sweep_index", "method", "K", "V", "D", "U", "dtype", "device", "status", "time_ms",
+    "time_ms_p25", "time_ms_p75", "time_ms_min", "time_ms_max", "peak_mb", "gflop",
+    "gflops_per_s", "note",
+]  # fmt: skip
+STEP_COLUMNS = [
+    "experiment", "model", "family", "arch", "arm", "objective", "embedding_update", "ce_impl",
+    "mlm_full_logits", "attn_impl", "precision", "device", "V", "micro_batch", "seq_len",
+    "tokens", "K", "U", "status", "step_ms", "step_ms_p25", "step_ms_p75", "step_ms_min",
+    "step_ms_max", "repeats", "tokens_per_s", "peak_mb", "gflop_per_step", "head_share", "mfu",
+    "flops_vs_headless", "time_vs_headless", "strongest_vanilla", "note",
+]  # fmt: skip
+RAY_COLUMNS = [
+    "arm", "run", "preset", "steps", "windows", "cpus", "step_ms", "step_ms_p25", "step_ms_p75",
+    "step_ms_min", "step_ms_max",
+]  # fmt: skip
+TARGET_COLUMNS = ["target", "scope", "measured", "threshold", "verdict", "margin", "detail"]
+
+FLAT_MIN, SPEEDUP_MIN, RAY_MAX, MFU_MIN = 0.95, 0.9, 1.05, 0.40
+
+
+@dataclass(frozen=True)
+class Target:
+    target: str
+    scope: str
+    measured: float | None
+    threshold: float
+    higher_is_better: bool
+    detail: str = ""
+
+    @property
+    def verdict(self) -> str:
+        if self.measured is None or math.isnan(self.measured):
+            return "PENDING"
+        ok = (
+            self.measured >= self.threshold
+            if self.higher_is_better
+            else (self.measured <= self.threshold)
+        )
+        return "PASS" if ok else "MISS"
+
+    @property
+    def margin(self) -> str:
+        """How far from the threshold, in % of it: "+4.1%" clear of it, "-7.3%" short of it."""
+        if self.verdict == "PENDING":
+            return ""
+        gap = self.measured / self.threshold - 1
+        return f"{(gap if self.higher_is_better else -gap) * 100:+.1f}%"
+
+    def row(self) -> dict[str, Any]:
+        op = "≥" if self.higher_is_better else "≤"
+        return {
+            "target": self.target,
+            "scope": self.scope,
+            "measured": None if self.measured is None else round(self.measured, 4),
+            "threshold": f"{op} {self.threshold:g}",
+            "verdict": self.verdict,
+            "margin": self.margin,
+            "detail": self.detail,
+        }
+
+
+def _ok(rows: Iterable[dict]) -> list[dict]:
+    return [r for r in rows if r.get("status", "ok") == "ok"]
+
+
+def _main_batch(preset: BenchPreset, model: str) -> int | None:
+    for sm in preset.train_step.models:
+        if sm.name == model:
+            return sm.points[0][1]
+    return None
+
+
+def evaluate_targets(
+    preset: BenchPreset,
+    loss_rows: list[dict],
+    step_rows: list[dict],
+    ray_rows: list[dict],
+    *,
+    ran: Iterable[str] = ("loss_head", "train_step", "ray_overhead"),
+) -> list[Target]:
+    ran = set(ran)
+    targets: list[Target] = []
+    steps = [r for r in _ok(step_rows) if r.get("experiment", "points") == "points"]
+    flat = [r for r in _ok(step_rows) if r.get("experiment") == "flat-in-V"]
+    if "train_step" in ran:
+        targets += _flat_targets(preset, flat or steps)
+        targets += _speedup_targets(steps)
+    if "ray_overhead" in ran:
+        from hlm_ray.bench.ray_overhead import overhead_ratio
+
+        ratio = overhead_ratio(ray_rows)
+        bare = [r["step_ms"] for r in ray_rows if r["arm"] == "bare"]
+        ray_ms = [r["step_ms"] for r in ray_rows if r["arm"] == "ray"]
+        detail = (
+            f"Ray {statistics.mean(ray_ms):.1f} ms vs bare {statistics.mean(bare):.1f} ms "
+            f"(Ray runs {', '.join(f'{b:.1f}' for b in ray_ms)}; "
+            f"bare runs {', '.join(f'{b:.1f}' for b in bare)})"
+            if ratio is not None
+            else "no runs"
+        )
+        scope = f"{ray_rows[0]['preset']}, 1 worker" if ray_rows else "not run"
+        targets.append(Target("Ray Train step / bare step", scope, ratio, RAY_MAX, False, detail))
+    targets.append(_mfu_target(preset, steps))
+    return targets
+
+
+def _flat_targets(preset: BenchPreset, steps: list[dict]) -> list[Target]:
+    out = []
+    for model, (small, large) in preset.flat_points.items():
+        batch = _main_batch(preset, model)
+
+        def tps(arm: str, vocab: int, model=model, batch=batch) -> float | None:
+            for r in steps:
+                if (r["model"], r["arm"], r["V"], r["micro_batch"]) == (model, arm, vocab, batch):
+                    return r["tokens_per_s"]
+            return None
+
+        lazy = [tps("headless/lazy", v) for v in (small, large)]
+        dense = [tps("headless/dense", v) for v in (small, large)]
+        ratio = lazy[1] / lazy[0] if None not in lazy else None
+        detail = ""
+        if ratio is not None:
+            detail = f"headless/lazy {lazy[0]:.0f} → {lazy[1]:.0f} tok/s"
+            if None not in dense:
+                detail += (
+                    f"; headless/dense {dense[1] / dense[0]:.3f} ({dense[0]:.0f} → {dense[1]:.0f})"
+                )
+        scope = f"{model} B={batch}: V={large} / V={small}"
+        if steps and steps[0].get("experiment") == "flat-in-V":
+            detail += "; the four arms timed in alternation"
+        out.append(Target("headless tokens/s flat in V", scope, ratio, FLAT_MIN, True, detail))
+    return out
+
+
+def _speedup_targets(steps: list[dict]) -> list[Target]:
+    out = []
+    points = sorted({(r["model"], r["micro_batch"], r["V"]) for r in steps})
+    for model, batch, vocab in points:
+        here = [r for r in steps if (r["model"], r["micro_batch"], r["V"]) == (model, batch, vocab)]
+        strongest = next((r for r in here if r["strongest_vanilla"]), None)
+        headless = [r for r in here if r["objective"] == "headless" and "+" not in r["arm"]]
+        if strongest is None or not headless:
+            continue
+        best = min(headless, key=lambda r: r["step_ms"])
+        measured = strongest["step_ms"] / best["step_ms"]
+        predicted = strongest["flops_vs_headless"]
+        detail = (
+            f"{strongest['arm']} {strongest['step_ms']:.0f} ms / {best['arm']} "
+            f"{best['step_ms']:.0f} ms = {measured:.2f}×; FLOP model {predicted:.2f}×"
+        )
+        scope = f"{model} V={vocab} B={batch}"
+        out.append(
+            Target(
+                "speed-up / FLOP-model speed-up",
+                scope,
+                measured / predicted,
+                SPEEDUP_MIN,
+                True,
+                detail,
+            )
+        )
+    return out
+
+
+def _mfu_target(preset: BenchPreset, steps: list[dict]) -> Target:
+    name = "GPU MFU, headless GPT-2-small-size decoder, bf16"
+    if preset.mfu_model is None:
+        return Target(
+            name,
+            "needs a CUDA GPU",
+            None,
+            MFU_MIN,
+            True,
+            "pending: run `hlm bench --preset gpu` on an H100/H200",
+        )
+    rows = [
+        r
+        for r in steps
+        if r["model"] == preset.mfu_model and r["objective"] == "headless" and r.get("mfu")
+    ]
+    if not rows:
+        return Target(name, preset.mfu_model, None, MFU_MIN, True, "no measured headless arm")
+    best = max(rows, key=lambda r: r["mfu"])
+    detail = f"{best['arm']} ({best['attn_impl']}), {best['tokens_per_s']:.0f} tok/s"
+    return Target(name, f"{preset.mfu_model} V={best['V']}", best["mfu"], MFU_MIN, True, detail)
+
+
+# ------------------------------------------------------------------------------------ tables
+
+
+def write_csv(rows: list[dict], path: Path, columns: list[str]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore", restval="")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: _csv_value(row.get(k)) for k in columns})
+    return path
+
+
+def _csv_value(value: Any) -> Any:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return value
+
+
+def _md_table(header: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _num(value: float | None, fmt: str = ".1f") -> str:
+    return (
+        "—"
+        if value is None or (isinstance(value, float) and math.isnan(value))
+        else format(value, fmt)
+    )
+
+
+def loss_head_table(rows: list[dict], key: str = "time_ms", fmt: str = ".1f") -> str:
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    cells: dict[tuple, dict[str, Any]] = {}
+    for r in rows:
+        cells.setdefault((r["sweep_index"], r["sweep"], r["K"], r["V"]), {})[r["method"]] = r
+    body = []
+    for (_, sweep, K, V), by_method in cells.items():
+        U = next((m["U"] for m in by_method.values() if m.get("U") is not None), "")
+        line = [sweep, K, V, U]
+        for method in methods:
+            r = by_method.get(method)
+            line.append("skip" if r is None or r["status"] != "ok" else _num(r[key], fmt))
+        body.append(line)
+    return _md_table(["sweep", "K", "V", "U", *methods], body)
+
+
+def step_table(rows: list[dict], flat: bool = False) -> str:
+    body = []
+    for r in rows:
+        if r["status"] != "ok":
+            body.append(
+                [
+                    r["model"],
+                    r["V"],
+                    r["micro_batch"],
+                    r["arm"],
+                    f"skipped: {r['note']}",
+                    "",
+                    "",
+                    "",
+                    "",
+                    "",
+                ]
+            )
+            continue
+        body.append([
+            r["model"], r["V"], r["micro_batch"],
+            r["arm"] + (" ★" if r["strongest_vanilla"] else ""),
+            f"{r['step_ms']:.1f} [{r['step_ms_p25']:.1f}–{r['step_ms_p75']:.1f}]",
+            f"{r['tokens_per_s']:.0f}", _num(r.get("peak_mb"), ".0f"),
+            f"{r['flops_vs_headless']:.2f}", _num(r.get("time_vs_headless"), ".2f"),
+            _num(None if r.get("mfu") is None else r["mfu"] * 100, ".1f"),
+        ])  # fmt: skip
+    header = ["model", "V", "B", "arm", "step ms (median [IQR])", "tokens/s", "peak MB",
+              "FLOPs × headless", "time × headless", "MFU %"]  # fmt: skip
+    return _md_table(header, body)
+
+
+def ray_table(rows: list[dict]) -> str:
+    body = [
+        [r["run"] + 1, r["arm"], r["steps"], r["windows"],
+         f"{r['step_ms']:.2f} [{r['step_ms_p25']:.2f}–{r['step_ms_p75']:.2f}]"]
+        for r in rows
+    ]  # fmt: skip
+    return _md_table(["run", "arm", "steps", "windows", "step ms (median [IQR])"], body)
+
+
+def targets_table(targets: list[Target]) -> str:
+    body = [
+        [t.target, t.scope, _num(t.measured, ".3f"), t.row()["threshold"], t.verdict, t.margin,
+         t.detail]
+        for t in targets
+    ]  # fmt: skip
+    return _md_table(["target", "scope", "measured", "threshold", "verdict", "margin", "detail"],
+                     body)  # fmt: skip
+
+
+def markdown_report(
+    preset: BenchPreset,
+    env: dict[str, Any],
+    loss_rows: list[dict],
+    step_rows: list[dict],
+    ray_rows: list[dict],
+    targets: list[Target],
+) -> str:
+    parts = [f"# hlm bench --preset {preset.name}", ""]
+    skip = ("durations_s", "failures")
+    parts.append("Environment: " + ", ".join(f"{k} {v}" for k, v in env.items() if k not in skip))
+    for name, error in env.get("failures", {}).items():
+        parts.append(f"\n**Benchmark {name} failed**: {error}")
+    if "durations_s" in env:
+        parts.append(
+            "Wall time: " + ", ".join(f"{k} {v:.0f} s" for k, v in env["durations_s"].items())
+        )
+    parts += ["", "## Targets", "", targets_table(targets)]
+    points = [r for r in step_rows if r.get("experiment", "points") == "points"]
+    flat = [r for r in step_rows if r.get("experiment") == "flat-in-V"]
+    if step_rows:
+        parts += [
+            "", "## Training step", "",
+            "Median step time with its interquartile range over the alternated repeats; "
+            "★ = strongest vanilla at that point; `FLOPs × headless` is the FLOP model's "
+            "predicted speed-up of headless over the arm, `time × headless` the measured one.",
+            "", step_table(points),
+        ]  # fmt: skip
+    if flat:
+        parts += [
+            "", "## Flat in V: headless at the smallest and largest V, alternated", "",
+            step_table(flat, flat=True),
+        ]  # fmt: skip
+    if loss_rows:
+        parts += [
+            "", "## Loss head: forward + backward, median ms", "", loss_head_table(loss_rows),
+            "", "## Loss head: peak memory, MB", "", loss_head_table(loss_rows, "peak_mb", ".1f"),
+        ]  # fmt: skip
+        notes = sorted({f"{r['method']}: {r['note']}" for r in loss_rows if r["status"] != "ok"})
+        if notes:
+            parts += ["", "Skipped cells:", "", *[f"- {n}" for n in notes[:20]]]
+    if ray_rows:
+        parts += ["", "## Ray Train overhead", "", ray_table(ray_rows)]
+    return "\n".join(parts) + "\n"
+
+
+# ----------------------------------------------------------------------------------- figures
+
+METHOD_STYLE = {
+    "cwt_plain": ("tab:blue", "--"),
+    "cwt_dedup": ("tab:blue", "-"),
+    "cwt_chunked": ("tab:cyan", ":"),
+    "ce_full": ("tab:red", "-"),
+    "ce_chunked": ("tab:orange", "--"),
+    "ce_linear": ("tab:purple", "-."),
+    "ce_compiled": ("tab:brown", ":"),
+}
+
+
+ARM_COLORS = {
+    "headless/dense": "tab:blue",
+    "headless/lazy": "tab:green",
+    "vanilla/full": "tab:red",
+    "vanilla/chunked": "tab:orange",
+    "vanilla/linear": "tab:purple",
+    "vanilla/full-seq": "tab:brown",
+    "strongest vanilla": "tab:red",
+}
+
+
+def _figure(ncols: int, width: float = 4.6, height: float = 3.6):
+    from matplotlib.figure import Figure  # no pyplot: never touches the global backend
+
+    fig = Figure(figsize=(width * ncols, height), layout="constrained")
+    return fig, [fig.add_subplot(1, ncols, i + 1) for i in range(ncols)]
+
+
+def plot_loss_head(rows: list[dict], path: Path) -> Path | None:
+    sweeps = sorted({(r["sweep_index"], r["sweep"]) for r in rows})
+    if not sweeps:
+        return None
+    fig, axes = _figure(len(sweeps))
+    for ax, (index, sweep) in zip(axes, sweeps, strict=True):
+        _loss_head_axes(ax, [r for r in rows if r["sweep_index"] == index], sweep)
+    return _save(fig, path)
+
+
+def _loss_head_axes(ax, rows: list[dict], sweep: str, methods=None) -> None:
+    over = sweep.split("@")[0]
+    fixed = int(sweep.split("=")[1])
+    for method in methods or dict.fromkeys(r["method"] for r in rows):
+        pts = sorted(
+            (r[over], r["time_ms"]) for r in rows if r["method"] == method and r["status"] == "ok"
+        )
+        if pts:
+            color, style = METHOD_STYLE.get(method, (None, "-"))
+            ax.plot(*zip(*pts, strict=True), style, color=color, marker="o", ms=3, label=method)
+    ax.axvline(fixed, color="grey", lw=0.8, ls=":")
+    ax.text(
+        fixed, ax.get_ylim()[1] if ax.lines else 1, " K = V", color="grey", va="top", fontsize=8
+    )
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel(over)
+    ax.set_ylabel("forward + backward (ms)")
+    ax.set_title(f"loss head, {sweep.split('@')[1]}", fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+
+
+def _main_points(rows: list[dict]) -> dict[str, list[dict]]:
+    """Per model, the rows at its main micro-batch (the one with most vocabulary sizes)."""
+    rows = [r for r in rows if r.get("experiment", "points") == "points"]
+    out = {}
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        batches = [r["micro_batch"] for r in mine]
+        main = max(set(batches), key=lambda b: len({r["V"] for r in mine if r["micro_batch"] == b}))
+        out[model] = [r for r in mine if r["micro_batch"] == main]
+    return out
+
+
+def plot_train_step(rows: list[dict], path: Path) -> Path | None:
+    by_model = _main_points(_ok(rows))
+    if not by_model:
+        return None
+    fig, axes = _figure(len(by_model))
+    for ax, (model, mine) in zip(axes, by_model.items(), strict=True):
+        _step_axes(ax, model, mine)
+    return _save(fig, path)
+
+
+def _step_axes(ax, model: str, rows: list[dict], arms=None) -> None:
+    for arm in arms or dict.fromkeys(r["arm"] for r in rows):
+        pts = sorted((r["V"], r["tokens_per_s"]) for r in rows if r["arm"] == arm)
+        if pts:
+            style = "-" if arm.startswith("headless") else "--"
+            color = ARM_COLORS.get(arm)
+            ax.plot(*zip(*pts, strict=True), style, color=color, marker="o", ms=3, label=arm)
+    batch = rows[0]["micro_batch"] if rows else "?"
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("vocabulary size V")
+    ax.set_ylabel("training tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"{model}, micro-batch {batch}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def plot_speedup(rows: list[dict], path: Path) -> Path | None:
+    ok = _ok(rows)
+    points = []
+    for model, mine in _main_points(ok).items():
+        for vocab in sorted({r["V"] for r in mine}):
+            here = [r for r in mine if r["V"] == vocab]
+            strongest = next((r for r in here if r["strongest_vanilla"]), None)
+            headless = [r for r in here if r["objective"] == "headless" and "+" not in r["arm"]]
+            if strongest and headless:
+                best = min(headless, key=lambda r: r["step_ms"])
+                points.append((f"{model}\nV={vocab // 1024}k", strongest["step_ms"] / best["step_ms"],
+                               strongest["flops_vs_headless"]))  # fmt: skip
+    if not points:
+        return None
+    fig, (ax,) = _figure(1, width=max(5.0, 1.1 * len(points)))
+    xs = range(len(points))
+    ax.bar([x - 0.2 for x in xs], [p[1] for p in points], 0.4, label="measured")
+    ax.bar([x + 0.2 for x in xs], [p[2] for p in points], 0.4, label="FLOP model", alpha=0.6)
+    ax.set_xticks(list(xs), [p[0] for p in points], fontsize=7)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_ylabel("headless speed-up over strongest vanilla", fontsize=8)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    return _save(fig, path)
+
+
+def plot_headline(loss_rows: list[dict], step_rows: list[dict], path: Path) -> Path | None:
+    """Two panels: training tokens/s vs V (first model), and the loss head vs V (first sweep)."""
+    by_model = _main_points(_ok(step_rows))
+    v_sweeps = sorted(
+        {(r["sweep_index"], r["sweep"]) for r in loss_rows if r["sweep"].startswith("V")}
+    )
+    if not by_model and not v_sweeps:
+        return None
+    fig, axes = _figure(int(bool(by_model)) + int(bool(v_sweeps)), width=4.4, height=3.3)
+    i = 0
+    if by_model:
+        model, mine = next(iter(by_model.items()))
+        rows = [dict(r) for r in mine if r["objective"] == "headless" and "+" not in r["arm"]]
+        strongest = [dict(r, arm="strongest vanilla") for r in mine if r["strongest_vanilla"]]
+        _step_axes(axes[i], model, rows + strongest)
+        i += 1
+    if v_sweeps:
+        index, sweep = v_sweeps[0]
+        _loss_head_axes(axes[i], [r for r in loss_rows if r["sweep_index"] == index], sweep,
+                        methods=["cwt_plain", "cwt_dedup", "ce_full", "ce_chunked"])  # fmt: skip
+    return _save(fig, path, dpi=90)
+
+
+def _save(fig, path: Path, dpi: int = 100) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    return path
+
+
+def write_figures(out: Path, loss_rows: list[dict], step_rows: list[dict]) -> list[Path]:
+    made = [
+        plot_loss_head(loss_rows, out / "loss_head.png"),
+        plot_train_step(step_rows, out / "train_step.png"),
+        plot_speedup(step_rows, out / "speedup.png"),
+        plot_headline(loss_rows, step_rows, out / "headline.png"),
+    ]
+    return [p for p in made if p is not None]

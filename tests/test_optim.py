@@ -1,0 +1,273 @@
+"""The optimizer: the lazy (row-wise) AdamW of the embedding table against torch's AdamW, clipping
+with sparse gradients, its state through a checkpoint, DDP over gloo with sparse gradients, the
+guards, and one real training run with embedding_update=lazy that resumes exactly."""
+
+import io
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+# Light imports only at module level: the DDP test's spawned workers import this module.
+from hlm_ray.config import ModelConfig, ObjectiveConfig, OptimConfig, load_config
+from hlm_ray.errors import HLMError
+from hlm_ray.train.optim import LazyAdamW, build_optimizer, clip_grad_norm
+
+V, D = 20, 6
+LR, BETAS, EPS = 0.05, (0.9, 0.95), 1e-8
+
+
+class Toy(nn.Module):
+    """An input look-up plus a CWT-like read of target rows: the table's two uses in a step."""
+
+    def __init__(self, sparse: bool):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(V, D, sparse=sparse, dtype=torch.float64)
+        self.lin = nn.Linear(D, D, dtype=torch.float64)
+        self.sparse = sparse
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        pred = self.lin(self.emb(ids))
+        cols = F.embedding(targets, self.emb.weight, sparse=self.sparse)
+        return F.cross_entropy(pred @ cols.T, torch.arange(len(ids)))
+
+
+def optimizer(model: Toy, wd: float) -> torch.optim.Optimizer:
+    dense = [model.lin.weight, model.lin.bias]
+    if not model.sparse:
+        groups = [{"params": [*dense, model.emb.weight], "weight_decay": wd}]
+        return torch.optim.AdamW(groups, lr=LR, betas=BETAS, eps=EPS)
+    groups = [
+        {"params": dense, "weight_decay": wd},
+        {"params": [model.emb.weight], "weight_decay": wd, "lazy": True},
+    ]
+    return LazyAdamW(groups, lr=LR, betas=BETAS, eps=EPS)
+
+
+def batches(steps: int, rows: int, all_rows: bool = False):
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        ids = torch.randint(0, V, (rows,), generator=gen)
+        if all_rows:  # every row of the table appears in every step
+            ids = torch.cat([torch.randperm(V, generator=gen), ids])
+        yield ids, ids.roll(1)
+
+
+def train(sparse: bool, wd: float, steps: int, rows: int = 5, all_rows: bool = False) -> Toy:
+    model = Toy(sparse)
+    opt = optimizer(model, wd)
+    for ids, targets in batches(steps, rows, all_rows):
+        model(ids, targets).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_one_lazy_step_equals_adamw_on_touched_rows_and_leaves_the_rest(wd: float) -> None:
+    start = Toy(sparse=False).emb.weight.detach().clone()
+    ids, targets = next(batches(1, 5))
+    touched = torch.zeros(V, dtype=torch.bool)
+    touched[ids] = touched[targets] = True
+    assert 0 < touched.sum() < V
+
+    dense, lazy = train(False, wd, 1), train(True, wd, 1)
+    torch.testing.assert_close(lazy.emb.weight[touched], dense.emb.weight[touched])
+    assert torch.equal(lazy.emb.weight[~touched], start[~touched])  # untouched: unchanged
+    # Dense AdamW moves untouched rows only through weight decay on the first step.
+    torch.testing.assert_close(dense.emb.weight[~touched], start[~touched] * (1 - LR * wd))
+    for name in ("lin.weight", "lin.bias"):  # the dense groups are plain AdamW
+        torch.testing.assert_close(lazy.get_parameter(name), dense.get_parameter(name))
+
+
+def test_rows_touched_every_step_follow_adamw_exactly() -> None:
+    dense, lazy = train(False, 0.1, 6, all_rows=True), train(True, 0.1, 6, all_rows=True)
+    torch.testing.assert_close(lazy.emb.weight, dense.emb.weight)
+
+
+def test_untouched_rows_pause_their_momentum_unlike_adamw() -> None:
+    # The documented difference: after step 1, dense AdamW keeps moving a row it no longer sees.
+    dense, lazy = train(False, 0.0, 3, rows=3), train(True, 0.0, 3, rows=3)
+    assert not torch.allclose(lazy.emb.weight, dense.emb.weight)
+
+
+def test_clip_grad_norm_with_sparse_gradients_matches_the_dense_reference() -> None:
+    for max_norm in (0.05, 1e9):
+        sparse, dense = Toy(True), Toy(False)
+        ids, targets = next(batches(1, 6))
+        sparse(ids, targets).backward()
+        dense(ids, targets).backward()
+        assert sparse.emb.weight.grad.is_sparse and not sparse.emb.weight.grad.is_coalesced()
+        ours = clip_grad_norm(sparse.parameters(), max_norm)
+        ref = torch.nn.utils.clip_grad_norm_(dense.parameters(), max_norm)
+        torch.testing.assert_close(ours, ref)
+        torch.testing.assert_close(sparse.emb.weight.grad.to_dense(), dense.emb.weight.grad)
+        torch.testing.assert_close(sparse.lin.weight.grad, dense.lin.weight.grad)
+    assert ref > 0.05  # the first pass did clip
+
+
+def test_optimizer_state_survives_a_checkpoint() -> None:
+    straight = train(True, 0.1, 4)
+    model = Toy(True)
+    opt = optimizer(model, 0.1)
+    data = list(batches(4, 5))
+    for step, (ids, targets) in enumerate(data):
+        if step == 2:  # save and rebuild both from bytes, as a resume does
+            buf = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+            buf.seek(0)
+            saved = torch.load(buf, weights_only=True)
+            model = Toy(True)
+            model.load_state_dict(saved["model"])
+            opt = optimizer(model, 0.1)
+            opt.load_state_dict(saved["opt"])
+            assert opt.state[model.emb.weight]["step"] == 2
+        model(ids, targets).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.testing.assert_close(model.emb.weight, straight.emb.weight)
+    torch.testing.assert_close(model.lin.weight, straight.lin.weight)
+
+
+# ---- real models ---------------------------------------------------------------------------
+
+TINY = ModelConfig(arch="gpt_neox", hidden_size=16, num_layers=1, num_heads=2, max_positions=16)
+
+
+def test_headless_step_with_lazy_update_keeps_every_table_gradient_sparse() -> None:
+    from hlm_ray.models import build_model, input_embedding_weight
+    from hlm_ray.train.step import LMObjective
+
+    torch.manual_seed(0)
+    model = build_model(TINY, vocab_size=300, objective="headless", special_ids={})
+    assert model.lm_head.weight is input_embedding_weight(model)  # tied, unused by CWT
+    opt = build_optimizer(model, OptimConfig(embedding_update="lazy", weight_decay=0.1))
+    assert isinstance(opt, LazyAdamW) and model.get_input_embeddings().sparse
+    table = input_embedding_weight(model)
+    before = table.detach().clone()
+    ids = torch.randint(0, 300, (2, 8))
+    LMObjective(model, ObjectiveConfig(name="headless"))(ids)["loss"].loss.backward()
+    assert table.grad.is_sparse  # neither the look-up nor the CWT gather made it dense
+    clip_grad_norm(model.parameters(), 1.0)
+    opt.step()
+    untouched = torch.ones(300, dtype=torch.bool)
+    untouched[ids.flatten()] = False
+    assert torch.equal(table[untouched], before[untouched])
+    assert not torch.equal(table[~untouched], before[~untouched])
+
+
+def test_lazy_update_guards() -> None:
+    from hlm_ray.models import build_model
+
+    lazy = OptimConfig(embedding_update="lazy")
+    gpt2 = build_model(
+        ModelConfig(arch="gpt2", hidden_size=16, num_layers=1, num_heads=2, max_positions=16),
+        vocab_size=50,
+        objective="vanilla",
+        special_ids={},
+    )
+    with pytest.raises(HLMError, match="tied"):
+        build_optimizer(gpt2, lazy)
+    # A vanilla GPT-NeoX has an untied head: its input table can be lazy, its head stays dense.
+    neox = build_model(TINY, vocab_size=50, objective="vanilla", special_ids={})
+    assert isinstance(build_optimizer(neox, lazy), LazyAdamW)
+    with pytest.raises(HLMError, match="embedding_update"):
+        load_config("tiny-encoder", objective="vanilla", overrides=["optim.embedding_update=lazy"])
+    assert load_config("tiny-encoder", overrides=["optim.embedding_update=lazy"])
+
+
+# ---- DDP over gloo -------------------------------------------------------------------------
+
+
+def ddp_worker(rank: int, port: int, out) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    model = Toy(sparse=True)
+    opt = optimizer(model, 0.1)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    data = list(batches(4, 5))
+    for step in range(2):
+        ids, targets = data[2 * step + rank]
+        ddp(ids, targets).backward()  # DDP averages the sparse gradients of the two workers
+        clip_grad_norm(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    if rank == 0:
+        out.put(model.emb.weight.detach().tolist())  # plain data: no shared-memory handle
+    dist.destroy_process_group()
+
+
+def test_ddp_averages_sparse_gradients_over_gloo() -> None:
+    # The single-process reference: each step's loss is the mean over both workers' batches.
+    model = Toy(sparse=True)
+    opt = optimizer(model, 0.1)
+    data = list(batches(4, 5))
+    for step in range(2):
+        for rank in range(2):
+            (model(*data[2 * step + rank]) / 2).backward()
+        clip_grad_norm(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=ddp_worker, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    weight = out.get(timeout=120)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    torch.testing.assert_close(torch.tensor(weight, dtype=torch.float64), model.emb.weight.detach())
+
+
+# ---- the training loop ---------------------------------------------------------------------
+
+
+def test_training_with_lazy_update_resumes_exactly(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    from hlm_ray.paths import data_dir
+    from hlm_ray.train.loop import train_worker
+
+    def cfg(out, steps):
+        return load_config(
+            "tiny-decoder",
+            objective="headless",
+            overrides={
+                "data.sources": [str(data_dir() / "corpus" / "en" / "tinyshakespeare.txt")],
+                "data.max_tokens": 40_000,
+                "tokenizer.vocab_size": 300,
+                "model.hidden_size": 32,
+                "model.num_layers": 1,
+                "optim.embedding_update": "lazy",
+                "optim.max_steps": steps,
+                "optim.warmup_steps": 1,
+                "run.output_dir": str(out),
+                "run.log_every": 2,
+                "run.eval_every": 100,
+                "run.eval_batches": 1,
+                "run.checkpoint_every": 2,
+            },
+        ).to_dict()
+
+    straight = train_worker(cfg(tmp_path / "a", 4), progress=False)
+    assert torch.isfinite(torch.tensor(straight["metrics"]["train/loss"]))
+    resumed = tmp_path / "b"
+    train_worker(
+        cfg(resumed, 4), progress=False, resume_from=tmp_path / "a" / "checkpoint_00000002"
+    )
+    a = load_file(str(tmp_path / "a" / "model" / "model.safetensors"))
+    b = load_file(str(resumed / "model" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], msg=key)
