@@ -78,6 +78,13 @@ def run_bench(
         torch.set_float32_matmul_precision("high")
     output_dir.mkdir(parents=True, exist_ok=True)
     result = BenchResult(preset, output_dir, environment(device))
+    with contextlib.suppress(OSError, AttributeError):
+        load, cores = os.getloadavg()[0], os.cpu_count() or 1
+        if load > cores:
+            log(
+                f"warning: this machine is busy (load {load:.1f} on {cores} cores): timings "
+                "will be noisy; ratios of alternated arms suffer least"
+            )
     durations: dict[str, float] = {}
     start = time.perf_counter()
     stages = {
