@@ -131,20 +131,9 @@ def _load(args, output: str | None, objective: str | None):
 def _run(cfg, args, *, resume: Path | None = None) -> dict:
     """One training run, on Ray Train or (with --local) in this process."""
     if args.local:
-        from hlm_ray.train.launch import open_mlflow_run
-        from hlm_ray.train.loop import train_worker
+        from hlm_ray.train.launch import train_local
 
-        out_dir = Path(cfg.run.output_dir)
-        tracker, tracking = open_mlflow_run(
-            cfg, out_dir, experiment=args.experiment, resume=resume is not None
-        )
-        try:
-            summary = train_worker(cfg.to_dict(), tracking=tracking, resume_from=resume)
-        except BaseException:
-            tracker.finish("FAILED")
-            raise
-        tracker.finish("FINISHED")
-        return summary
+        return train_local(cfg, experiment=args.experiment, resume_from=resume)
     from hlm_ray.train.launch import launch
 
     return launch(

@@ -173,22 +173,9 @@ def _register(out: Path, name: str, run_id, experiment: str, metrics, facts) -> 
 
 
 def _train_local(experiment: str, progress: bool) -> Callable[[Config], dict[str, Any]]:
-    def train(cfg: Config) -> dict[str, Any]:
-        from hlm_ray.train.launch import open_mlflow_run
-        from hlm_ray.train.loop import train_worker
+    from hlm_ray.train.launch import train_local
 
-        tracker, tracking = open_mlflow_run(
-            cfg, Path(cfg.run.output_dir), experiment=experiment, resume=False
-        )
-        try:
-            summary = train_worker(cfg.to_dict(), tracking=tracking, progress=progress)
-        except BaseException:
-            tracker.finish("FAILED")
-            raise
-        tracker.finish("FINISHED")
-        return summary
-
-    return train
+    return lambda cfg: train_local(cfg, experiment=experiment, progress=progress)
 
 
 def finetune_encoder(

@@ -177,6 +177,31 @@ def open_mlflow_run(
     return tracker, {"experiment": experiment, "uri": uri, "run_id": tracker.run_id}
 
 
+def train_local(
+    cfg: Config,
+    *,
+    experiment: str = "hlm_ray",
+    resume_from: Path | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """The same run in this process, without Ray (`hlm train --local`, fine-tunes in a trial):
+    one MLflow run, marked FAILED if training raises."""
+    from hlm_ray.train.loop import train_worker
+
+    tracker, tracking = open_mlflow_run(
+        cfg, Path(cfg.run.output_dir), experiment=experiment, resume=resume_from is not None
+    )
+    try:
+        summary = train_worker(
+            cfg.to_dict(), tracking=tracking, resume_from=resume_from, progress=progress
+        )
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+    tracker.finish("FINISHED")
+    return summary
+
+
 def launch(
     cfg: Config,
     *,
