@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load(args, output: str | None, objective: str | None):
-    from hlm_ray.config import load_config
+    from hlm_ray.presets import load_config
 
     overrides = list(args.set)
     if output:

@@ -1,12 +1,13 @@
-"""The typed config tree: model, tokenizer, data, objective, optim, run.
+"""The typed config tree (model, tokenizer, data, objective, optim, run, init): the schema alone.
 
-Every entry point builds one `Config` from a preset, an optional YAML file and dotted overrides,
-and validates it before any work starts. Ray and Tune carry it as a plain dict
-(`to_dict` / `Config.from_dict`) and turn it back into a `Config` on the first line of a worker.
+Every entry point builds one `Config` from a preset, an optional YAML file and dotted overrides
+(`hlm_ray.presets.load_config`), and validates it before any work starts. Ray and Tune carry it
+as a plain dict (`to_dict` / `Config.from_dict`) and turn it back into a `Config` on the first
+line of a worker.
 
-    from hlm_ray.config import load_config
-    cfg = load_config("tiny-decoder", overrides=["objective.name=vanilla", "optim.lr=3e-4"])
+    cfg = apply_overrides(Config(), ["objective.name=vanilla", "optim.lr=3e-4"])
     cfg.optim.grad_accum_steps(world_size=2)   # derived from the global batch, checked
+    spec = build(SweepSpec, {"values": [8, 16]}, prefix="sweep.")   # any dataclass from a dict
 
 An invalid value raises `HLMError` naming the field, the value and what is allowed.
 """
@@ -80,9 +81,14 @@ class DataConfig:
     mlm_probability: float = 0.15
 
 
+ObjectiveName = Literal["headless", "vanilla", "mixed"]
+OBJECTIVES: tuple[str, ...] = get_args(ObjectiveName)
+"""The objectives (`objective.name`), the one list every check and choice reads."""
+
+
 @dataclass(frozen=True)
 class ObjectiveConfig:
-    name: Literal["headless", "vanilla", "mixed"] = "headless"
+    name: ObjectiveName = "headless"
     """headless: contrastive weight tying; vanilla: cross-entropy over the vocabulary;
     mixed: cwt_weight × CWT + ce_weight × CE."""
     temperature: float = 1.0
@@ -185,7 +191,7 @@ class Config:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Config:
-        return validate(_build(cls, data, prefix=""))
+        return validate(build(cls, data, prefix=""))
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
@@ -202,8 +208,9 @@ def _to_plain(value: Any) -> Any:
     return value
 
 
-def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
-    """A dataclass from a nested dict, coercing values to the annotated types."""
+def build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """A dataclass from a nested dict, coercing values to the annotated types; an unknown key
+    or a value of the wrong type raises `HLMError` naming `prefix` + the field."""
     if not isinstance(data, dict):
         raise HLMError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
     hints = get_type_hints(cls)
@@ -217,7 +224,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     for name, value in data.items():
         hint = hints[name]
         if dataclasses.is_dataclass(hint):
-            kwargs[name] = _build(hint, value, f"{prefix}{name}.")
+            kwargs[name] = build(hint, value, f"{prefix}{name}.")
         else:
             kwargs[name] = _coerce(value, hint, f"{prefix}{name}")
     return cls(**kwargs)
@@ -364,32 +371,6 @@ def _split_override(text: str) -> tuple[str, str]:
     return key.strip(), value.strip()
 
 
-def load_config(
-    preset: str = "tiny-decoder",
-    *,
-    objective: str | None = None,
-    yaml_file: str | Path | None = None,
-    overrides: list[str] | dict[str, Any] | None = None,
-) -> Config:
-    """Preset (with its settings for `objective`), then the YAML file, then dotted overrides."""
-    from hlm_ray.presets import get_preset
-
-    cfg = get_preset(preset, objective=objective)
-    if yaml_file is not None:
-        path = Path(yaml_file)
-        if not path.is_file():
-            raise HLMError(f"config file {path} not found")
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise HLMError(f"config file {path} is not valid YAML: {err}".splitlines()[0]) from None
-        flat = dict(flatten(loaded))
-        cfg = apply_overrides(cfg, flat)
-    if overrides:
-        cfg = apply_overrides(cfg, overrides)
-    return cfg
-
-
 def flatten(data: dict[str, Any], prefix: str = ""):
     """Nested dict -> (dotted key, value) pairs."""
     for key, value in data.items():
@@ -408,9 +389,10 @@ __all__ = [
     "OptimConfig",
     "RunConfig",
     "TokenizerConfig",
+    "OBJECTIVES",
     "apply_overrides",
+    "build",
     "flatten",
-    "load_config",
     "replace",
     "validate",
 ]

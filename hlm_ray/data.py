@@ -29,9 +29,9 @@ import pyarrow.compute as pc
 import torch
 from transformers import PreTrainedTokenizerFast
 
-from hlm_ray.errors import HLMError
+from hlm_ray.errors import HLMError, one_line
 from hlm_ray.paths import HUB_FALLBACKS, HubDataset, cache_dir, data_dir, has_shared
-from hlm_ray.tokenizer import first_line, tokenizer_fingerprint
+from hlm_ray.tokenizer import tokenizer_fingerprint
 
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 TOKENIZE_BATCH = 256  # documents per encode_batch call (the tokenizer parallelises over them)
@@ -131,7 +131,7 @@ def _load_source(source: str, text_field: str, sample_by: str) -> list[datasets.
     except Exception as err:
         raise HLMError(
             f"no file or folder {local}, and the hub dataset {names} could not be loaded "
-            f"({first_line(err)}); set HLM_DATA_DIR or pass a local path"
+            f"({one_line(err)}); set HLM_DATA_DIR or pass a local path"
         ) from err
 
 

@@ -13,7 +13,6 @@ Everything is logged to MLflow when a run is given (or found in the model's run 
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -23,9 +22,7 @@ from typing import Any
 from hlm_ray.config import Config
 from hlm_ray.errors import HLMError
 from hlm_ray.pretrained import load_pretrained, model_info, resolve_model_dir
-from hlm_ray.tracking import MlflowTracker, Tracker, default_tracking_uri
-
-RUN_ID_FILE = "mlflow_run.json"  # written by hlm_ray.train.launch.open_mlflow_run
+from hlm_ray.tracking import MlflowTracker, Tracker, default_tracking_uri, read_run_ref
 
 # What a sweep trial runs downstream, per recipe. The paper's GLUE average leaves RTE out.
 DOWNSTREAM = {
@@ -53,9 +50,8 @@ def run_tracker(model_ref: str | Path, experiment: str = "hlm_ray") -> Tracker:
         return Tracker()
     folder = Path(model_ref)
     for candidate in (folder, folder.parent):
-        id_file = candidate / RUN_ID_FILE
-        if id_file.is_file():
-            saved = json.loads(id_file.read_text())
+        saved = read_run_ref(candidate)
+        if saved is not None:
             return MlflowTracker(
                 experiment, tracking_uri=saved.get("tracking_uri"), run_id=saved["run_id"]
             )

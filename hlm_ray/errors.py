@@ -1,11 +1,46 @@
-"""The one exception type users see.
+"""The one exception type users see, and the one way an error becomes one line of text.
 
 Raise `HLMError` for bad input: the message is a single line that says what was wrong and what
 to do. The CLI prints it as ``error: <message>`` and exits with status 2, without a traceback.
 
     raise HLMError("tokenizer.vocab_size=100 is below the 261 byte-level + special tokens; use >= 261")
+
+`one_line` turns any exception (often multi-line: Hugging Face, MLflow, Ray) into one line for
+such a message, a log warning, a summary cell or an HTTP answer:
+
+    one_line(err)                        # its first non-empty line
+    one_line(err, with_type=True)        # "ValueError: <first line>"
+    one_line(err, last=True, limit=200)  # Ray's wrapped errors end with the real cause
 """
+
+from __future__ import annotations
 
 
 class HLMError(Exception):
     """Bad input or an unusable environment, explained in one line."""
+
+
+def one_line(
+    error: BaseException | str,
+    *,
+    with_type: bool = False,
+    last: bool = False,
+    limit: int | None = None,
+    empty: str | None = None,
+) -> str:
+    """One line of `error`'s text: its first (or `last`) non-empty line, prefixed by the
+    exception's type name with `with_type`, clipped to `limit` characters with "...".
+
+    An exception with no text gives `empty`, or else its type name ("" for an empty string)."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    if lines:
+        line = lines[-1] if last else lines[0]
+    elif empty is not None:
+        line = empty
+    else:
+        line = "" if isinstance(error, str) or with_type else type(error).__name__
+    if with_type and isinstance(error, BaseException):
+        line = f"{type(error).__name__}: {line}"
+    if limit is not None and len(line) > limit:
+        line = line[: limit - 3] + "..."
+    return line

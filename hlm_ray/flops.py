@@ -58,10 +58,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hlm_ray.config import DECODERS, ENCODERS, Config, ModelConfig
+from hlm_ray.config import DECODERS, ENCODERS, OBJECTIVES, Config, ModelConfig
 from hlm_ray.errors import HLMError
-
-OBJECTIVES = ("vanilla", "headless", "mixed")
 
 # Forward + backward: each matmul's backward computes two products of the forward's size.
 STEP_MULTIPLIER = 3.0

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from hlm_ray.errors import HLMError
+from hlm_ray.models import max_input_positions
 from hlm_ray.pretrained import REGISTRY_SCHEME, load_pretrained, model_info, resolve_model_dir
 
 _SEED_MOD = 2**63
@@ -228,15 +229,6 @@ def default_model_name(ref: str | Path) -> str:
     return path.name
 
 
-def max_positions(config) -> int:
-    """The number of positions a Hugging Face decoder config allows."""
-    for key in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, key, None)
-        if value:
-            return int(value)
-    raise HLMError(f"cannot tell how many positions the {config.model_type} model allows")
-
-
 # ----------------------------------------------------------------------------- the generator
 
 
@@ -250,7 +242,11 @@ class Generator:
         self.source = source
         self.info = info or {}
         self.device = next(model.parameters()).device
-        self.max_positions = max_positions(model.config)
+        self.max_positions = max_input_positions(model.config)
+        if self.max_positions is None:
+            raise HLMError(
+                f"cannot tell how many positions the {model.config.model_type} model allows"
+            )
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
 

@@ -290,3 +290,14 @@ def init_from_pretrained(
             param.requires_grad_(False)
         model.get_output_embeddings().weight.requires_grad_(True)
     return model
+
+
+def max_input_positions(config) -> int | None:
+    """The longest input (in tokens) a Hugging Face model config allows, from whichever of
+    `max_position_embeddings`, `n_positions`, `n_ctx` it has; `config` is a `PretrainedConfig`
+    or its config.json as a dict. None when it does not say."""
+    for key in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None

@@ -14,6 +14,7 @@ One setting each:
 from __future__ import annotations
 
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,3 +121,20 @@ def cache_dir(*parts: str) -> Path:
     path = root.joinpath(*parts)
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def git_commit(folder: str | Path | None = None) -> str | None:
+    """``git rev-parse HEAD`` in `folder` (default: the project root); None outside a repo."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=folder or project_root(),
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
+    except (OSError, subprocess.SubprocessError):  # no git binary, missing folder, hung git
+        return None
+    sha = out.stdout.strip()
+    return sha if out.returncode == 0 and sha else None

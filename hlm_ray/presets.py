@@ -1,7 +1,8 @@
 """Named presets: the paper's setups (Appendix A) and tiny CPU variants.
 
-    from hlm_ray.presets import get_preset, PRESETS
+    from hlm_ray.presets import get_preset, load_config, PRESETS
     cfg = get_preset("bert-base", objective="headless")   # micro-batch 64, global 512
+    cfg = load_config("tiny-decoder", yaml_file="my.yaml", overrides=["optim.lr=3e-4"])
 
 Each preset is a set of overrides on the `Config` defaults, plus per-objective overrides where
 the paper trained the two arms differently (bert-base: 32 / 64 sequences per device). The paper's
@@ -11,9 +12,12 @@ the default English corpus unless `data.sources` is overridden with a hub datase
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from hlm_ray.config import Config, apply_overrides, flatten
+import yaml
+
+from hlm_ray.config import OBJECTIVES, Config, apply_overrides, flatten
 from hlm_ray.errors import HLMError
 
 _TINY_RUN = {"log_every": 10, "eval_every": 50, "eval_batches": 4, "checkpoint_every": 50}
@@ -189,8 +193,6 @@ OBJECTIVE_OVERRIDES: dict[str, dict[str, dict[str, Any]]] = {
     "bert-base": {"headless": {"optim": {"micro_batch_size": 64, "global_batch_size": 512}}},
 }
 
-OBJECTIVES = ("headless", "vanilla", "mixed")
-
 
 def get_preset(name: str, objective: str | None = None) -> Config:
     """The preset's config, with `objective.name` set and its per-objective settings applied."""
@@ -205,3 +207,27 @@ def get_preset(name: str, objective: str | None = None) -> Config:
         extra = OBJECTIVE_OVERRIDES.get(name, {}).get(objective, {})
         overrides.update(flatten(extra))
     return apply_overrides(Config(), overrides)
+
+
+def load_config(
+    preset: str = "tiny-decoder",
+    *,
+    objective: str | None = None,
+    yaml_file: str | Path | None = None,
+    overrides: list[str] | dict[str, Any] | None = None,
+) -> Config:
+    """Preset (with its settings for `objective`), then the YAML file, then dotted overrides."""
+    cfg = get_preset(preset, objective=objective)
+    if yaml_file is not None:
+        path = Path(yaml_file)
+        if not path.is_file():
+            raise HLMError(f"config file {path} not found")
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as err:
+            raise HLMError(f"config file {path} is not valid YAML: {err}".splitlines()[0]) from None
+        flat = dict(flatten(loaded))
+        cfg = apply_overrides(cfg, flat)
+    if overrides:
+        cfg = apply_overrides(cfg, overrides)
+    return cfg

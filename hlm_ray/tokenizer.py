@@ -31,7 +31,7 @@ import tokenizers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from hlm_ray.errors import HLMError
+from hlm_ray.errors import HLMError, one_line
 from hlm_ray.paths import HUB_FALLBACKS, cache_dir, data_dir, has_shared, shared_file
 
 log = logging.getLogger(__name__)
@@ -225,12 +225,6 @@ def _build(target: Path, texts, special_tokens: dict[str, str], min_frequency: i
 # ----------------------------------------------------------------------------- loading
 
 
-def first_line(err: BaseException) -> str:
-    """An exception as one line for an `HLMError` (HF errors are often multi-line)."""
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
-
-
 def _from_gpt2_files(folder: Path) -> PreTrainedTokenizerFast:
     """GPT-2's original encoder.json + vocab.bpe as a fast tokenizer.
 
@@ -256,7 +250,7 @@ def _from_path(path: Path) -> PreTrainedTokenizerFast:
         if (path / "encoder.json").is_file() and (path / "vocab.bpe").is_file():
             return _from_gpt2_files(path)
     except Exception as err:  # tokenizers raises plain Exception subclasses on bad JSON
-        raise HLMError(f"cannot read tokenizer {path}: {first_line(err)}; {_SOURCE_HINT}") from err
+        raise HLMError(f"cannot read tokenizer {path}: {one_line(err)}; {_SOURCE_HINT}") from err
     raise HLMError(
         f"cannot read tokenizer {path}: no tokenizer.json or encoder.json + vocab.bpe; "
         + _SOURCE_HINT
@@ -269,7 +263,7 @@ def _from_hub(name: str, local: Path | None) -> PreTrainedTokenizerFast:
     except Exception as err:
         where = f"not in the data folder ({local}) and " if local else ""
         raise HLMError(
-            f"tokenizer {name!r}: {where}the hub could not provide it ({first_line(err)}); {_SOURCE_HINT}"
+            f"tokenizer {name!r}: {where}the hub could not provide it ({one_line(err)}); {_SOURCE_HINT}"
         ) from err
     if not isinstance(tok, PreTrainedTokenizerFast):
         raise HLMError(f"tokenizer {name!r} has no fast (tokenizers) version; {_SOURCE_HINT}")

@@ -1,8 +1,10 @@
-"""Shared pytest fixtures: hermetic caches, one local Ray cluster, one MLflow store."""
+"""Shared pytest fixtures: hermetic caches, one local Ray cluster, one MLflow store, one torch
+thread for modules of tiny matrices, a tiny decoder folder."""
 
 import os
 
 import pytest
+import torch
 
 
 @pytest.fixture(autouse=True)
@@ -45,3 +47,42 @@ def ray_cluster(tmp_path_factory):
     )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Tiny matrices on busy cores: one torch thread is many times faster than two. A module
+    asks for it with ``pytestmark = pytest.mark.usefixtures("one_torch_thread")``."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def tiny_decoder_dir(tmp_path_factory) -> str:
+    """A tiny vanilla decoder folder: trained 2 steps (for the tokenizer and the folder layout),
+    then given random weights of std 0.15 so that its logits are peaked and its greedy text
+    varied (a barely trained model only repeats its most frequent token)."""
+    from transformers import AutoModelForCausalLM
+
+    from hlm_ray.presets import load_config
+    from hlm_ray.train.loop import train_worker
+
+    root = tmp_path_factory.mktemp("tiny_decoder")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HLM_CACHE_DIR", str(root / "cache"))
+        cfg = load_config(
+            "tiny-decoder",
+            objective="vanilla",
+            overrides={"optim.max_steps": 2, "run.output_dir": str(root / "run")},
+        )
+        model_dir = train_worker(cfg.to_dict(), progress=False)["model_dir"]
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    model.save_pretrained(model_dir)
+    return model_dir

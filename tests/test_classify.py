@@ -24,9 +24,9 @@ from hlm_ray.classify.metrics import (
     task_metrics,
 )
 from hlm_ray.classify.tasks import TASKS, XNLI_LANGUAGES, read_examples, split_indices
-from hlm_ray.config import load_config
 from hlm_ray.errors import HLMError
 from hlm_ray.paths import data_dir, has_shared
+from hlm_ray.presets import load_config
 from hlm_ray.tokenizer import load_tokenizer
 from hlm_ray.tracking import Tracker
 from hlm_ray.train.loop import train_worker
@@ -34,13 +34,7 @@ from hlm_ray.train.loop import train_worker
 needs_shared = pytest.mark.skipif(not has_shared("eval/glue"), reason="no shared eval data")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """Tiny matmuls are far slower with 2 OpenMP threads on a busy 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,10 @@
 
 import pytest
 
-from hlm_ray.config import Config, load_config
+from hlm_ray.config import Config
 from hlm_ray.errors import HLMError
 from hlm_ray.models import hf_config
-from hlm_ray.presets import PRESETS, get_preset
+from hlm_ray.presets import PRESETS, get_preset, load_config
 
 
 @pytest.mark.parametrize("name", list(PRESETS))

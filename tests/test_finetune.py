@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from hlm_ray.cli import main
-from hlm_ray.config import load_config
 from hlm_ray.errors import HLMError
 from hlm_ray.finetune.clm import clm_config, model_config_from_hf
 from hlm_ray.models import build_model, init_from_pretrained, input_embedding_weight
+from hlm_ray.presets import load_config
 from hlm_ray.pretrained import load_pretrained, resolve_model_dir
+from hlm_ray.tracking import read_run_ref
 from hlm_ray.train.loop import train_worker
 
 
@@ -156,7 +157,7 @@ def test_cli_finetune_clm_then_eval_from_the_registry(headless_run, tmp_path, ca
     facts = json.loads((out / "finetune.json").read_text())
     assert facts["recipe"] == "tiny" and facts["finetune_tokens"] > 0
 
-    run_id = json.loads((out / "mlflow_run.json").read_text())["run_id"]
+    run_id = read_run_ref(out)["run_id"]
     run = mlflow.MlflowClient().get_run(run_id)
     assert "eval/lambada/accuracy" in run.data.metrics
     assert run.data.params["finetune.recipe"] == "tiny"

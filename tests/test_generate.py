@@ -29,45 +29,12 @@ from hlm_ray.generate import (
 PROMPTS = ["The cat sat on the", "Once", "", "In 1999 the city of New York had a population"]
 
 
-def tiny_decoder(root) -> str:
-    """A tiny vanilla decoder folder: trained 2 steps (for the tokenizer and the folder layout),
-    then given random weights of std 0.15 so that its logits are peaked and its greedy text
-    varied (a barely trained model only repeats its most frequent token)."""
-    from transformers import AutoModelForCausalLM
-
-    from hlm_ray.config import load_config
-    from hlm_ray.train.loop import train_worker
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HLM_CACHE_DIR", str(root / "cache"))
-        cfg = load_config(
-            "tiny-decoder",
-            objective="vanilla",
-            overrides={"optim.max_steps": 2, "run.output_dir": str(root / "run")},
-        )
-        model_dir = train_worker(cfg.to_dict(), progress=False)["model_dir"]
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
-    model.save_pretrained(model_dir)
-    return model_dir
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny matrices on busy cores: one torch thread is many times faster than two."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_decoder(tmp_path_factory.mktemp("gen"))
+def model_dir(tiny_decoder_dir):
+    return tiny_decoder_dir
 
 
 @pytest.fixture(scope="module")

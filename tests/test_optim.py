@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 # Light imports only at module level: the DDP test's spawned workers import this module.
-from hlm_ray.config import ModelConfig, ObjectiveConfig, OptimConfig, load_config
+from hlm_ray.config import ModelConfig, ObjectiveConfig, OptimConfig
 from hlm_ray.errors import HLMError
+from hlm_ray.presets import load_config
 from hlm_ray.train.optim import LazyAdamW, build_optimizer, clip_grad_norm
 
 V, D = 20, 6
@@ -142,7 +143,7 @@ TINY = ModelConfig(arch="gpt_neox", hidden_size=16, num_layers=1, num_heads=2, m
 
 def test_headless_step_with_lazy_update_keeps_every_table_gradient_sparse() -> None:
     from hlm_ray.models import build_model, input_embedding_weight
-    from hlm_ray.train.step import LMObjective
+    from hlm_ray.train.lm_objective import LMObjective
 
     torch.manual_seed(0)
     model = build_model(TINY, vocab_size=300, objective="headless", special_ids={})

@@ -4,9 +4,9 @@ MLflow on a temporary sqlite store. Few tests, each a whole run: a TorchTrainer 
 import pytest
 from transformers import AutoModelForCausalLM
 
-from hlm_ray.config import load_config
 from hlm_ray.errors import HLMError
 from hlm_ray.paths import data_dir
+from hlm_ray.presets import load_config
 from hlm_ray.tracking import read_metrics
 from hlm_ray.train import checkpoint as ckpt
 from hlm_ray.train.launch import launch

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import requests
-import torch
 
 from hlm_ray.errors import HLMError
 from hlm_ray.generate import Generator
@@ -24,50 +23,18 @@ MODEL_NAME = "hlm-test-generator"
 PROMPTS = [f"{word} is a word that" for word in ("cat", "house", "river", "Paris", "green")]
 
 
-def tiny_decoder(root: Path) -> str:
-    """A tiny vanilla decoder folder: trained 2 steps (for the tokenizer and the folder layout),
-    then given random weights of std 0.15 so that its greedy text is varied."""
-    from transformers import AutoModelForCausalLM
-
-    from hlm_ray.config import load_config
-    from hlm_ray.train.loop import train_worker
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HLM_CACHE_DIR", str(root / "cache"))
-        cfg = load_config(
-            "tiny-decoder",
-            objective="vanilla",
-            overrides={"optim.max_steps": 2, "run.output_dir": str(root / "run")},
-        )
-        model_dir = train_worker(cfg.to_dict(), progress=False)["model_dir"]
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
-    model.save_pretrained(model_dir)
-    return model_dir
-
-
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread():
-    """Tiny matrices on busy cores: one torch thread is many times faster than two."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return tiny_decoder(tmp_path_factory.mktemp("serve"))
+def model_dir(tiny_decoder_dir) -> str:
+    return tiny_decoder_dir
 
 
 @pytest.fixture(scope="module")

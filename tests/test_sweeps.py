@@ -227,7 +227,7 @@ def test_sweep_spec_validates_settings():
 def sweep_server(tmp_path_factory, mlflow_store):
     """One local MLflow server (what a sweep starts on a sqlite store) for the module's sweeps,
     over the session's sqlite store: starting one takes 10-45 s."""
-    from hlm_ray.tune.mlflow_server import tracking_server
+    from hlm_ray.tracking.server import tracking_server
 
     log = tmp_path_factory.mktemp("mlflow_server") / "server.log"
     with tracking_server(log) as uri:

@@ -15,17 +15,18 @@ import time
 
 import pytest
 
-from hlm_ray import tracking
-from hlm_ray.paths import PROJECT_ROOT
+from hlm_ray.paths import PROJECT_ROOT, git_commit
 from hlm_ray.tracking import (
     JsonlTracker,
     MlflowTracker,
     MultiTracker,
     default_tracking_uri,
-    git_commit,
-    plot_loss_curve,
     read_metrics,
+    read_run_ref,
+    write_run_ref,
 )
+from hlm_ray.tracking import store as tracking_store
+from hlm_ray.train.summary import plot_loss_curve
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -58,7 +59,7 @@ def tracking_warnings(caplog) -> list[str]:
     return [
         r.getMessage()
         for r in caplog.records
-        if r.name == "hlm_ray.tracking" and r.levelno == logging.WARNING
+        if r.name.startswith("hlm_ray.tracking") and r.levelno == logging.WARNING
     ]
 
 
@@ -244,7 +245,7 @@ def test_unreachable_server_through_the_client(monkeypatch, caplog):
     """The same without the TCP probe: MLflow's own error degrades the tracker too."""
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
-    monkeypatch.setattr(tracking, "_probe", lambda uri: None)
+    monkeypatch.setattr(tracking_store, "probe", lambda uri: None)
     t = MlflowTracker("unreachable", tracking_uri="http://127.0.0.1:9")
     t.log_metrics({"train/loss": 1.0}, step=1)
     assert t.run_id is None and len(tracking_warnings(caplog)) == 1
@@ -306,24 +307,32 @@ def test_loss_curve_as_an_artifact(client, experiment, tmp_path):
 def test_sqlite_store_in_a_new_folder(monkeypatch, tmp_path):
     """The sqlite folder is created; checked with the URI only (no second migration here)."""
     target = tmp_path / "new" / "deeper"
-    assert tracking._sqlite_path(f"sqlite:///{target / 'm.db'}") == target / "m.db"
-    assert tracking._sqlite_path("sqlite:///:memory:") is None
-    assert tracking._sqlite_path("http://x") is None
-    assert tracking._artifact_location(f"sqlite:///{target / 'm.db'}") == (
+    assert tracking_store.sqlite_path(f"sqlite:///{target / 'm.db'}") == target / "m.db"
+    assert tracking_store.sqlite_path("sqlite:///:memory:") is None
+    assert tracking_store.sqlite_path("http://x") is None
+    assert tracking_store.artifact_location(f"sqlite:///{target / 'm.db'}") == (
         (target / "mlartifacts").as_uri()
     )
     assert (target / "mlartifacts").is_dir()
 
 
 def test_redact():
-    assert tracking._redact("https://u:secret@host:8080/x") == "https://host:8080/x"
-    assert tracking._redact("sqlite:////a/b.db") == "sqlite:////a/b.db"
+    assert tracking_store.redact("https://u:secret@host:8080/x") == "https://host:8080/x"
+    assert tracking_store.redact("sqlite:////a/b.db") == "sqlite:////a/b.db"
 
 
-def test_tracker_module_is_the_only_mlflow_importer():
+def test_tracking_package_is_the_only_mlflow_importer():
+    tracking_dir = PROJECT_ROOT / "hlm_ray" / "tracking"
     offenders = [
         str(p.relative_to(PROJECT_ROOT))
         for p in (PROJECT_ROOT / "hlm_ray").rglob("*.py")
-        if p.name != "tracking.py" and re.search(r"^\s*(import|from) mlflow", p.read_text(), re.M)
+        if tracking_dir not in p.parents
+        and re.search(r"^\s*(import|from) mlflow", p.read_text(), re.M)
     ]
     assert offenders == []
+
+
+def test_run_ref_round_trip(tmp_path):
+    assert read_run_ref(tmp_path) is None
+    write_run_ref(tmp_path / "run", "abc123", "sqlite:///x.db")
+    assert read_run_ref(tmp_path / "run") == {"run_id": "abc123", "tracking_uri": "sqlite:///x.db"}

@@ -7,15 +7,15 @@ import torch
 from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
 from hlm_ray.cli import main
-from hlm_ray.config import load_config
 from hlm_ray.data import BlockSampler
 from hlm_ray.paths import data_dir
+from hlm_ray.presets import load_config
 from hlm_ray.tokenizer import token_byte_lengths
 from hlm_ray.tracking import read_metrics
 from hlm_ray.train import checkpoint as ckpt
 from hlm_ray.train.inputs import build_corpus, build_tokenizer, special_ids
+from hlm_ray.train.lm_objective import LMObjective
 from hlm_ray.train.loop import WorkerEnv, _Masking, evaluate, train_worker
-from hlm_ray.train.step import LMObjective
 
 SHAKESPEARE = str(data_dir() / "corpus" / "en" / "tinyshakespeare.txt")
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from hlm_ray.bench.common import spread
 from hlm_ray.bench.presets import RayOverheadSpec
-from hlm_ray.config import load_config
+from hlm_ray.presets import load_config
 from hlm_ray.tracking import read_metrics
 
 TARGET = 1.05

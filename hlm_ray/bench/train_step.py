@@ -43,11 +43,12 @@ from hlm_ray.bench.common import (
 from hlm_ray.bench.presets import StepModel, TrainStepSpec
 from hlm_ray.config import ModelConfig, ObjectiveConfig, OptimConfig
 from hlm_ray.data import mask_tokens
+from hlm_ray.errors import one_line
 from hlm_ray.flops import device_peak_flops, mfu, rows_per_loss, step_flops
 from hlm_ray.models import body, build_model, lm_head
 from hlm_ray.objectives import IGNORE_INDEX, LossOutput
+from hlm_ray.train.lm_objective import LMObjective
 from hlm_ray.train.optim import build_optimizer, clip_grad_norm
-from hlm_ray.train.step import LMObjective
 
 SPECIAL = {"eos_token": 0, "pad_token": 1, "mask_token": 2, "cls_token": 3, "sep_token": 4}
 FIRST_ID = len(SPECIAL)  # random ids avoid the special tokens
@@ -333,7 +334,10 @@ def _alternate(entries, sm, spec, device, amp, progress, desc) -> dict[str, dict
                 xs = [batches[i % len(batches)] for i in range(spec.warmup)]
                 warm = [timed(lambda b=b, x=x: b.step(x, amp, device), device) for x in xs]
             except Exception as err:  # a backend that is missing, a compile failure, OOM
-                results[label] = {"status": "skipped", "note": _why(err)}
+                results[label] = {
+                    "status": "skipped",
+                    "note": one_line(err, with_type=True, limit=200),
+                }
                 continue
             finally:
                 bar.update(spec.warmup)
@@ -457,8 +461,3 @@ def _point_lines(rows: list[dict]) -> list[str]:
             + ("" if ratio is None else f"  time×{ratio:.2f}")
         )
     return lines
-
-
-def _why(err: BaseException) -> str:
-    text = str(err).splitlines()[0] if str(err) else ""
-    return f"{type(err).__name__}: {text[:160]}"

@@ -45,9 +45,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from hlm_ray.classify.loss import LOSSES, regression_mse
 from hlm_ray.classify.metrics import task_metrics
 from hlm_ray.classify.tasks import GLUE_EVAL, Example, TaskSpec, get_task, load_task
-from hlm_ray.errors import HLMError
+from hlm_ray.errors import HLMError, one_line
+from hlm_ray.models import max_input_positions
 from hlm_ray.pretrained import model_info, resolve_model_dir
-from hlm_ray.tokenizer import first_line, load_tokenizer
+from hlm_ray.tokenizer import load_tokenizer
 from hlm_ray.tracking import Tracker
 
 # Settings the CLI exposes as --recipe; any keyword of `finetune_classifier` may appear.
@@ -230,7 +231,7 @@ def load_classifier(
                 output_loading_info=True,
             )
     except (OSError, ValueError) as err:
-        raise HLMError(f"cannot load {folder} as a classifier: {first_line(err)}") from None
+        raise HLMError(f"cannot load {folder} as a classifier: {one_line(err)}") from None
     prefix = f"{model.base_model_prefix}."
     # A bare or MLM checkpoint has no pooler (hlm_ray builds BertModel without one): it is head.
     missing_body = [k for k in info["missing_keys"] if k.startswith(prefix) and ".pooler." not in k]
@@ -495,7 +496,7 @@ def finetune_classifier(
     device_t = _resolve_device(device)
 
     tokenizer = load_tokenizer(folder)
-    positions = _max_positions(folder)
+    positions = max_input_positions(json.loads((folder / "config.json").read_text())) or 512
     encoder = PairEncoder(tokenizer, min(max_length, positions))
     train = _encode(encoder, _limit(data.train, train_limit), spec)
     evals = {k: _encode(encoder, _limit(v, eval_limit), spec) for k, v in data.eval.items()}
@@ -561,8 +562,3 @@ def finetune_classifier(
     tracker.log_metrics(best, step=epochs)
     tracker.log_artifact(path)
     return result
-
-
-def _max_positions(folder: Path) -> int:
-    config = json.loads((folder / "config.json").read_text())
-    return int(config.get("max_position_embeddings") or 512)

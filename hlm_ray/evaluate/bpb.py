@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from hlm_ray.errors import HLMError
-from hlm_ray.evaluate.lambada import eval_mode, load_lambada, max_positions
+from hlm_ray.evaluate.lambada import eval_mode, load_lambada
+from hlm_ray.models import max_input_positions
 
 DEFAULT_NUM_TEXTS = 500
 _DEFAULT_WINDOW = 1024  # when neither `seq_len` nor the model's config gives one
@@ -79,7 +80,7 @@ def bits_per_byte(
         raise HLMError("bits per byte needs at least one non-empty text")
     if tokenizer.eos_token_id is None:
         raise HLMError("bits per byte needs a tokenizer with an end-of-text (eos) token")
-    limit = max_positions(model)
+    limit = max_input_positions(model.config)
     if seq_len is not None and limit is not None and seq_len > limit:
         raise HLMError(f"seq_len={seq_len} exceeds the model's {limit} positions")
     window = seq_len or limit or _DEFAULT_WINDOW

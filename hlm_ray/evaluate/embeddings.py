@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from hlm_ray.errors import HLMError
-from hlm_ray.evaluate.lambada import eval_mode, max_positions
-from hlm_ray.models import body, input_embedding_weight
+from hlm_ray.evaluate.lambada import eval_mode
+from hlm_ray.models import body, input_embedding_weight, max_input_positions
 from hlm_ray.paths import DATA_ENV, data_dir, has_shared, shared_file
 
 SYNONYMS_FILE = "eval/wordnet_synonym_pairs.tsv.gz"
@@ -194,7 +194,7 @@ def _layer_states(
     model, tokenizer, texts: list[str], max_tokens: int, batch_size: int, device: str | None
 ) -> list[torch.Tensor]:
     """Per layer, the (N, D) float32 states of the first `max_tokens` non-pad tokens."""
-    limit = max_positions(model) or 512
+    limit = max_input_positions(model.config) or 512
     encoded = [tokenizer.encode(t, add_special_tokens=False)[:limit] for t in texts if t]
     kept, total = [], 0
     for ids in encoded:  # only the texts needed for max_tokens

@@ -31,6 +31,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hlm_ray.errors import HLMError
+from hlm_ray.models import max_input_positions
 from hlm_ray.paths import DATA_ENV, data_dir, has_shared, shared_file
 
 LAMBADA_FILE = "eval/lambada_openai.jsonl"
@@ -137,16 +138,6 @@ def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], 
     return context_enc, whole[len(context_enc) :]
 
 
-def max_positions(model) -> int | None:
-    """The longest input `model` takes (None when its config does not say)."""
-    config = getattr(model, "config", None)
-    for key in ("max_position_embeddings", "n_positions", "n_ctx"):
-        value = getattr(config, key, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 def make_requests(tokenizer, examples: list[dict], max_length: int | None = None) -> list[Request]:
     """The encoded passages, left-truncated to `max_length` input tokens (None: no limit)."""
     requests = []
@@ -191,7 +182,7 @@ def score_lambada(
         raise HLMError(f"batch_size={batch_size} must be at least 1")
     if not examples:
         raise HLMError("no LAMBADA passages to score")
-    requests = make_requests(tokenizer, examples, max_length or max_positions(model))
+    requests = make_requests(tokenizer, examples, max_length or max_input_positions(model.config))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))
     results: list[tuple[float, bool] | None] = [None] * len(requests)
@@ -296,7 +287,7 @@ def score_lambada_reference(
     return_per_example: bool = False,
 ) -> dict:
     """The same numbers one passage at a time, as lm-eval's loop does it (a test reference)."""
-    requests = make_requests(tokenizer, examples, max_length or max_positions(model))
+    requests = make_requests(tokenizer, examples, max_length or max_input_positions(model.config))
     results = []
     with eval_mode(model, None) as device:
         for request in requests:

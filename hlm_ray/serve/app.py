@@ -44,7 +44,7 @@ from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
 
-from hlm_ray.errors import HLMError
+from hlm_ray.errors import HLMError, one_line
 from hlm_ray.generate import (
     Generator,
     Row,
@@ -120,11 +120,6 @@ def _usage(prompt_tokens: int, rows: list[Row]) -> Usage:
         completion_tokens=completion,
         total_tokens=prompt_tokens + completion,
     )
-
-
-def _one_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {lines[0] if lines else ''}"
 
 
 def _sse(payload: dict[str, Any]) -> str:
@@ -208,7 +203,9 @@ class CompletionServer:
             await self._complete_batch(_Job(rows))
         except Exception as err:  # a bug or the device failing, not the request: say so
             log.exception("completion %s failed", rid)
-            return self._fail(rid, ApiError(500, f"generation failed: {_one_line(err)}"), start)
+            return self._fail(
+                rid, ApiError(500, f"generation failed: {one_line(err, with_type=True)}"), start
+            )
         if any(row.result.finish_reason == "timeout" for row in rows):
             return self._fail(rid, self._timeout_error(), start)
         choices = [
@@ -281,7 +278,7 @@ class CompletionServer:
         except Exception as err:
             status = 500
             log.exception("completion %s failed", rid)
-            yield _sse(ApiError(500, f"generation failed: {_one_line(err)}").body())
+            yield _sse(ApiError(500, f"generation failed: {one_line(err, with_type=True)}").body())
         finally:
             # On the decoding thread, after any step in progress: a client that went away
             # stops its rows there.

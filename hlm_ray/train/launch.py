@@ -31,8 +31,6 @@ from hlm_ray.paths import CACHE_ENV
 from hlm_ray.train import checkpoint as ckpt
 from hlm_ray.train.inputs import build_corpus, build_tokenizer
 
-RUN_ID_FILE = "mlflow_run.json"
-
 
 class RayReporter:
     """Hands each checkpoint to `ray.train.report`; every rank calls `report` at the same steps
@@ -157,10 +155,10 @@ def open_mlflow_run(
     """The MLflow run of this training run: reopened on --resume (its id is kept in the run
     folder), so a continued run or a restarted worker group never starts a second one.
     `parent_run_id` nests it under a sweep's run."""
-    from hlm_ray.tracking import MlflowTracker, default_tracking_uri
+    from hlm_ray.tracking import MlflowTracker, default_tracking_uri, read_run_ref, write_run_ref
 
-    id_file = out_dir / RUN_ID_FILE
-    run_id = json.loads(id_file.read_text())["run_id"] if resume and id_file.exists() else None
+    ref = read_run_ref(out_dir) if resume else None
+    run_id = ref["run_id"] if ref else None
     uri = default_tracking_uri()
     tracker = MlflowTracker(
         experiment,
@@ -171,8 +169,7 @@ def open_mlflow_run(
         tags=tags,
     )
     if tracker.run_id is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        id_file.write_text(json.dumps({"run_id": tracker.run_id, "tracking_uri": uri}))
+        write_run_ref(out_dir, tracker.run_id, uri)
         tracker.set_tags({"launcher": "ray_train"})
     return tracker, {"experiment": experiment, "uri": uri, "run_id": tracker.run_id}
 

@@ -33,8 +33,8 @@ from hlm_ray.tracking import JsonlTracker, MultiTracker, Tracker, read_metrics
 from hlm_ray.train import checkpoint as ckpt
 from hlm_ray.train.distributed import gather_negative_ids, global_mean
 from hlm_ray.train.inputs import build_corpus, build_tokenizer, special_ids
+from hlm_ray.train.lm_objective import LMObjective
 from hlm_ray.train.optim import build_optimizer, build_scheduler, clip_grad_norm
-from hlm_ray.train.step import LMObjective
 
 BEST = "best_checkpoint"  # a copy of the checkpoint with the lowest validation loss
 
@@ -84,6 +84,49 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
+@dataclass
+class _Run:
+    """What one worker holds while it trains: built by `_setup`, advanced by `_step`, read by
+    `_log_window`, `_evaluate_now`, `_checkpoint` and `_finish`."""
+
+    cfg: Config
+    env: WorkerEnv
+    out_dir: Path
+    reporter: LocalReporter
+    tracker: Tracker
+    tokenizer: Any
+    corpus: Any
+    model: torch.nn.Module
+    module: torch.nn.Module
+    """The LMObjective (DDP-wrapped with more than one worker): its forward returns the loss."""
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: torch.amp.GradScaler
+    amp: torch.dtype | None
+    sampler: BlockSampler
+    masking: _Masking | None
+    token_bytes: torch.Tensor
+    """Each token id's byte length (for the validation bits per byte of a vocabulary head)."""
+    step_cost: Any
+    peak_flops: float | None
+    accum: int
+    start: int
+    """The step training starts from (0, or the resumed checkpoint's)."""
+    train_time: float = 0.0
+    window_start: float = field(default_factory=time.perf_counter)
+    window_steps: int = 0
+    loss_sum: torch.Tensor | None = None
+    grad_norm: float = math.nan
+    num_rows: float = math.nan
+    """K of the last micro-batch (rows scored by the loss)."""
+    best_val: float = math.inf
+    last: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.optim.global_batch_size * self.cfg.data.seq_len
+
+
 def train_worker(
     config: dict[str, Any],
     *,
@@ -99,6 +142,39 @@ def train_worker(
     `<output_dir>/metrics.jsonl`; the caller opened the run and closes it."""
     cfg = Config.from_dict(config)
     _quiet_library_progress_bars()
+    run = _setup(cfg, env, reporter, tracking, resume_from)
+    bar = tqdm(
+        total=cfg.optim.max_steps,
+        initial=run.start,
+        disable=not (progress and run.env.is_main),
+        desc=f"{cfg.objective.name} {cfg.model.arch}",
+        dynamic_ncols=True,
+        # A Ray worker's output is line-buffered into the driver's log: update it rarely there.
+        mininterval=0.1 if sys.stderr.isatty() else 10.0,
+    )
+    run.model.train()
+    run.window_start = time.perf_counter()
+    for step in range(run.start, cfg.optim.max_steps):
+        if cfg.run.fail_at_step == step and run.env.rank == run.env.world_size - 1:
+            _inject_failure(run.out_dir, step)
+        _step(run, step)
+        done = step + 1
+        bar.update(1)
+        final = done == cfg.optim.max_steps
+        if done % cfg.run.log_every == 0 or final:
+            _log_window(run, done)
+            bar.set_postfix(loss=f"{run.last['train/loss']:.3f}")
+        if done % cfg.run.eval_every == 0 or final:
+            _evaluate_now(run, done)
+        if done % cfg.run.checkpoint_every == 0 or final:
+            _checkpoint(run, done)
+    bar.close()
+    return _finish(run)
+
+
+def _setup(cfg, env, reporter, tracking, resume_from) -> _Run:
+    """Tokenizer, corpus, model, objective, optimizer; restored from `resume_from` if given;
+    parameters and tags logged on a fresh start."""
     env = env or WorkerEnv(device=resolve_device(cfg.run.device))
     out_dir = Path(cfg.run.output_dir)
     reporter = reporter or LocalReporter(out_dir, cfg.run.keep_checkpoints)
@@ -133,121 +209,140 @@ def train_worker(
         module = torch.nn.parallel.DistributedDataParallel(module)
 
     step_cost = config_step_flops(cfg, len(tokenizer), world_size=env.world_size)
-    peak = device_peak_flops() if env.device.type == "cuda" else None
     if env.is_main and start == 0:
         tracker.log_params(cfg.to_dict())
         tracker.set_tags(_tags(cfg, tokenizer, env, model, step_cost))
         tracker.log_metrics(describe(step_cost), step=0)
-    sampler = BlockSampler(len(corpus.train), cfg.optim.global_batch_size, cfg.run.seed)
-    token_bytes = torch.as_tensor(token_byte_lengths(tokenizer), device=env.device)
-    masking = _Masking(cfg, tokenizer, ids) if cfg.model.family == "encoder" else None
     amp = autocast_dtype(cfg.optim.precision, env.device)
-    scaler = torch.amp.GradScaler(enabled=amp == torch.float16)
-    tokens_per_step = cfg.optim.global_batch_size * cfg.data.seq_len
-
-    bar = tqdm(
-        total=cfg.optim.max_steps,
-        initial=start,
-        disable=not (progress and env.is_main),
-        desc=f"{cfg.objective.name} {cfg.model.arch}",
-        dynamic_ncols=True,
-        # A Ray worker's output is line-buffered into the driver's log: update it rarely there.
-        mininterval=0.1 if sys.stderr.isatty() else 10.0,
+    return _Run(
+        cfg=cfg,
+        env=env,
+        out_dir=out_dir,
+        reporter=reporter,
+        tracker=tracker,
+        tokenizer=tokenizer,
+        corpus=corpus,
+        model=model,
+        module=module,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=torch.amp.GradScaler(enabled=amp == torch.float16),
+        amp=amp,
+        sampler=BlockSampler(len(corpus.train), cfg.optim.global_batch_size, cfg.run.seed),
+        masking=_Masking(cfg, tokenizer, ids) if cfg.model.family == "encoder" else None,
+        token_bytes=torch.as_tensor(token_byte_lengths(tokenizer), device=env.device),
+        step_cost=step_cost,
+        peak_flops=device_peak_flops() if env.device.type == "cuda" else None,
+        accum=accum,
+        start=start,
+        loss_sum=torch.zeros((), device=env.device),
+        best_val=_best_val_loss(out_dir / BEST) if start else math.inf,
     )
-    train_time, window_start, window_steps = 0.0, time.perf_counter(), 0
-    loss_sum = torch.zeros((), device=env.device)
-    best_val = _best_val_loss(out_dir / BEST) if start else math.inf
-    last: dict[str, float] = {}
-    model.train()
-    for step in range(start, cfg.optim.max_steps):
-        if cfg.run.fail_at_step == step and env.rank == env.world_size - 1:
-            _inject_failure(out_dir, step)
-        step_start = time.perf_counter()
-        micro_batches = sampler.shard(step, env.rank, env.world_size, cfg.optim.micro_batch_size)
-        for i, idx in enumerate(micro_batches):
-            input_ids, labels = _batch(corpus.train, idx, env, masking, cfg.run.seed, step, i)
-            negatives = None
-            if cfg.objective.cross_worker_negatives:
-                negatives = gather_negative_ids(LMObjective.target_ids(input_ids, labels))
-            sync = i == len(micro_batches) - 1 or env.world_size == 1
-            with _no_sync(module, sync), _autocast(env.device, amp):
-                out = module(input_ids, labels, negative_ids=negatives)["loss"]
-            scaler.scale(out.loss / accum).backward()
-            loss_sum += out.loss.detach() / accum
-        scaler.unscale_(optimizer)
-        # Sparse-aware (the lazy embedding update's gradient): torch's clip_grad_norm_ raises.
-        grad_norm = clip_grad_norm(model.parameters(), cfg.optim.grad_clip or float("inf"))
-        scaler.step(optimizer)
-        scaler.update()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        train_time += time.perf_counter() - step_start
-        window_steps += 1
-        done = step + 1
-        bar.update(1)
 
-        if done % cfg.run.log_every == 0 or done == cfg.optim.max_steps:
-            elapsed = time.perf_counter() - window_start
-            last = {
-                # The one sync per log window: the loss averaged over workers.
-                "train/loss": global_mean(loss_sum).item() / window_steps,
-                "train/lr": scheduler.get_last_lr()[0],
-                "train/grad_norm": float(grad_norm),
-                "train/step_time_s": elapsed / window_steps,
-                "train/tokens_per_s": tokens_per_step * window_steps / elapsed,
-                "train/K": float(out.num_rows),
-                **_peak_memory(env.device),
-            }
-            utilisation = mfu(step_cost.per_token * last["train/tokens_per_s"], peak)
-            if utilisation is not None:
-                last["train/mfu"] = utilisation / env.world_size  # peak is per device
-            tracker.log_metrics(last, step=done)
-            bar.set_postfix(loss=f"{last['train/loss']:.3f}")
-            loss_sum.zero_()
-            window_steps, window_start = 0, time.perf_counter()
-        if done % cfg.run.eval_every == 0 or done == cfg.optim.max_steps:
-            val = evaluate(module, corpus.val, cfg, env, masking, token_bytes, amp)
-            tracker.log_metrics(val, step=done)
-            last.update(val)
-            window_start = time.perf_counter()  # evaluation is not training time
-        if done % cfg.run.checkpoint_every == 0 or done == cfg.optim.max_steps:
-            folder = _save(
-                reporter.checkpoint_folder(done),
-                model,
-                tokenizer,
-                cfg,
-                optimizer,
-                scheduler,
-                done,
-                last,
-                env,
-            )
-            if folder is not None and done == cfg.optim.max_steps:
-                _copy_tree(folder / "model", out_dir / "model")  # before Ray takes the folder
-            if folder is not None and last.get("val/loss", math.inf) < best_val:
-                # The best checkpoint survives the pruning of old ones (ours or Ray's).
-                best_val = last["val/loss"]
-                _copy_tree(folder, out_dir / BEST)
-            reporter.report({**last, "step": done}, folder)
-            window_start = time.perf_counter()
-    bar.close()
 
-    model_dir = out_dir / "model"
-    if env.is_main:
-        _log_artifacts(tracker, out_dir, cfg)
-    steps_run = cfg.optim.max_steps - start
+def _step(run: _Run, step: int) -> None:
+    """One optimizer step: this worker's `accum` micro-batches of the step's global batch, then
+    clip and update. The loss stays on the device (summed into `run.loss_sum`)."""
+    cfg, env = run.cfg, run.env
+    step_start = time.perf_counter()
+    micro_batches = run.sampler.shard(step, env.rank, env.world_size, cfg.optim.micro_batch_size)
+    for i, idx in enumerate(micro_batches):
+        input_ids, labels = _batch(run.corpus.train, idx, env, run.masking, cfg.run.seed, step, i)
+        negatives = None
+        if cfg.objective.cross_worker_negatives:
+            negatives = gather_negative_ids(LMObjective.target_ids(input_ids, labels))
+        sync = i == len(micro_batches) - 1 or env.world_size == 1
+        with _no_sync(run.module, sync), _autocast(env.device, run.amp):
+            out = run.module(input_ids, labels, negative_ids=negatives)["loss"]
+        run.scaler.scale(out.loss / run.accum).backward()
+        run.loss_sum += out.loss.detach() / run.accum
+    run.scaler.unscale_(run.optimizer)
+    # Sparse-aware (the lazy embedding update's gradient): torch's clip_grad_norm_ raises.
+    run.grad_norm = clip_grad_norm(run.model.parameters(), cfg.optim.grad_clip or float("inf"))
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.num_rows = out.num_rows
+    run.train_time += time.perf_counter() - step_start
+    run.window_steps += 1
+
+
+def _log_window(run: _Run, done: int) -> None:
+    """The metrics of the steps since the last log line (the one sync per window)."""
+    elapsed = time.perf_counter() - run.window_start
+    steps = run.window_steps
+    run.last = {
+        # The loss averaged over workers.
+        "train/loss": global_mean(run.loss_sum).item() / steps,
+        "train/lr": run.scheduler.get_last_lr()[0],
+        "train/grad_norm": float(run.grad_norm),
+        "train/step_time_s": elapsed / steps,
+        "train/tokens_per_s": run.tokens_per_step * steps / elapsed,
+        "train/K": float(run.num_rows),
+        **_peak_memory(run.env.device),
+    }
+    utilisation = mfu(run.step_cost.per_token * run.last["train/tokens_per_s"], run.peak_flops)
+    if utilisation is not None:
+        run.last["train/mfu"] = utilisation / run.env.world_size  # peak is per device
+    run.tracker.log_metrics(run.last, step=done)
+    run.loss_sum.zero_()
+    run.window_steps, run.window_start = 0, time.perf_counter()
+
+
+def _evaluate_now(run: _Run, done: int) -> None:
+    val = evaluate(
+        run.module, run.corpus.val, run.cfg, run.env, run.masking, run.token_bytes, run.amp
+    )
+    run.tracker.log_metrics(val, step=done)
+    run.last.update(val)
+    run.window_start = time.perf_counter()  # evaluation is not training time
+
+
+def _checkpoint(run: _Run, done: int) -> None:
+    """Write the step's checkpoint (rank 0), keep the final model and the best checkpoint
+    beside it, and report to Ray (every rank)."""
+    folder = _save(
+        run.reporter.checkpoint_folder(done),
+        run.model,
+        run.tokenizer,
+        run.cfg,
+        run.optimizer,
+        run.scheduler,
+        done,
+        run.last,
+        run.env,
+    )
+    if folder is not None and done == run.cfg.optim.max_steps:
+        _copy_tree(folder / "model", run.out_dir / "model")  # before Ray takes the folder
+    if folder is not None and run.last.get("val/loss", math.inf) < run.best_val:
+        # The best checkpoint survives the pruning of old ones (ours or Ray's).
+        run.best_val = run.last["val/loss"]
+        _copy_tree(folder, run.out_dir / BEST)
+    run.reporter.report({**run.last, "step": done}, folder)
+    run.window_start = time.perf_counter()
+
+
+def _finish(run: _Run) -> dict[str, Any]:
+    """Log the artifacts (rank 0) and return (and write) the run summary."""
+    cfg, out_dir = run.cfg, run.out_dir
+    if run.env.is_main:
+        _log_artifacts(run.tracker, out_dir, cfg)
+    steps_run = cfg.optim.max_steps - run.start
     summary = {
         "objective": cfg.objective.name,
         "arch": cfg.model.arch,
         "steps": cfg.optim.max_steps,
-        "tokens": cfg.optim.max_steps * tokens_per_step,
-        "tokens_per_s": steps_run * tokens_per_step / train_time if train_time else math.nan,
-        "vocab_size": len(tokenizer),
-        "parameters": num_parameters(model),
-        "metrics": last,
-        "model_dir": str(model_dir),
+        "tokens": cfg.optim.max_steps * run.tokens_per_step,
+        "tokens_per_s": (
+            steps_run * run.tokens_per_step / run.train_time if run.train_time else math.nan
+        ),
+        "vocab_size": len(run.tokenizer),
+        "parameters": num_parameters(run.model),
+        "metrics": run.last,
+        "model_dir": str(out_dir / "model"),
     }
-    if env.is_main:
+    if run.env.is_main:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
@@ -398,7 +493,7 @@ def _tracker(out_dir: Path, tracking: dict[str, Any] | None) -> Tracker:
 
 def _log_artifacts(tracker: Tracker, out_dir: Path, cfg: Config) -> None:
     """The resolved config, the final model (HF format, tokenizer inside) and the loss curve."""
-    from hlm_ray.tracking import plot_loss_curve
+    from hlm_ray.train.summary import plot_loss_curve
 
     config_path = out_dir / "config.yaml"
     cfg.save(config_path)

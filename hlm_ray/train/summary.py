@@ -1,16 +1,20 @@
-"""Run summaries for the terminal, and the side-by-side plot of several runs.
+"""Run summaries for the terminal, a run's loss curve, and the side-by-side plot of several runs.
 
 print(format_summary([summary_headless, summary_vanilla]))
+plot_loss_curve(read_metrics(out_dir), out_dir / "loss_curve.png")
 plot_runs([Path("runs/x/headless"), Path("runs/x/vanilla")], Path("runs/x/compare.png"))
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hlm_ray.tracking import read_metrics
+from hlm_ray.tracking.base import read_metrics
+from hlm_ray.tracking.store import is_number
 
 _COLUMNS = [
     ("objective", "objective", "{}"),
@@ -76,3 +80,40 @@ def plot_runs(run_dirs: list[Path], out_path: Path) -> Path:
     fig.savefig(out_path, dpi=120)
     plt.close(fig)
     return out_path
+
+
+def plot_loss_curve(
+    metrics_rows: Iterable[dict[str, Any]], out_png: str | Path, *, title: str | None = None
+) -> Path:
+    """`train/loss` and `val/loss` against `step` (rows as from `read_metrics`) as a PNG."""
+    # The object-oriented API with no pyplot: it never switches the process's global backend
+    # (Agg is what Figure.savefig uses for PNG) and never opens windows.
+    from matplotlib.figure import Figure
+
+    rows = list(metrics_rows)
+    fig = Figure(figsize=(6.4, 4.0), layout="constrained")
+    ax = fig.add_subplot()
+    plotted = False
+    for key, style in (("train/loss", "-"), ("val/loss", "o-")):
+        points = [
+            (row["step"], float(row[key]))
+            for row in rows
+            if "step" in row and is_number(row.get(key)) and math.isfinite(float(row[key]))
+        ]
+        if points:
+            steps, values = zip(*sorted(points), strict=True)
+            ax.plot(steps, values, style, label=key, markersize=3)
+            plotted = True
+    if plotted:
+        ax.legend()
+    else:
+        ax.text(0.5, 0.5, "no loss logged", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    if title:
+        ax.set_title(title)
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    return out

@@ -9,6 +9,6 @@
 Layers, each a floor above the next: `sweeps/*.py` (argument parsing) -> `tune.sweep` (grid,
 resources, shared preparation, parent MLflow run, Tuner and resume) -> `tune.trial` (one trial:
 a TorchTrainer through `hlm_ray.train.launch`, then the downstream protocol) -> `hlm_ray.train`.
-`tune.summary` writes the table and the paper's figures; `tune.mlflow_server` runs the local
-tracking server the concurrent trials log through.
+`tune.summary` writes the table and the paper's figures; `hlm_ray.tracking.server` runs the
+local tracking server the concurrent trials log through.
 """

@@ -18,9 +18,9 @@ from typing import Any, Literal
 
 import yaml
 
-from hlm_ray.config import Config, _build, apply_overrides, load_config
+from hlm_ray.config import OBJECTIVES, Config, apply_overrides, build
 from hlm_ray.errors import HLMError
-from hlm_ray.presets import OBJECTIVES
+from hlm_ray.presets import load_config
 
 # The config field each ablation sweeps (paper Figure 7 / Figure 8).
 AXES = {"vocab": "tokenizer.vocab_size", "batch_size": "optim.micro_batch_size"}
@@ -173,7 +173,7 @@ def with_overrides(spec: SweepSpec, items: list[str]) -> SweepSpec:
         else:
             config_items.append(f"{key}={value.strip()}")
     data["overrides"] = [*data["overrides"], *config_items]
-    new = _build(SweepSpec, data, prefix="sweep.")
+    new = build(SweepSpec, data, prefix="sweep.")
     new.base_config()  # unknown preset, unknown key or invalid value: fail now
     return new
 

@@ -27,13 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from hlm_ray.config import Config
-from hlm_ray.errors import HLMError
+from hlm_ray.errors import HLMError, one_line
 from hlm_ray.paths import CACHE_ENV, resolve_output
 from hlm_ray.tracking import TRACKING_URI_ENV
 from hlm_ray.tune import summary as summary_mod
 from hlm_ray.tune.spec import SweepSpec
 from hlm_ray.tune.trial import (
-    RUN_ID_FILE,
     TRIAL_RESOURCES,
     TrialRuntime,
     axis_value,
@@ -222,7 +221,7 @@ def run_sweep(
     concurrency = plan_concurrency(spec, num_trials, nodes)
     real_vocab = prepare_inputs(spec, spec.values[:1] if search else None)
 
-    from hlm_ray.tune.mlflow_server import tracking_server
+    from hlm_ray.tracking.server import tracking_server
 
     with tracking_server(folder / "mlflow_server.log") as uri:
         parent = _open_parent(spec, name, uri, state, search, concurrency, real_vocab)
@@ -383,7 +382,8 @@ def _rows(results, spec: SweepSpec, runtime: TrialRuntime, search: bool) -> list
                 objective=cfg.objective.name,
                 seed=cfg.run.seed,
                 metrics=metrics,
-                error=_error_line(result.error),
+                # Ray's wrapped errors end with the real cause
+                error=one_line(result.error, last=True, limit=200) if result.error else "",
                 lr=cfg.optim.lr if search else None,
                 warmup_steps=cfg.optim.warmup_steps if search else None,
             )
@@ -393,22 +393,13 @@ def _rows(results, spec: SweepSpec, runtime: TrialRuntime, search: bool) -> list
 
 def _close_orphans(rows, spec: SweepSpec, runtime: TrialRuntime) -> None:
     """A trial stopped by ASHA was killed mid-run: mark its child MLflow run KILLED."""
-    from hlm_ray.tracking import MlflowTracker
+    from hlm_ray.tracking import MlflowTracker, read_run_ref
 
     for row in rows:
         if row["status"] != "STOPPED":
             continue
-        id_file = Path(runtime.trials_dir) / row["run"] / RUN_ID_FILE
-        if id_file.is_file():
-            run_id = json.loads(id_file.read_text())["run_id"]
+        ref = read_run_ref(Path(runtime.trials_dir) / row["run"])
+        if ref is not None:
             MlflowTracker(
-                spec.experiment, run_id=run_id, tracking_uri=runtime.env[TRACKING_URI_ENV]
+                spec.experiment, run_id=ref["run_id"], tracking_uri=runtime.env[TRACKING_URI_ENV]
             ).finish("KILLED")
-
-
-def _error_line(error: BaseException | None) -> str:
-    if error is None:
-        return ""
-    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
-    line = lines[-1] if lines else type(error).__name__
-    return line if len(line) <= 200 else line[:197] + "..."

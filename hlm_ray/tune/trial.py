@@ -22,7 +22,7 @@ from typing import Any
 
 from hlm_ray.config import Config, apply_overrides
 from hlm_ray.flops import config_step_flops
-from hlm_ray.train.launch import RUN_ID_FILE  # the child run's id, kept in its run folder
+from hlm_ray.tracking.base import read_run_ref  # the child run's id, kept in its run folder
 
 # The trial function itself only waits on its trainer and downstream task: it takes no CPU
 # (0.01 CPU per trial would leave a 2-CPU machine unable to run two 1-CPU trials side by side),
@@ -121,8 +121,8 @@ def _downstream(runtime: TrialRuntime, out_dir: Path, model_dir: Path) -> dict[s
     path = out_dir / DOWNSTREAM_FILE
     if path.is_file():
         return json.loads(path.read_text())
-    id_file = out_dir / RUN_ID_FILE
-    run_id = json.loads(id_file.read_text())["run_id"] if id_file.is_file() else None
+    ref = read_run_ref(out_dir)
+    run_id = ref["run_id"] if ref else None
     args = (str(model_dir), runtime.recipe, str(out_dir / "downstream"), runtime.experiment)
     try:
         if runtime.gpus_per_worker > 0:

@@ -7,7 +7,7 @@ Many processes writing one sqlite file fail with "database is locked"; a server 
 writes. When ``MLFLOW_TRACKING_URI`` already names a server (http/https) or another database,
 it is used as is. Otherwise (unset, or a sqlite file) a server is started on loopback over the
 same sqlite store and artifact folder the embedded tracker uses
-(`hlm_ray.tracking.default_tracking_uri`), so ``mlflow ui --backend-store-uri sqlite:///mlflow.db``
+(`hlm_ray.tracking.store.default_tracking_uri`), so ``mlflow ui --backend-store-uri sqlite:///mlflow.db``
 shows the sweep afterwards; it is stopped when the block exits (and at interpreter exit).
 
 The server runs as ``python -m mlflow server`` (a subprocess: this module does not import
@@ -30,7 +30,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from hlm_ray.errors import HLMError
-from hlm_ray.tracking import _sqlite_path, default_tracking_uri
+from hlm_ray.tracking.store import default_tracking_uri, sqlite_path
 
 START_TIMEOUT_S = 180.0
 
@@ -39,7 +39,7 @@ START_TIMEOUT_S = 180.0
 def tracking_server(log_file: Path, *, timeout_s: float = START_TIMEOUT_S) -> Iterator[str]:
     """The tracking URI the sweep's trials use; starts and stops a local server if needed."""
     uri = default_tracking_uri()
-    db = _sqlite_path(uri)
+    db = sqlite_path(uri)
     if uri.startswith(("http://", "https://")) or db is None:
         yield uri
         return

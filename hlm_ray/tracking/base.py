@@ -1,0 +1,97 @@
+"""The tracker contract and its local implementations; where a run folder names its MLflow run.
+
+    tracker = JsonlTracker(output_dir)        # metrics.jsonl + params.json in the run folder
+    tracker.log_params(cfg.to_dict()); tracker.log_metrics({"train/loss": 2.3}, step=10)
+    tracker.set_tags({...}); tracker.log_artifact(path); tracker.finish("FINISHED")
+    tracker = MultiTracker(JsonlTracker(output_dir), MlflowTracker(...))
+    read_metrics(output_dir)                  # the rows of metrics.jsonl
+    read_run_ref(output_dir)                  # {"run_id", "tracking_uri"} of its MLflow run, or None
+
+`Tracker` itself is the no-op used on non-zero ranks and in tests.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from hlm_ray.config import flatten
+
+RUN_REF_FILE = "mlflow_run.json"
+"""In a run folder: the id and tracking URI of the run's MLflow run (written by
+`hlm_ray.train.launch.open_mlflow_run`), so a resumed run, a restarted worker group, a sweep
+trial and `hlm finetune` / `hlm eval` all log to the same run."""
+
+
+class Tracker:
+    def log_params(self, params: dict[str, Any]) -> None: ...
+    def set_tags(self, tags: dict[str, Any]) -> None: ...
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None: ...
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None: ...
+    def finish(self, status: str = "FINISHED") -> None: ...
+
+
+class JsonlTracker(Tracker):
+    """Appends one JSON line per `log_metrics` call to `<folder>/metrics.jsonl`."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.folder / "metrics.jsonl"
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        flat = dict(flatten(params))
+        (self.folder / "params.json").write_text(json.dumps(flat, indent=1, default=str))
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+
+
+class MultiTracker(Tracker):
+    def __init__(self, *trackers: Tracker):
+        self.trackers = trackers
+
+    def log_params(self, params):
+        for t in self.trackers:
+            t.log_params(params)
+
+    def set_tags(self, tags):
+        for t in self.trackers:
+            t.set_tags(tags)
+
+    def log_metrics(self, metrics, step):
+        for t in self.trackers:
+            t.log_metrics(metrics, step)
+
+    def log_artifact(self, path, artifact_path=None):
+        for t in self.trackers:
+            t.log_artifact(path, artifact_path)
+
+    def finish(self, status="FINISHED"):
+        for t in self.trackers:
+            t.finish(status)
+
+
+def read_metrics(folder: str | Path) -> list[dict[str, Any]]:
+    path = Path(folder) / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_run_ref(folder: str | Path) -> dict[str, Any] | None:
+    """The MLflow run a run folder belongs to: ``{"run_id": ..., "tracking_uri": ...}`` from its
+    `RUN_REF_FILE`, or None when it has none (never tracked, or a bare model folder)."""
+    path = Path(folder) / RUN_REF_FILE
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def write_run_ref(folder: str | Path, run_id: str, tracking_uri: str) -> None:
+    """Record the run folder's MLflow run (read back by `read_run_ref`)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / RUN_REF_FILE).write_text(json.dumps({"run_id": run_id, "tracking_uri": tracking_uri}))
