@@ -99,6 +99,10 @@ class ObjectiveConfig:
     """Score the K×K logits in row chunks of this size (None: all at once)."""
     cross_worker_negatives: bool = False
     """Score each worker's predictions against all workers' targets (changes the objective)."""
+    num_negatives: int | None = None
+    """A separate negative set S_N (the paper's footnote): score each row against a seeded
+    random subset of N of its micro-batch's targets instead of all of them (plain counting,
+    so cwt_variant dedup or plain; a different objective). None: every in-batch target."""
     ce_impl: Literal["full", "chunked", "linear"] = "full"
     """Vanilla head: full logits, row-chunked, or torch's fused linear cross-entropy."""
     mlm_full_logits: bool = False
@@ -223,7 +227,9 @@ def build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     kwargs = {}
     for name, value in data.items():
         hint = hints[name]
-        if dataclasses.is_dataclass(hint):
+        if dataclasses.is_dataclass(hint) and isinstance(value, hint):
+            kwargs[name] = value  # already built (a sweep's axis record)
+        elif dataclasses.is_dataclass(hint):
             kwargs[name] = build(hint, value, f"{prefix}{name}.")
         else:
             kwargs[name] = _coerce(value, hint, f"{prefix}{name}")
@@ -315,6 +321,14 @@ def validate(cfg: Config) -> Config:
     _check(0 < d.val_fraction < 0.5, "data.val_fraction", d.val_fraction, "must be in (0, 0.5)")
     _check(0 < d.mlm_probability < 1, "data.mlm_probability", d.mlm_probability, "in (0, 1)")
     _check(o.temperature > 0, "objective.temperature", o.temperature, "must be > 0")
+    n = o.num_negatives
+    _check(n is None or n >= 1, "objective.num_negatives", n, "must be >= 1 (or null: all)")
+    _check(
+        n is None or not (o.cross_worker_negatives or o.cwt_variant == "mask_same"),
+        "objective.num_negatives",
+        n,
+        "samples the worker's own targets: not with cross_worker_negatives or mask_same",
+    )
     _check(p.lr > 0, "optim.lr", p.lr, "must be > 0")
     _check(p.max_steps > 0, "optim.max_steps", p.max_steps, "must be > 0")
     _check(p.warmup_steps >= 0, "optim.warmup_steps", p.warmup_steps, "must be >= 0")

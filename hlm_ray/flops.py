@@ -197,7 +197,9 @@ def config_step_flops(
     rows = rows_per_loss(
         cfg.model.family, cfg.optim.micro_batch_size, cfg.data.seq_len, cfg.data.mlm_probability
     )
-    if unique_columns is None and o.cwt_variant == "dedup":
+    if unique_columns is None and o.num_negatives is not None:
+        unique_columns = min(rows, o.num_negatives + 1)  # the sampled set and the positive
+    elif unique_columns is None and o.cwt_variant == "dedup":
         unique_columns = min(rows, vocab_size)
     return step_flops(
         cfg.model,

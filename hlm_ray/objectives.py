@@ -5,6 +5,10 @@ CWT (Godey et al. 2024, "Headless Language Models") scores each of K target posi
 with predictions O (K×D, last hidden states) and targets E (K×D, embedding rows of the true
 tokens, not detached), ``loss_i = -log softmax(O Eᵀ / τ)[i, i]``.
 
+Shape suffixes on tensor names: B batch (sequences), L sequence length, D hidden width,
+V vocabulary, K target rows of one loss (K = B·(L−1) for a decoder, the masked positions of an
+encoder), U distinct target ids (U <= min(K, V)), N negatives, C a chunk of rows.
+
 Usage::
 
     from hlm_ray.objectives import cwt_loss, cwt_loss_from_ids, headless_causal_loss
@@ -19,6 +23,10 @@ Usage::
     # Low-level forms: predictions (K×D) against target rows (K×D), or against token ids.
     loss = cwt_loss(predictions_KD, targets_KD)
     loss, acc = cwt_loss_from_ids(predictions_KD, ids_K, emb_VD, return_accuracy=True)
+
+    # A separate negative set S_N: N of the K targets, sampled with a seeded generator.
+    rows_N = sample_negative_rows(K, 64, torch.Generator().manual_seed(0))
+    loss = cwt_loss_sampled(predictions_KD, ids_K, emb_VD, rows_N)
 
     # Vanilla baseline: softmax head, logits at masked positions only.
     head = LMHead(transform=bert_head_transform, weight=decoder.weight, bias=decoder.bias)
@@ -274,6 +282,45 @@ def cwt_loss_from_ids(
     return loss, correct_K.float().mean()
 
 
+def sample_negative_rows(num_rows: int, num_negatives: int, generator: torch.Generator) -> Tensor:
+    """Positions (N,) of a seeded random subset of N of the K rows (all K when N >= K), on CPU."""
+    return torch.randperm(num_rows, generator=generator)[:num_negatives]
+
+
+def cwt_loss_sampled(
+    predictions: Tensor,
+    target_ids: Tensor,
+    embedding_weight: Tensor,
+    negative_rows: Tensor,
+    temperature: float = 1.0,
+    *,
+    reduction: str = "mean",
+    return_accuracy: bool = False,
+    sparse_grad: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """CWT against a separate negative set S_N (the paper's footnote): row i scores its own
+    target's embedding against the targets at ``negative_rows`` (N,) other than row i itself,
+    ``loss_i = -log(exp(s_ii) / (exp(s_ii) + Σ_{j∈S, j≠i} exp(s_ij)))`` with s = O Eᵀ / τ.
+    Repeated tokens count as negatives, as in the plain loss; with S = all K rows this *is* the
+    plain loss. Accuracy: the top-scoring column carries the row's own id."""
+    pred_KD = _upcast(predictions) / temperature
+    rows_N = negative_rows.to(target_ids.device)
+    targets_KD = _upcast(F.embedding(target_ids, embedding_weight, sparse=sparse_grad))
+    positive_K = (pred_KD * targets_KD).sum(dim=1)
+    negative_KN = pred_KD @ targets_KD[rows_N].T
+    own_KN = rows_N[None, :] == torch.arange(len(target_ids), device=rows_N.device)[:, None]
+    logits_K1N = torch.cat([positive_K[:, None], negative_KN.masked_fill(own_KN, -torch.inf)], 1)
+    zeros_K = torch.zeros(len(target_ids), dtype=torch.long, device=target_ids.device)
+    loss = _reduce(F.cross_entropy(logits_K1N, zeros_K, reduction="none"), reduction)
+    if not return_accuracy:
+        return loss
+    with torch.no_grad():
+        col_ids = torch.cat([target_ids.new_full((1,), -1), target_ids[rows_N]])
+        top_K = logits_K1N.argmax(dim=1)
+        correct_K = (top_K == 0) | (col_ids[top_K] == target_ids)
+    return loss, correct_K.float().mean()
+
+
 # ---------------------------------------------------------------------------------------------
 # Vocabulary softmax head
 # ---------------------------------------------------------------------------------------------
@@ -400,18 +447,26 @@ def _headless(
     chunk_size: int | None,
     return_accuracy: bool,
     sparse_grad: bool = False,
+    num_negatives: int | None = None,
+    generator: torch.Generator | None = None,
 ) -> LossOutput:
-    out = cwt_loss_from_ids(
-        pred_KD,
-        ids_K,
-        embedding_weight_VD,
-        temperature,
-        variant=variant,
-        negative_ids=negative_ids,
-        chunk_size=chunk_size,
-        return_accuracy=return_accuracy,
-        sparse_grad=sparse_grad,
-    )
+    if num_negatives is not None:
+        rows_N = sample_negative_rows(len(ids_K), num_negatives, generator)
+        flags = dict(return_accuracy=return_accuracy, sparse_grad=sparse_grad)
+        args = (pred_KD, ids_K, embedding_weight_VD, rows_N, temperature)
+        out = cwt_loss_sampled(*args, **flags)
+    else:
+        out = cwt_loss_from_ids(
+            pred_KD,
+            ids_K,
+            embedding_weight_VD,
+            temperature,
+            variant=variant,
+            negative_ids=negative_ids,
+            chunk_size=chunk_size,
+            return_accuracy=return_accuracy,
+            sparse_grad=sparse_grad,
+        )
     if return_accuracy:
         return LossOutput(loss=out[0], num_rows=len(ids_K), accuracy=out[1])
     return LossOutput(loss=out, num_rows=len(ids_K))
@@ -429,11 +484,14 @@ def headless_causal_loss(
     chunk_size: int | None = None,
     return_accuracy: bool = False,
     sparse_grad: bool = False,
+    num_negatives: int | None = None,
+    generator: torch.Generator | None = None,
 ) -> LossOutput:
     """CWT for a decoder: hidden[:, :-1] predicts the embedding of input_ids[:, 1:].
 
     K = B·(L−1) rows, less those whose target is False in ``target_mask_BL`` (padding).
-    See `cwt_loss_from_ids` for the other arguments.
+    ``num_negatives`` N: score against N sampled targets (`cwt_loss_sampled`, drawn with
+    ``generator``) instead of all K. See `cwt_loss_from_ids` for the other arguments.
     """
     pred_KD, ids_K = _causal_rows(hidden_BLD, input_ids_BL, target_mask_BL)
     return _headless(
@@ -446,6 +504,8 @@ def headless_causal_loss(
         chunk_size,
         return_accuracy,
         sparse_grad,
+        num_negatives,
+        generator,
     )
 
 
@@ -460,6 +520,8 @@ def headless_masked_loss(
     chunk_size: int | None = None,
     return_accuracy: bool = False,
     sparse_grad: bool = False,
+    num_negatives: int | None = None,
+    generator: torch.Generator | None = None,
 ) -> LossOutput:
     """CWT for an encoder: at masked positions only, the raw last hidden state predicts the
     embedding of the original token. ``labels_BL`` holds that token id there and -100 elsewhere.
@@ -475,6 +537,8 @@ def headless_masked_loss(
         chunk_size,
         return_accuracy,
         sparse_grad,
+        num_negatives,
+        generator,
     )
 
 

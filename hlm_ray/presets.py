@@ -60,6 +60,22 @@ PRESETS: dict[str, dict[str, Any]] = {
         "optim": _TINY_OPTIM,
         "run": _TINY_RUN,
     },
+    # gpt2-11m shrunk to CPU scale with its own small BPE (the 50k GPT-2 vocabulary would make
+    # the vanilla head most of the work): the tiny decoder sweeps.
+    "tiny-gpt2": {
+        "model": {
+            "arch": "gpt2",
+            "hidden_size": 64,
+            "num_layers": 2,
+            "num_heads": 2,
+            "max_positions": 128,
+            "dropout": 0.0,
+        },
+        "tokenizer": {"kind": "bpe", "vocab_size": 1024},
+        "data": {"seq_len": 64},
+        "optim": {**_TINY_OPTIM, "schedule": "cosine", "grad_clip": 1.0},
+        "run": _TINY_RUN,
+    },
     # Paper Table 10 / Figure 8: the batch-size ablation decoder (GPT-2, 11M parameters).
     "gpt2-11m": {
         "model": {

@@ -194,14 +194,18 @@ def test_manifests_use_this_ray_and_reach_mlflow(rel):
 
 
 def test_rayjob_runs_the_vocab_sweep_with_the_project_installed():
-    from hlm_ray.tune.presets import SWEEPS
+    import importlib.util
+
+    found = importlib.util.spec_from_file_location("sweep_vocab", ROOT / "sweeps" / "vocab.py")
+    script = importlib.util.module_from_spec(found)
+    found.loader.exec_module(script)
 
     spec = _load("kuberay/rayjob-vocab-sweep.yaml")["spec"]
     scripts = re.findall(r"sweeps/\w+\.py", spec["entrypoint"])
     assert scripts == ["sweeps/vocab.py"]
     assert (ROOT / scripts[0]).is_file()
     preset = re.search(r"--preset (\w+)", spec["entrypoint"]).group(1)
-    assert preset == "paper" and preset in SWEEPS["vocab"]
+    assert preset == "paper" and preset in script.PRESETS
     runtime_env = yaml.safe_load(spec["runtimeEnvYAML"])
     _check_runtime_env(runtime_env)
     assert runtime_env["working_dir"].endswith(".zip")  # a remote URI, as a RayJob needs

@@ -13,9 +13,11 @@ from hlm_ray.objectives import (
     cross_entropy_head,
     cwt_loss,
     cwt_loss_from_ids,
+    cwt_loss_sampled,
     headless_causal_loss,
     headless_masked_loss,
     mixed_loss,
+    sample_negative_rows,
     vanilla_causal_loss,
     vanilla_masked_loss,
 )
@@ -403,3 +405,55 @@ def test_mixed_loss_weights_both_terms() -> None:
     ce = LossOutput(loss=torch.tensor(3.0), num_rows=5)
     out = mixed_loss(cwt, ce, cwt_weight=0.5, ce_weight=2.0)
     assert out.loss.item() == 7.0 and out.num_rows == 5 and out.accuracy is cwt.accuracy
+
+
+# ---- a separate negative set S_N ----------------------------------------------------------
+
+
+def ref_sampled(pred_KD: Tensor, ids_K: Tensor, emb_VD: Tensor, rows_N: Tensor, tau: float):
+    """Per-row loss, one row at a time: the own target against the sampled rows but itself."""
+    out = []
+    for i in range(len(ids_K)):
+        cols = [ids_K[i]] + [ids_K[j] for j in rows_N.tolist() if j != i]
+        z = torch.stack([pred_KD[i].double() @ emb_VD[c].double() for c in cols]) / tau
+        out.append(torch.logsumexp(z, dim=0) - z[0])
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("tau", [1.0, 0.3])
+def test_sampled_negatives_match_a_row_by_row_reference(tau):
+    pred_KD, ids_K, emb_VD = repeated_ids_problem(K=24, V=12, D=8, id_range=6)
+    rows_N = sample_negative_rows(24, 7, torch.Generator().manual_seed(3))
+    assert len(rows_N) == 7 and len(set(rows_N.tolist())) == 7
+    loss = cwt_loss_sampled(pred_KD, ids_K, emb_VD, rows_N, tau)
+    expected = ref_sampled(pred_KD, ids_K, emb_VD, rows_N, tau).mean()
+    assert_close(loss, expected)
+    assert_close(grads(loss, pred_KD, emb_VD), grads(expected, pred_KD, emb_VD))
+
+
+def test_sampling_every_row_is_the_plain_loss():
+    pred_KD, ids_K, emb_VD = repeated_ids_problem(K=20)
+    rows_K = sample_negative_rows(20, 1000, torch.Generator().manual_seed(0))  # N >= K: all
+    assert sorted(rows_K.tolist()) == list(range(20))
+    (loss, acc) = cwt_loss_sampled(pred_KD, ids_K, emb_VD, rows_K, return_accuracy=True)
+    plain, plain_acc = cwt_loss_from_ids(
+        pred_KD, ids_K, emb_VD, variant="plain", return_accuracy=True
+    )
+    assert_close(loss, plain)
+    assert_close(acc, plain_acc)
+
+
+def test_the_negative_set_is_seeded_and_reaches_the_decoder_loss():
+    hidden_BLD = torch.randn(2, 9, 8, dtype=torch.float64)
+    ids_BL = torch.randint(0, 30, (2, 9))
+    emb_VD = torch.randn(30, 8, dtype=torch.float64)
+
+    def loss(seed: int) -> Tensor:
+        gen = torch.Generator().manual_seed(seed)
+        return headless_causal_loss(hidden_BLD, ids_BL, emb_VD, num_negatives=5, generator=gen)
+
+    assert_close(loss(1).loss, loss(1).loss)
+    assert not torch.equal(loss(1).loss, loss(2).loss)
+    rows_N = sample_negative_rows(16, 5, torch.Generator().manual_seed(1))
+    pred_KD, ids_K = hidden_BLD[:, :-1].reshape(-1, 8), ids_BL[:, 1:].reshape(-1)
+    assert_close(loss(1).loss, cwt_loss_sampled(pred_KD, ids_K, emb_VD, rows_N))

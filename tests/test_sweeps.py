@@ -1,6 +1,7 @@
 """The ablation sweeps: grid and resource checks as plain functions, then each tiny sweep end to
 end on the shared Ray cluster (Train inside Tune, MLflow parent and child runs, resume)."""
 
+import ast
 import csv
 import importlib.util
 import json
@@ -14,16 +15,10 @@ import pytest
 from hlm_ray.errors import HLMError
 from hlm_ray.flops import config_step_flops
 from hlm_ray.paths import data_dir
-from hlm_ray.tune.presets import SWEEPS, get_sweep
+from hlm_ray.tune import spec as spec_mod
 from hlm_ray.tune.spec import SweepSpec
 from hlm_ray.tune.summary import markdown_table, write_summary
-from hlm_ray.tune.sweep import (
-    _rows,
-    check_resume,
-    check_vocab_sizes,
-    plan_concurrency,
-    prepare_inputs,
-)
+from hlm_ray.tune.sweep import _rows, check_resume, plan_concurrency, prepare_inputs
 from hlm_ray.tune.trial import TrialRuntime, final_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,21 +50,50 @@ def _sweep_main(kind: str):
     return _load_script(ROOT / "sweeps" / f"{kind}.py").main
 
 
+SCRIPTS = {p.stem: _load_script(p) for p in sorted((ROOT / "sweeps").glob("*.py"))}
+VOCAB = SCRIPTS["vocab"]
+
+
+def get_sweep(kind: str, preset: str, overrides=None) -> SweepSpec:
+    """The preset of sweeps/<kind>.py with `--set` overrides, as the script builds it."""
+    return spec_mod.get_sweep(SCRIPTS[kind].PRESETS, preset, overrides)
+
+
 # ------------------------------------------------------------------------------ plain checks
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "sweeps").glob("*.py")), ids=lambda p: p.name)
 def test_every_sweep_script_imports(path):
-    assert callable(_load_script(path).main)
+    script = _load_script(path)
+    assert callable(script.main)
+    assert {"tiny", "paper"} <= set(script.PRESETS)
+    assert all(spec.axis is script.AXIS for spec in script.PRESETS.values())
+    assert script.AXIS.name == path.stem
 
 
-@pytest.mark.parametrize("kind", sorted(SWEEPS))
+@pytest.mark.parametrize("kind", sorted(SCRIPTS))
 def test_every_preset_builds_valid_trial_configs(kind):
-    for preset in SWEEPS[kind]:
+    for preset in SCRIPTS[kind].PRESETS:
         spec = get_sweep(kind, preset)
         for cell in spec.cells():
             cfg = spec.cell_config(cell["value"], cell["objective"], cell["seed"])
             cfg.optim.grad_accum_steps(spec.workers_per_trial)  # raises if inconsistent
+            spec.base_config()
+
+
+def test_the_tune_package_names_no_axis():
+    """Every ablation is described by its script's Axis; hlm_ray/tune knows none by name."""
+    names = {script.AXIS.name for script in SCRIPTS.values()}
+    fields = {script.AXIS.field for script in SCRIPTS.values()}
+    for path in (ROOT / "hlm_ray" / "tune").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
+        strings = {
+            n.value
+            for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs
+        }
+        assert not strings & (names | fields), path.name
 
 
 def test_an_empty_grid_fails_before_anything_runs():
@@ -87,8 +111,8 @@ def test_a_vocabulary_below_the_special_tokens_fails_before_training():
     # Encoders: 256 bytes + eos, pad, mask, cls, sep.
     spec = get_sweep("vocab", "tiny", ["sweep.values=[260,512]"])
     with pytest.raises(HLMError, match="260 is below .* use sizes >= 261"):
-        check_vocab_sizes(spec)
-    check_vocab_sizes(get_sweep("vocab", "tiny", ["sweep.values=[261]"]))
+        VOCAB.check_vocab_sizes(spec)
+    VOCAB.check_vocab_sizes(get_sweep("vocab", "tiny", ["sweep.values=[261]"]))
 
 
 def test_a_vocabulary_larger_than_the_corpus_supports_is_said_and_recorded(tmp_path, capsys):
@@ -131,11 +155,14 @@ def test_the_tune_space_resolves_to_the_grid_cells():
         ("batch_size", ["sweep.workers_per_trial=2"]),
     ):
         spec = get_sweep(kind, "tiny", items)
-        resolved = [cfg["config"] for _, cfg in generate_variants(spec.param_space())]
+        variants = [cfg for _, cfg in generate_variants(spec.param_space())]
+        resolved = [cfg["config"] for cfg in variants]
         assert len(resolved) == len(spec.cells())
         for cell in spec.cells():
             expected = spec.cell_config(cell["value"], cell["objective"], cell["seed"])
             assert sum(Config.from_dict(r) == expected for r in resolved) == 1, cell
+            matching = [v["value"] for v in variants if Config.from_dict(v["config"]) == expected]
+            assert matching == [cell["value"]]
     spec = get_sweep("batch_size", "tiny", ["sweep.workers_per_trial=2"])
     assert spec.cell_config(8, "headless", 0).optim.global_batch_size == 16  # micro × workers
 
@@ -170,15 +197,18 @@ def test_final_metrics_carry_k_v_head_share_and_bits_per_byte():
     summary = {
         "vocab_size": 512,
         "tokens_per_s": 1000.0,
-        "metrics": {"train/K": 150.0, "val/loss": 5.0, "val/bpb": 2.5, "train/peak_mem_mb": 9.0},
+        "metrics": {"train/K": 150.0, "val/loss": 5.0, "val/token_bpb": 2.5, "train/peak_mem_mb": 9.0},
     }
     out = final_metrics(cfg, summary, {"downstream/score": 0.6}, workers=1)
     assert out["K_over_V"] == pytest.approx(150 / 512)
     assert out["head_flop_share"] == pytest.approx(config_step_flops(cfg, 512).head_share)
-    assert (out["bpb"], out["loss"], out["downstream/score"]) == (2.5, 5.0, 0.6)
-    # A decoder's downstream bits per byte (of the fine-tuned generator) wins over pretraining's.
+    assert (out["token_bpb"], out["loss"], out["downstream/score"]) == (2.5, 5.0, 0.6)
+    assert math.isnan(out["text_bpb"])  # no held-out text was scored
+    # A decoder's downstream bits per byte (of the fine-tuned generator, over text bytes) is
+    # its own column beside pretraining's (over the target tokens' bytes).
     out = final_metrics(cfg, summary, {"bpb/bits_per_byte": 1.5}, workers=1)
-    assert out["bpb"] == 1.5 and math.isnan(out["downstream/score"])
+    assert out["text_bpb"] == 1.5 and out["token_bpb"] == 2.5
+    assert math.isnan(out["downstream/score"])
 
 
 def test_the_summary_keeps_failed_trials(tmp_path):
@@ -186,7 +216,7 @@ def test_the_summary_keeps_failed_trials(tmp_path):
     runtime = TrialRuntime("s", "vocab", EXPERIMENT, None, str(tmp_path), "tiny", 1, 1.0, 0.0)
 
     def result(value, objective, metrics, error=None):
-        config = {"config": spec.cell_config(value, objective, 0).to_dict()}
+        config = {"config": spec.cell_config(value, objective, 0).to_dict(), "value": value}
         return SimpleNamespace(metrics=metrics, config=config, error=error, path=str(tmp_path))
 
     ok = {"trial_id": "t1", "downstream/score": 0.7, "tokens_per_s": 900.0, "K": 10.0, "V": 512.0}
@@ -198,14 +228,14 @@ def test_the_summary_keeps_failed_trials(tmp_path):
     assert [(r["trial_id"], r["status"]) for r in rows] == [("t1", "FINISHED"), ("t2", "FAILED")]
     assert rows[1]["error"] == "HLMError: out of memory"
     assert rows[0]["run"] == "headless-v512-s0-t1"
-    files = write_summary(rows, tmp_path, kind="vocab")
+    files = write_summary(rows, tmp_path, axis=VOCAB.AXIS)
     with open(tmp_path / "summary.csv") as f:
         table = list(csv.DictReader(f))
     assert [(r["vocab_size"], r["status"]) for r in table] == [
         ("512", "FINISHED"),
         ("1024", "FAILED"),
     ]
-    assert "| FAILED |" in markdown_table(rows, "vocab")
+    assert "| FAILED |" in markdown_table(rows, VOCAB.AXIS)
     assert {p.name for p in files} >= {
         "fig7a_score_vs_vocab.png",
         "fig7b_tokens_per_s_vs_vocab.png",
@@ -215,9 +245,9 @@ def test_the_summary_keeps_failed_trials(tmp_path):
 
 def test_sweep_spec_validates_settings():
     with pytest.raises(HLMError, match="sweep.num_seeds=0"):
-        SweepSpec(kind="vocab", base="tiny-encoder", values=(512,), num_seeds=0)
+        SweepSpec(axis=VOCAB.AXIS, base="tiny-encoder", values=(512,), num_seeds=0)
     with pytest.raises(HLMError, match="unknown objective 'cwt'"):
-        SweepSpec(kind="vocab", base="tiny-encoder", values=(512,), objectives=("cwt",))
+        SweepSpec(axis=VOCAB.AXIS, base="tiny-encoder", values=(512,), objectives=("cwt",))
 
 
 # ------------------------------------------------------------------------------ end to end
@@ -279,7 +309,7 @@ def test_vocab_sweep_end_to_end_then_resumes_without_retraining(
         assert float(row["tokens_per_s"]) > 0 and 0 <= float(row["downstream/score"]) <= 1
         assert 0 < float(row["head_flop_share"]) < 1
     # The vanilla MLM has a head: its masked-token bits per byte; a headless encoder has none.
-    assert all((r["bpb"] != "") == (r["objective"] == "vanilla") for r in rows)
+    assert all((r["token_bpb"] != "") == (r["objective"] == "vanilla") for r in rows)
 
     client, parents, children = _runs(sweep_server, "vocab-e2e")
     (parent,) = parents

@@ -48,14 +48,18 @@ class LMObjective(nn.Module):
         labels_BL: torch.Tensor | None = None,
         *,
         negative_ids: torch.Tensor | None = None,
+        negative_seed: int = 0,
         return_accuracy: bool = False,
     ) -> dict[str, LossOutput]:
-        """The objective's loss under "loss", plus its parts ("cwt", "ce") for the mixed one."""
+        """The objective's loss under "loss", plus its parts ("cwt", "ce") for the mixed one.
+
+        `negative_seed` seeds the sampled negative set when `objective.num_negatives` is set
+        (the loop derives it from (seed, step, rank, micro-batch): reproducible on resume)."""
         hidden_BLD = hidden_states(self.model, input_ids_BL)
         parts: dict[str, LossOutput] = {}
         if self.cfg.name in ("headless", "mixed"):
             parts["cwt"] = self._cwt(
-                hidden_BLD, input_ids_BL, labels_BL, negative_ids, return_accuracy
+                hidden_BLD, input_ids_BL, labels_BL, negative_ids, negative_seed, return_accuracy
             )
         if self.cfg.name in ("vanilla", "mixed"):
             parts["ce"] = self._ce(hidden_BLD, input_ids_BL, labels_BL)
@@ -70,8 +74,11 @@ class LMObjective(nn.Module):
             parts["loss"] = parts["cwt" if self.cfg.name == "headless" else "ce"]
         return parts
 
-    def _cwt(self, hidden_BLD, input_ids_BL, labels_BL, negative_ids, return_accuracy):
+    def _cwt(self, hidden_BLD, input_ids_BL, labels_BL, negative_ids, seed, return_accuracy):
+        sampled = self.cfg.num_negatives is not None
         kwargs = dict(
+            num_negatives=self.cfg.num_negatives,
+            generator=torch.Generator().manual_seed(seed) if sampled else None,
             temperature=self.cfg.temperature,
             variant=self.cfg.cwt_variant,
             chunk_size=self.cfg.cwt_chunk_size,

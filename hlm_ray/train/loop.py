@@ -252,8 +252,9 @@ def _step(run: _Run, step: int) -> None:
         if cfg.objective.cross_worker_negatives:
             negatives = gather_negative_ids(LMObjective.target_ids(input_ids, labels))
         sync = i == len(micro_batches) - 1 or env.world_size == 1
+        seed = _stream(cfg.run.seed, step, env.rank, i)
         with _no_sync(run.module, sync), _autocast(env.device, run.amp):
-            out = run.module(input_ids, labels, negative_ids=negatives)["loss"]
+            out = run.module(input_ids, labels, negative_ids=negatives, negative_seed=seed)["loss"]
         run.scaler.scale(out.loss / run.accum).backward()
         run.loss_sum += out.loss.detach() / run.accum
     run.scaler.unscale_(run.optimizer)
@@ -368,13 +369,17 @@ class _Masking:
         )
 
 
+def _stream(seed: int, step: int, rank: int, micro: int) -> int:
+    """One random stream per (step, rank, micro-batch): masks and sampled negatives are
+    reproducible on resume."""
+    return (((seed * 1_000_003 + step + 1) * 4099 + rank) * 1031 + micro) % 2**63
+
+
 def _batch(blocks, idx, env, masking, seed, step, micro):
     input_ids = blocks[idx]
     labels = None
     if masking is not None:
-        # One stream per (step, rank, micro-batch): masks are reproducible on resume.
-        stream = ((seed * 1_000_003 + step + 1) * 4099 + env.rank) * 1031 + micro
-        input_ids, labels = masking(input_ids, stream % 2**63)
+        input_ids, labels = masking(input_ids, _stream(seed, step, env.rank, micro))
         labels = labels.to(env.device, non_blocking=True)
     return input_ids.to(env.device, non_blocking=True), labels
 
@@ -391,7 +396,8 @@ def evaluate(module, val_blocks, cfg: Config, env: WorkerEnv, masking, token_byt
         idx = torch.arange(b * mb, min((b + 1) * mb, len(val_blocks)))
         input_ids, labels = _batch(val_blocks, idx, env, masking, cfg.run.seed, -1, b)
         with _autocast(env.device, amp):
-            parts = inner(input_ids, labels, return_accuracy=True)
+            seed = _stream(cfg.run.seed, -1, env.rank, b)
+            parts = inner(input_ids, labels, negative_seed=seed, return_accuracy=True)
         out = parts["loss"]
         rows = int(out.num_rows)
         sums["loss"] += out.loss.item() * rows
@@ -410,7 +416,7 @@ def evaluate(module, val_blocks, cfg: Config, env: WorkerEnv, masking, token_byt
     if cfg.objective.name in ("vanilla", "mixed"):
         metrics["val/ce"] = sums["nats"] / rows
         metrics["val/perplexity"] = math.exp(min(sums["nats"] / rows, 50.0))
-        metrics["val/bpb"] = sums["nats"] / math.log(2) / max(sums["bytes"], 1)
+        metrics["val/token_bpb"] = sums["nats"] / math.log(2) / max(sums["bytes"], 1)
     return metrics
 
 

@@ -30,7 +30,7 @@ _METRICS = [
     ("val loss", "val/loss"),
     ("val acc", "val/accuracy"),
     ("val ppl", "val/perplexity"),
-    ("val bpb", "val/bpb"),
+    ("val token bpb", "val/token_bpb"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""The command line shared by the scripts in `sweeps/` (each is `sweep_main(<kind>, argv)`).
+"""The command line shared by the scripts in `sweeps/` (each is `sweep_main(AXIS, PRESETS, argv)`).
 
     python sweeps/vocab.py --preset tiny
     python sweeps/vocab.py --preset tiny --set optim.max_steps=20 --set sweep.values=[512,768]
@@ -15,16 +15,18 @@ import argparse
 import sys
 
 from hlm_ray.errors import HLMError
+from hlm_ray.tune.axis import Axis
+from hlm_ray.tune.spec import SweepSpec
 
 
-def build_parser(kind: str) -> argparse.ArgumentParser:
-    from hlm_ray.tune.presets import SWEEPS
-
+def build_parser(axis: Axis, presets: dict[str, SweepSpec]) -> argparse.ArgumentParser:
+    kind = axis.name
     p = argparse.ArgumentParser(
         prog=f"sweeps/{kind}.py",
-        description=f"The {kind} ablation as a Ray Tune sweep (headless vs vanilla).",
+        description=axis.description
+        or f"The {kind} ablation as a Ray Tune sweep (headless vs vanilla).",
     )
-    p.add_argument("--preset", default="tiny", choices=sorted(SWEEPS[kind]), help="scale")
+    p.add_argument("--preset", default="tiny", choices=sorted(presets), help="scale")
     p.add_argument(
         "--name",
         help=f"sweep name: runs/sweeps/<name>; the same name resumes (default {kind}-<preset>)",
@@ -50,8 +52,10 @@ def build_parser(kind: str) -> argparse.ArgumentParser:
     return p
 
 
-def sweep_main(kind: str, argv: list[str] | None = None) -> int:
-    args = build_parser(kind).parse_args(argv)
+def sweep_main(axis: Axis, presets: dict[str, SweepSpec], argv: list[str] | None = None) -> int:
+    """Parse the script's arguments, run its sweep, print the table; the exit status."""
+    kind = axis.name
+    args = build_parser(axis, presets).parse_args(argv)
     flags = {
         "num_seeds": args.num_seeds,
         "workers_per_trial": args.workers_per_trial,
@@ -62,14 +66,14 @@ def sweep_main(kind: str, argv: list[str] | None = None) -> int:
     overrides = [*args.set, *(f"sweep.{k}={v}" for k, v in flags.items() if v is not None)]
     name = args.name or f"{kind}-{args.preset}" + ("-search" if args.search else "")
     try:
-        from hlm_ray.tune.presets import get_sweep
+        from hlm_ray.tune.spec import get_sweep
         from hlm_ray.tune.sweep import run_sweep
 
-        spec = get_sweep(kind, args.preset, overrides)
+        spec = get_sweep(presets, args.preset, overrides)
         if args.search:
             print(
                 f"--search: random lr / warm-up samples with ASHA for objective="
-                f"{spec.objectives[0]}, {spec.axis}={spec.values[0]} (validation losses are "
+                f"{spec.objectives[0]}, {axis.name}={spec.values[0]} (validation losses are "
                 "not comparable across objectives or vocabularies); pick the cell with "
                 "--set sweep.objectives=[...] --set sweep.values=[...]"
             )

@@ -1,8 +1,9 @@
-"""What a sweep is: the swept axis and its values × objectives × seeds, on a base config.
+"""What a sweep is: an `Axis` and its values × objectives × seeds, on a base config.
 
-    spec = SweepSpec(kind="vocab", base="tiny-encoder", values=(512, 1024))
+    spec = SweepSpec(axis=VOCAB, base="tiny-encoder", values=(512, 1024))
     spec = with_overrides(spec, ["optim.max_steps=20", "sweep.values=[512,768]"])
-    spec.cells()              # [Cell(value=512, objective="headless", seed=0), ...]
+    spec = get_sweep(PRESETS, "tiny", ["sweep.num_seeds=2"])   # a script's named scales
+    spec.cells()              # [{"value": 512, "objective": "headless", "seed": 0}, ...]
     spec.base_config()        # the validated Config every trial starts from
 
 `--set sweep.FIELD=VALUE` sets a field below; any other `--set KEY=VALUE` is a config override
@@ -11,8 +12,7 @@ on the base preset (`optim.max_steps=20`). Invalid settings raise `HLMError` nam
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from functools import partial
 from typing import Any, Literal
 
@@ -21,23 +21,32 @@ import yaml
 from hlm_ray.config import OBJECTIVES, Config, apply_overrides, build
 from hlm_ray.errors import HLMError
 from hlm_ray.presets import load_config
+from hlm_ray.tune.axis import Axis, Value
 
-# The config field each ablation sweeps (paper Figure 7 / Figure 8).
-AXES = {"vocab": "tokenizer.vocab_size", "batch_size": "optim.micro_batch_size"}
-AXIS_LABELS = {"vocab": "vocabulary size", "batch_size": "micro-batch size (in-batch negatives)"}
+# A trial of a tiny sweep: few steps and small evaluations, seconds of training on one CPU core.
+TINY_TRIAL = (
+    "optim.max_steps=40",
+    "optim.warmup_steps=4",
+    "run.log_every=10",
+    "run.eval_every=20",
+    "run.checkpoint_every=20",
+    "run.eval_batches=2",
+)
+# The paper's pretraining data: CC-News, from the hub (override data.sources without the hub).
+CC_NEWS = "data.sources=[vblagoje/cc_news]"
+
 # Settings that may change when a sweep is resumed: they do not change what a trial computes.
 RUNTIME_FIELDS = ("cpus_per_worker", "gpus_per_worker", "max_failures")
 
 
 @dataclass(frozen=True)
 class SweepSpec:
-    kind: Literal["vocab", "batch_size"]
-    """vocab: tokenizer.vocab_size (a BPE trained per size); batch_size: the per-worker
-    micro-batch (global batch = micro-batch × workers, no accumulation)."""
+    axis: Axis
+    """What the sweep varies (defined by its script in `sweeps/`)."""
     base: str
     """The config preset every trial starts from (`hlm presets`)."""
-    values: tuple[int, ...]
-    """The swept values of the axis."""
+    values: tuple[Value, ...]
+    """The swept values of the axis (numbers, or short names where the axis defines them)."""
     objectives: tuple[str, ...] = ("headless", "vanilla")
     num_seeds: int = 1
     """Seeds 0..num_seeds-1 (run.seed) per (value, objective)."""
@@ -69,8 +78,11 @@ class SweepSpec:
                 "sweep.values is empty: the grid has no trials; give at least one value, "
                 "e.g. --set sweep.values=[512,1024]"
             )
-        if len(set(self.values)) != len(self.values) or min(self.values) <= 0:
-            raise HLMError(f"sweep.values={list(self.values)} must be distinct positive integers")
+        numbers = [v for v in self.values if not isinstance(v, str)]
+        if len(set(self.values)) != len(self.values) or any(v <= 0 for v in numbers):
+            raise HLMError(
+                f"sweep.values={list(self.values)} must be distinct, and numbers positive"
+            )
         if not self.objectives:
             raise HLMError(
                 "sweep.objectives is empty: the grid has no trials; "
@@ -96,10 +108,6 @@ class SweepSpec:
             if not ok:
                 raise HLMError(f"sweep.{name}={getattr(self, name)!r} is not allowed; {allowed}")
 
-    @property
-    def axis(self) -> str:
-        return AXES[self.kind]
-
     def cells(self) -> list[dict[str, Any]]:
         """Every (value, objective, seed) of the grid, in Tune's order."""
         return [
@@ -114,11 +122,13 @@ class SweepSpec:
         ablation), so per-objective preset settings are not applied."""
         return load_config(self.base, overrides=list(self.overrides))
 
-    def cell_config(self, value: int, objective: str, seed: int) -> Config:
+    def cell_config(self, value: Value, objective: str, seed: int) -> Config:
         """The config of one trial, as Tune resolves `param_space` for it."""
-        extra: dict[str, Any] = {self.axis: value, "objective.name": objective, "run.seed": seed}
-        if self.kind == "batch_size":
-            extra["optim.global_batch_size"] = global_batch(value, self.workers_per_trial)
+        extra = {
+            **self.axis.overrides(value, self.workers_per_trial),
+            "objective.name": objective,
+            "run.seed": seed,
+        }
         return apply_overrides(self.base_config(), extra)
 
     def param_space(self, *, search: bool = False) -> dict[str, Any]:
@@ -131,9 +141,8 @@ class SweepSpec:
         from ray import tune
 
         config = self.base_config().to_dict()
-        section, field = self.axis.split(".")
         if search:
-            config[section][field] = self.values[0]
+            value = self.values[0]
             config["objective"]["name"] = self.objectives[0]
             config["run"]["seed"] = 0
             config["optim"]["lr"] = tune.loguniform(*self.search_lr)
@@ -141,27 +150,33 @@ class SweepSpec:
             # ASHA compares the validation loss at each report (a checkpoint): evaluate there.
             config["run"]["eval_every"] = config["run"]["checkpoint_every"]
         else:
-            config[section][field] = tune.grid_search(list(self.values))
+            value = tune.grid_search(list(self.values))
             config["objective"]["name"] = tune.grid_search(list(self.objectives))
             config["run"]["seed"] = tune.grid_search(list(range(self.num_seeds)))
-        if self.kind == "batch_size":
-            # The paper's batch is the device batch: K = the in-batch negatives of one worker.
-            config["optim"]["global_batch_size"] = tune.sample_from(
-                partial(_global_batch_of, self.workers_per_trial)
+        # Each field a value sets is resolved from the value (grid values resolve first).
+        keys = {k for v in self.values for k in self.axis.overrides(v, self.workers_per_trial)}
+        for key in sorted(keys):
+            section, name = key.split(".")
+            config[section][name] = tune.sample_from(
+                partial(_axis_setting, self.axis, self.workers_per_trial, key)
             )
-        return {"config": config}
+        return {"config": config, "value": value}
 
     def identity(self) -> dict[str, Any]:
         """What a resumed sweep must match: everything but the runtime settings."""
-        data = dataclasses.asdict(self)
-        return {k: _plain(v) for k, v in data.items() if k not in RUNTIME_FIELDS}
+        data = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "axis"}
+        return {
+            "kind": self.axis.name,
+            "axis": self.axis.field,
+            **{k: _plain(v) for k, v in data.items() if k not in RUNTIME_FIELDS},
+        }
 
 
 def with_overrides(spec: SweepSpec, items: list[str]) -> SweepSpec:
     """`sweep.FIELD=VALUE` items set spec fields; the others are appended as config overrides.
 
     The config overrides are checked here (an unknown key fails before any work)."""
-    data = dataclasses.asdict(spec)
+    data = {f.name: getattr(spec, f.name) for f in fields(spec)}
     config_items = []
     for item in items:
         key, sep, value = item.partition("=")
@@ -173,18 +188,23 @@ def with_overrides(spec: SweepSpec, items: list[str]) -> SweepSpec:
         else:
             config_items.append(f"{key}={value.strip()}")
     data["overrides"] = [*data["overrides"], *config_items]
-    new = build(SweepSpec, data, prefix="sweep.")
+    new = build(SweepSpec, data, prefix="sweep.")  # the axis is kept as it is
     new.base_config()  # unknown preset, unknown key or invalid value: fail now
     return new
 
 
-def global_batch(micro_batch: int, workers: int) -> int:
-    return micro_batch * workers
+def get_sweep(
+    presets: dict[str, SweepSpec], preset: str, overrides: list[str] | None = None
+) -> SweepSpec:
+    """A script's named sweep (`PRESETS[preset]`) with `--set` overrides applied."""
+    if preset not in presets:
+        raise HLMError(f"unknown sweep preset {preset!r}; choose one of: {', '.join(presets)}")
+    return with_overrides(presets[preset], list(overrides or []))
 
 
-def _global_batch_of(workers: int, resolved: dict[str, Any]) -> int:
-    """`sample_from` callback: Tune passes the config resolved so far (the grid values)."""
-    return global_batch(resolved["config"]["optim"]["micro_batch_size"], workers)
+def _axis_setting(axis: Axis, workers: int, key: str, resolved: dict[str, Any]) -> Any:
+    """`sample_from` callback: Tune passes the space resolved so far (the grid's value)."""
+    return axis.overrides(resolved["value"], workers).get(key)
 
 
 def _plain(value: Any) -> Any:

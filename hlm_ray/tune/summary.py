@@ -1,13 +1,15 @@
 """The sweep's summary: one row per trial (failed ones included), as CSV, Markdown and figures.
 
     rows = [trial_row(trial_id=..., status="FINISHED", metrics=result.metrics, ...), ...]
-    files = write_summary(rows, folder, kind="vocab")     # summary.csv, summary.md, figures
-    print(markdown_table(rows, "vocab"))
+    files = write_summary(rows, folder, axis=VOCAB)     # summary.csv, summary.md, figures
+    print(markdown_table(rows, VOCAB))
 
-Figures (the paper's): vocab -> downstream score vs vocabulary size and training tokens/s vs
-vocabulary size, per objective (Figure 7a / 7b); batch_size -> LAMBADA accuracy vs micro-batch
-size per objective (Figure 8), and the generators' bits per byte beside it. Each point is the
-mean over seeds (each seed a faint dot); only finished trials count.
+The swept value's column and the figures come from the sweep's `Axis` (each figure one summary
+column against the value, one line per objective). Each point is the mean over seeds (each seed
+a faint dot); only finished trials count. Two bits-per-byte columns, never mixed: `text_bpb`
+(held-out text scored by a model with a head, `hlm_ray.evaluate.bpb`; the decoders' generators)
+and `token_bpb` (pretraining validation: the vanilla head's nats over the target tokens' bytes,
+from the tokenizer's byte table).
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import csv
 import math
 from pathlib import Path
 from typing import Any
+
+from hlm_ray.tune.axis import Axis
 
 # (column, header, format) in table order; missing values print as "-".
 COLUMNS = [
@@ -28,7 +32,8 @@ COLUMNS = [
     ("downstream/score", "downstream", "{:.4f}"),
     ("lambada/accuracy", "LAMBADA acc", "{:.4f}"),
     ("lambada/perplexity", "LAMBADA ppl", "{:.4g}"),
-    ("bpb", "bpb", "{:.4f}"),
+    ("text_bpb", "text bpb", "{:.4f}"),
+    ("token_bpb", "val token bpb", "{:.4f}"),
     ("loss", "loss", "{:.4f}"),
     ("tokens_per_s", "tokens/s", "{:,.0f}"),
     ("peak_mem_mb", "peak MB", "{:,.0f}"),
@@ -40,23 +45,6 @@ COLUMNS = [
     ("run", "run", "{}"),
     ("error", "error", "{}"),
 ]
-FIGURES = {
-    "vocab": [
-        ("fig7a_score_vs_vocab.png", "downstream/score", "downstream score"),
-        ("fig7b_tokens_per_s_vs_vocab.png", "tokens_per_s", "training tokens / s"),
-    ],
-    "batch_size": [
-        ("fig8_lambada_vs_batch_size.png", "lambada/accuracy", "LAMBADA accuracy"),
-        # Not in the paper: informative where LAMBADA accuracy is still 0 (tiny models).
-        ("fig8b_bpb_vs_batch_size.png", "bpb", "bits per byte (generator, lower is better)"),
-    ],
-}
-X_LABELS = {"vocab": "vocabulary size", "batch_size": "micro-batch size (in-batch negatives)"}
-# The swept value's column: header in the table, name in the CSV.
-VALUE_COLUMN = {
-    "vocab": ("vocab (asked)", "vocab_size"),
-    "batch_size": ("micro-batch", "micro_batch"),
-}
 
 
 def trial_row(
@@ -64,7 +52,7 @@ def trial_row(
     trial_id: str,
     run: str,
     status: str,
-    value: int,
+    value: Any,
     objective: str,
     seed: int,
     metrics: dict[str, Any],
@@ -91,8 +79,8 @@ def trial_row(
     return row
 
 
-def markdown_table(rows: list[dict[str, Any]], kind: str) -> str:
-    columns = [_named(c, kind) for c in COLUMNS if any(_present(r.get(c[0])) for r in rows)]
+def markdown_table(rows: list[dict[str, Any]], axis: Axis) -> str:
+    columns = [_named(c, axis) for c in COLUMNS if any(_present(r.get(c[0])) for r in rows)]
     lines = [
         "| " + " | ".join(h for _, h, _ in columns) + " |",
         "|" + "---|" * len(columns),
@@ -104,37 +92,44 @@ def markdown_table(rows: list[dict[str, Any]], kind: str) -> str:
 
 
 def write_summary(
-    rows: list[dict[str, Any]], folder: Path, *, kind: str, figures: bool = True
+    rows: list[dict[str, Any]], folder: Path, *, axis: Axis, figures: bool = True
 ) -> list[Path]:
-    """summary.csv, summary.md and the kind's figures in `folder`; returns their paths."""
+    """summary.csv, summary.md and the axis's figures in `folder`; returns their paths."""
     folder.mkdir(parents=True, exist_ok=True)
     csv_path = folder / "summary.csv"
     with csv_path.open("w", newline="") as f:
-        names = {key: VALUE_COLUMN[kind][1] if key == "value" else key for key, _, _ in COLUMNS}
+        names = {key: axis.column[1] if key == "value" else key for key, _, _ in COLUMNS}
         writer = csv.DictWriter(f, fieldnames=list(names.values()))
         writer.writeheader()
         for row in rows:
             writer.writerow({names[key]: _csv(row.get(key)) for key in names})
     md_path = folder / "summary.md"
-    md_path.write_text(markdown_table(rows, kind) + "\n")
+    md_path.write_text(markdown_table(rows, axis) + "\n")
     paths = [csv_path, md_path]
     if figures:
-        for filename, key, label in FIGURES[kind]:
-            paths.append(plot_by_objective(rows, key, folder / filename, kind=kind, y_label=label))
+        for figure in axis.figures:
+            out_png = folder / figure.filename
+            paths.append(
+                plot_by_objective(rows, figure.metric, out_png, axis=axis, y_label=figure.label)
+            )
     return paths
 
 
 def plot_by_objective(
-    rows: list[dict[str, Any]], key: str, out_png: Path, *, kind: str, y_label: str
+    rows: list[dict[str, Any]], key: str, out_png: Path, *, axis: Axis, y_label: str
 ) -> Path:
-    """`key` against the swept value, one line per objective (mean over seeds, each seed a dot)."""
+    """`key` against the swept value, one line per objective (mean over seeds, each seed a dot).
+    String values (categories) are placed in the order they first appear, evenly spaced."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(5.6, 4.0), layout="constrained")
     ax = fig.add_subplot()
     finished = [r for r in rows if r["status"] == "FINISHED" and _number(r.get(key)) is not None]
+    values = list(dict.fromkeys(r["value"] for r in finished))
+    categorical = any(isinstance(v, str) for v in values)
+    where = {v: i for i, v in enumerate(values)} if categorical else {v: v for v in values}
     for objective in sorted({r["objective"] for r in finished}):
-        points = [(r["value"], r[key]) for r in finished if r["objective"] == objective]
+        points = [(where[r["value"]], r[key]) for r in finished if r["objective"] == objective]
         xs = sorted({x for x, _ in points})
         means = [
             sum(y for x2, y in points if x2 == x) / sum(x2 == x for x2, _ in points) for x in xs
@@ -143,12 +138,14 @@ def plot_by_objective(
         ax.scatter(*zip(*points, strict=True), color=line.get_color(), alpha=0.35, s=12)
     if finished:
         ax.legend()
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({r["value"] for r in finished}))
-        ax.set_xticklabels([str(v) for v in sorted({r["value"] for r in finished})])
+        if axis.log_x and not categorical:
+            ax.set_xscale("log", base=2)
+        ticks = sorted(values, key=lambda v: where[v])
+        ax.set_xticks([where[v] for v in ticks])
+        ax.set_xticklabels([str(v) for v in ticks])
     else:
         ax.text(0.5, 0.5, "no finished trials", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel(X_LABELS[kind])
+    ax.set_xlabel(axis.label)
     ax.set_ylabel(y_label)
     ax.grid(alpha=0.3)
     out_png.parent.mkdir(parents=True, exist_ok=True)
@@ -156,9 +153,9 @@ def plot_by_objective(
     return out_png
 
 
-def _named(column: tuple[str, str, str], kind: str) -> tuple[str, str, str]:
+def _named(column: tuple[str, str, str], axis: Axis) -> tuple[str, str, str]:
     key, header, fmt = column
-    return (key, VALUE_COLUMN[kind][0], fmt) if key == "value" else column
+    return (key, axis.column[0], fmt) if key == "value" else column
 
 
 def _number(value: Any) -> float | None:

@@ -1,15 +1,16 @@
 """The sweep driver: a grid of Train-inside-Tune trials, one MLflow parent run, resume by name.
 
-    spec = get_sweep("vocab", "tiny")
+    spec = get_sweep(PRESETS, "tiny")                   # PRESETS of a sweeps/*.py script
     outcome = run_sweep(spec, name="vocab-tiny")        # again with the same name: resumes
     print(outcome.table); outcome.failed                # trials that kept failing
 
 What `run_sweep` does, in order; everything that can be wrong fails before any trial starts:
 1. joins the Ray cluster (RAY_ADDRESS, a `ray start` cluster on this machine, or a new local
    one) and derives how many trials run at once from its CPUs and GPUs (`plan_concurrency`);
-2. checks the grid (an empty one, vocabulary sizes below the special tokens) and prepares the
-   shared inputs once per distinct tokenizer: the BPE and the tokenized corpus are cached by
-   their inputs, so concurrent trials of one size find them built (`prepare_inputs`);
+2. checks the grid (an empty one; what the axis's `check` refuses) and prepares the shared
+   inputs once per distinct tokenizer: the BPE and the tokenized corpus are cached by their
+   inputs, so concurrent trials of one size find them built (`prepare_inputs`; then the axis's
+   `prepared` hook sees the real vocabulary sizes);
 3. opens the parent MLflow run (through a local tracking server unless one is configured) and
    runs the `Tuner`, or `Tuner.restore`s it when `runs/sweeps/<name>/tune` exists: finished
    trials are kept, unfinished and failed ones run again (each up to `max_failures` retries);
@@ -32,13 +33,7 @@ from hlm_ray.paths import CACHE_ENV, resolve_output
 from hlm_ray.tracking import TRACKING_URI_ENV
 from hlm_ray.tune import summary as summary_mod
 from hlm_ray.tune.spec import SweepSpec
-from hlm_ray.tune.trial import (
-    TRIAL_RESOURCES,
-    TrialRuntime,
-    axis_value,
-    run_name,
-    run_trial,
-)
+from hlm_ray.tune.trial import TRIAL_RESOURCES, TrialRuntime, run_name, run_trial
 
 SWEEPS_DIR = "runs/sweeps"
 STATE_FILE = "sweep.json"
@@ -106,39 +101,16 @@ def plan_concurrency(spec: SweepSpec, num_trials: int, nodes: list[dict[str, flo
     return max(1, min(fits, num_trials))
 
 
-def check_vocab_sizes(spec: SweepSpec) -> None:
-    """Sizes the BPE trainer cannot produce: below the byte alphabet + special tokens."""
-    if spec.kind != "vocab":
-        return
-    from hlm_ray.tokenizer import BYTE_ALPHABET, special_tokens_for
-
-    cfg = spec.base_config()
-    if cfg.tokenizer.kind != "bpe":
-        raise HLMError(
-            f"the vocabulary sweep trains a BPE per size but tokenizer.kind={cfg.tokenizer.kind}"
-            "; remove the tokenizer.kind override"
-        )
-    minimum = BYTE_ALPHABET + len(special_tokens_for(cfg.model.family))
-    small = [v for v in spec.values if v < minimum]
-    if small:
-        raise HLMError(
-            f"vocabulary size {small[0]} is below the {BYTE_ALPHABET} byte-level + "
-            f"{minimum - BYTE_ALPHABET} special tokens of a {cfg.model.family}; use sizes >= "
-            f"{minimum}"
-        )
-
-
 def prepare_inputs(
     spec: SweepSpec, values: tuple[int, ...] | None = None, *, progress: bool = True
 ) -> dict[int, int]:
     """Train each distinct tokenizer and tokenize the corpus with it, once, before any trial
-    (both cached by their inputs under HLM_CACHE_DIR). Returns {requested size: real size}.
-
-    A BPE that stops below its requested size (the corpus has too few merges) is an error
-    unless `spec.allow_smaller_vocab`; then the real size is used, said and recorded."""
+    (both cached by their inputs under HLM_CACHE_DIR). Returns {requested size: real size},
+    after the axis's `prepared` hook has seen it (it may refuse a size, or warn)."""
     from hlm_ray.train.inputs import build_corpus, build_tokenizer
 
-    check_vocab_sizes(spec)
+    if spec.axis.check is not None:
+        spec.axis.check(spec)
     real: dict[int, int] = {}
     built: dict[str, int] = {}  # tokenizer + data settings -> real vocabulary size
     for value in values or spec.values:
@@ -155,27 +127,9 @@ def prepare_inputs(
                     f"({time.perf_counter() - started:.1f} s)"
                 )
         real[cfg.tokenizer.vocab_size] = built[key]
-    if spec.kind == "vocab":
-        _check_real_sizes(spec, real)
+    if spec.axis.prepared is not None:
+        spec.axis.prepared(spec, real)
     return real
-
-
-def _check_real_sizes(spec: SweepSpec, real: dict[int, int]) -> None:
-    short = {req: got for req, got in real.items() if got < req}
-    if not short:
-        return
-    req, got = next(iter(short.items()))
-    if not spec.allow_smaller_vocab:
-        raise HLMError(
-            f"vocabulary size {req} is more than the corpus supports: BPE training stopped at "
-            f"{got} tokens; lower the size, add text (data.sources), or run at the real size "
-            "with --set sweep.allow_smaller_vocab=true"
-        )
-    for req, got in short.items():
-        print(
-            f"warning: vocabulary size {req}: BPE training stopped at {got} tokens; "
-            f"its trials use V={got} (recorded in the summary)"
-        )
 
 
 def check_resume(folder: Path, spec: SweepSpec, search: bool) -> dict[str, Any] | None:
@@ -212,7 +166,8 @@ def run_sweep(
     started = time.perf_counter()
     folder = resolve_output(root) / name
     state = check_resume(folder, spec, search)
-    check_vocab_sizes(spec)
+    if spec.axis.check is not None:
+        spec.axis.check(spec)
     connect()
     import ray
 
@@ -234,7 +189,7 @@ def run_sweep(
         )
         runtime = TrialRuntime(
             sweep=name,
-            kind=spec.kind,
+            kind=spec.axis.name,
             experiment=spec.experiment,
             parent_run_id=parent.run_id,
             trials_dir=str(folder / "trials"),
@@ -243,6 +198,7 @@ def run_sweep(
             cpus_per_worker=spec.cpus_per_worker,
             gpus_per_worker=spec.gpus_per_worker,
             env=_trial_env(uri),
+            short=spec.axis.short,
         )
         resumed = _tuner_exists(folder)
         print(
@@ -256,13 +212,13 @@ def run_sweep(
             raise
         rows = _rows(results, spec, runtime, search)
         _close_orphans(rows, spec, runtime)
-        files = summary_mod.write_summary(rows, folder, kind=spec.kind, figures=not search)
+        files = summary_mod.write_summary(rows, folder, axis=spec.axis, figures=not search)
         for path in files:
             parent.log_artifact(path)
         counts = {s: sum(r["status"] == s for r in rows) for s in ("FINISHED", "FAILED")}
         parent.log_metrics({f"trials_{k.lower()}": v for k, v in counts.items()}, step=0)
         parent.finish("FINISHED")
-    table = summary_mod.markdown_table(rows, spec.kind)
+    table = summary_mod.markdown_table(rows, spec.axis)
     return SweepOutcome(
         name=name,
         folder=folder,
@@ -286,7 +242,13 @@ def _open_parent(spec, name, uri, state, search, concurrency, real_vocab):
         name,
         tracking_uri=uri,
         run_id=run_id,
-        tags={"sweep": name, "sweep_kind": spec.kind, "sweep_role": "parent", "search": search},
+        tags={
+            "sweep": name,
+            "sweep_kind": spec.axis.name,
+            "sweep_axis": spec.axis.field,
+            "sweep_role": "parent",
+            "search": search,
+        },
     )
     params = dict(flatten({"sweep": spec.identity()}))
     params["sweep.max_concurrent_trials"] = concurrency
@@ -366,6 +328,7 @@ def _rows(results, spec: SweepSpec, runtime: TrialRuntime, search: bool) -> list
     for result in results:
         metrics = result.metrics or {}
         cfg = Config.from_dict(result.config["config"])
+        value = result.config["value"]
         trial_id = metrics.get("trial_id", Path(result.path).name)
         if result.error is not None:
             status = "FAILED"
@@ -376,9 +339,9 @@ def _rows(results, spec: SweepSpec, runtime: TrialRuntime, search: bool) -> list
         rows.append(
             summary_mod.trial_row(
                 trial_id=trial_id,
-                run=run_name(cfg, spec.kind, trial_id),
+                run=run_name(cfg.objective.name, spec.axis.short, value, cfg.run.seed, trial_id),
                 status=status,
-                value=axis_value(cfg, spec.kind),
+                value=value,
                 objective=cfg.objective.name,
                 seed=cfg.run.seed,
                 metrics=metrics,
@@ -388,7 +351,11 @@ def _rows(results, spec: SweepSpec, runtime: TrialRuntime, search: bool) -> list
                 warmup_steps=cfg.optim.warmup_steps if search else None,
             )
         )
-    return sorted(rows, key=lambda r: (r["objective"], r["value"], r["seed"], r["trial_id"]))
+    order = {v: i for i, v in enumerate(spec.values)}
+    return sorted(
+        rows,
+        key=lambda r: (r["objective"], order.get(r["value"], len(order)), r["seed"], r["trial_id"]),
+    )
 
 
 def _close_orphans(rows, spec: SweepSpec, runtime: TrialRuntime) -> None:

@@ -5,7 +5,7 @@ protocol, report the final metrics to Tune.
                                     TRIAL_RESOURCES)
 
 Tune calls `run_trial(params)`; `params["config"]` is a whole `Config` as a dict (the grid values
-already in it). The trial's run folder is named from its cell and trial id, never a timestamp, so
+already in it) and `params["value"]` the axis value it stands for. The trial's run folder is named from its cell and trial id, never a timestamp, so
 a retried or resumed trial finds its own folder: the TorchTrainer (same storage path and name)
 continues from its last checkpoint, the MLflow child run (its id is in the folder) continues,
 and finished stages (`summary.json`, `downstream.json`) are not redone.
@@ -48,16 +48,13 @@ class TrialRuntime:
     env: dict[str, str] = field(default_factory=dict)
     """Environment for the trial, its workers and its downstream task: the tracking URI and
     the driver's cache folder (where the tokenizers and corpora were prepared)."""
+    short: str = ""
+    """The axis's run-name prefix (`Axis.short`)."""
 
 
-def axis_value(cfg: Config, kind: str) -> int:
-    return cfg.tokenizer.vocab_size if kind == "vocab" else cfg.optim.micro_batch_size
-
-
-def run_name(cfg: Config, kind: str, trial_id: str) -> str:
+def run_name(objective: str, short: str, value: Any, seed: int, trial_id: str) -> str:
     """`headless-v512-s0-<trial id>`: readable in `mlflow ui`, stable across retries."""
-    short = {"vocab": "v", "batch_size": "b"}[kind]
-    return f"{cfg.objective.name}-{short}{axis_value(cfg, kind)}-s{cfg.run.seed}-{trial_id}"
+    return f"{objective}-{short}{value}-s{seed}-{trial_id}"
 
 
 def run_trial(params: dict[str, Any], runtime: TrialRuntime) -> None:
@@ -66,7 +63,8 @@ def run_trial(params: dict[str, Any], runtime: TrialRuntime) -> None:
 
     os.environ.update(runtime.env)
     trial_id = ray.tune.get_context().get_trial_id()
-    out_dir = Path(runtime.trials_dir) / run_name(cfg, runtime.kind, trial_id)
+    name = run_name(cfg.objective.name, runtime.short, params["value"], cfg.run.seed, trial_id)
+    out_dir = Path(runtime.trials_dir) / name
     cfg = apply_overrides(cfg, {"run.output_dir": str(out_dir)})
     summary = _pretrain(cfg, runtime, out_dir, trial_id)
     scores = _downstream(runtime, out_dir, Path(summary["model_dir"]))
@@ -180,20 +178,22 @@ def _downstream_task(
 def final_metrics(
     cfg: Config, summary: dict[str, Any], scores: dict[str, float], workers: int
 ) -> dict[str, float]:
-    """What a trial reports: downstream score, bits per byte (where the model has a head),
+    """What a trial reports: downstream score, the two bits per byte (where the model has a head),
     the objective's loss, tokens/s, peak memory, the head's FLOP share, K, V and K/V."""
     metrics = summary.get("metrics") or {}
     vocab = int(summary["vocab_size"])
     step = config_step_flops(cfg, vocab, world_size=workers)
     rows = float(metrics.get("train/K", step.target_rows))
-    # Decoders: bits per byte of the (fine-tuned) generator; encoders: the vanilla MLM's
-    # masked-token bits per byte from pretraining validation (a headless encoder has no head).
-    bpb = scores.get("bpb", scores.get("bpb/bits_per_byte", metrics.get("val/bpb", math.nan)))
+    # Two different quantities, kept apart. text_bpb: held-out text scored by a model with a
+    # head (decoders: the fine-tuned generator). token_bpb: pretraining validation of a
+    # vocabulary head over the target tokens' bytes (a headless model has none).
+    text_bpb = scores.get("bpb", scores.get("bpb/bits_per_byte", math.nan))
     out = {
         **{k: v for k, v in metrics.items() if isinstance(v, int | float)},
         **scores,
         "downstream/score": scores.get("downstream/score", math.nan),
-        "bpb": bpb,
+        "text_bpb": text_bpb,
+        "token_bpb": metrics.get("val/token_bpb", math.nan),
         "loss": metrics.get("val/loss", metrics.get("train/loss", math.nan)),
         "train/loss": metrics.get("train/loss", math.nan),
         "tokens_per_s": summary.get("tokens_per_s", math.nan),
