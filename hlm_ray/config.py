@@ -179,6 +179,33 @@ class InitConfig:
 
 
 @dataclass(frozen=True)
+class ClassifyConfig:
+    """How an encoder is fine-tuned as a sequence classifier (`hlm finetune --task glue:...`);
+    the recipes (tiny, paper, paper-XNLI) are in `hlm_ray.classify.finetune`."""
+
+    seeds: tuple[int, ...] = (0, 1, 2)
+    """One fine-tune per seed (the classifier head's initialisation and the data order); the
+    summary is the mean / std over seeds at each seed's best epoch."""
+    epochs: int = 10
+    """Passes over the training set, evaluating after each."""
+    lr: float = 1e-5
+    """AdamW learning rate, constant after the warm-up."""
+    batch_size: int = 32
+    warmup_fraction: float = 0.1
+    """Share of all steps spent warming the learning rate up linearly from 0."""
+    weight_decay: float = 0.01
+    loss: Literal["balanced", "ce"] = "balanced"
+    """balanced: each class's cross-entropy divided by its frequency in the batch (the paper's
+    GLUE default); ce: plain cross-entropy. Regression tasks (STS-B) use MSE either way."""
+    max_length: int = 128
+    """Tokens per (pair of) input(s), truncated longest-first; capped by the model's positions."""
+    train_limit: int | None = None
+    """Use only the first N training examples (None: all)."""
+    eval_limit: int | None = None
+    """Evaluate on only the first N examples of each evaluation set (None: all)."""
+
+
+@dataclass(frozen=True)
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
@@ -395,6 +422,7 @@ def flatten(data: dict[str, Any], prefix: str = ""):
 
 
 __all__ = [
+    "ClassifyConfig",
     "Config",
     "DataConfig",
     "InitConfig",

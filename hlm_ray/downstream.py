@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -197,7 +198,12 @@ def finetune_encoder(
             f"{task} needs an encoder; {model_ref} is a decoder ({info['model_type']}): "
             "decoders are fine-tuned with --task clm"
         )
-    kwargs = {**classify_recipe(recipe, task), **(settings or {})}
+    chosen = classify_recipe(recipe, task)
+    names = {f.name for f in fields(chosen)}
+    overrides = {k: v for k, v in (settings or {}).items() if k in names}
+    data_options = {k: v for k, v in (settings or {}).items() if k not in names}
+    chosen = replace(chosen, **overrides)
+    kwargs = {**asdict(chosen), **data_options}
     own = tracker is None
     if own:
         name = f"{Path(output_dir).name}"
@@ -212,10 +218,11 @@ def finetune_encoder(
         result = finetune_classifier(
             str(model_ref),
             task,
+            chosen,
             output_dir=Path(output_dir),
             tracker=tracker,
             progress=progress,
-            **kwargs,
+            **data_options,
         )
     except BaseException:
         if own:

@@ -2,6 +2,7 @@
 
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -224,8 +225,8 @@ def test_no_shared_data_and_no_hub_says_what_to_pass(tmp_path, monkeypatch):
 
 
 def test_recipes():
-    assert recipe("paper", "glue:cola")["lr"] == 1e-5
-    assert recipe("paper", "xnli:en")["batch_size"] == 128
+    assert recipe("paper", "glue:cola").lr == 1e-5
+    assert recipe("paper", "xnli:en").batch_size == 128
     with pytest.raises(HLMError, match="recipes: tiny, paper"):
         recipe("huge", "glue:sst2")
 
@@ -324,11 +325,11 @@ def test_tiny_finetune_end_to_end(encoders, tmp_path):
     from transformers import AutoModelForSequenceClassification
 
     tracker = RecordingTracker()
-    settings = {**TINY, "epochs": 2, "train_limit": 96, "eval_limit": 64}
+    settings = replace(TINY, epochs=2, train_limit=96, eval_limit=64)
     result = finetune_classifier(
         encoders["headless"],
         "glue:sst2",
-        **settings,
+        settings,
         output_dir=tmp_path,
         tracker=tracker,
         progress=False,
@@ -355,11 +356,11 @@ def test_tiny_finetune_end_to_end(encoders, tmp_path):
 
 @needs_shared
 def test_xnli_zero_shot_and_regression_from_user_files(encoders, tmp_path):
-    small = {**TINY, "epochs": 1, "train_limit": 32, "eval_limit": 24}
+    small = replace(TINY, epochs=1, train_limit=32, eval_limit=24)
     xnli = finetune_classifier(
         encoders["vanilla"],
         "xnli:en",
-        **small,
+        small,
         eval_languages=["en", "fr"],
         output_dir=tmp_path,
         progress=False,
@@ -375,7 +376,7 @@ def test_xnli_zero_shot_and_regression_from_user_files(encoders, tmp_path):
     stsb = finetune_classifier(
         encoders["headless"],
         "glue:stsb",
-        **small,
+        small,
         progress=False,
         eval_file=tmp_path / "stsb.tsv",
         output_dir=tmp_path,

@@ -197,7 +197,12 @@ def test_final_metrics_carry_k_v_head_share_and_bits_per_byte():
     summary = {
         "vocab_size": 512,
         "tokens_per_s": 1000.0,
-        "metrics": {"train/K": 150.0, "val/loss": 5.0, "val/token_bpb": 2.5, "train/peak_mem_mb": 9.0},
+        "metrics": {
+            "train/K": 150.0,
+            "val/loss": 5.0,
+            "val/token_bpb": 2.5,
+            "train/peak_mem_mb": 9.0,
+        },
     }
     out = final_metrics(cfg, summary, {"downstream/score": 0.6}, workers=1)
     assert out["K_over_V"] == pytest.approx(150 / 512)

@@ -2,7 +2,7 @@
 
     from hlm_ray.classify import finetune_classifier, load_task, TASKS, TINY, PAPER
     data = load_task("glue:sst2")                 # a documented split of the dev file here
-    result = finetune_classifier("runs/tiny-enc", "glue:sst2", **TINY, output_dir=Path("out"))
+    result = finetune_classifier("runs/tiny-enc", "glue:sst2", TINY, output_dir=Path("out"))
     result["summary"]["eval/accuracy"]["mean"]
 
 Modules: `tasks` (the task registry and data loading), `metrics` (GLUE metrics in numpy),

@@ -1,12 +1,14 @@
 """Fine-tune a pretrained encoder (headless or vanilla) as a sequence classifier.
 
     from hlm_ray.classify.finetune import PAPER, TINY, finetune_classifier, recipe
-    result = finetune_classifier("runs/tiny-enc", "glue:sst2", **TINY, output_dir=Path("out"))
+    result = finetune_classifier("runs/tiny-enc", "glue:sst2", TINY, output_dir=Path("out"))
     result["summary"]["eval/accuracy"]          # {"mean", "std", "values"} at each seed's best epoch
-    finetune_classifier(model_dir, "xnli:en", **recipe("paper", "xnli:en"), eval_languages="all",
+    finetune_classifier(model_dir, "xnli:en", recipe("paper", "xnli:en"), eval_languages="all",
                         output_dir=Path("out"))    # zero-shot: train English, evaluate all seven
+    finetune_classifier(model_dir, "glue:cola", replace(PAPER, epochs=3), output_dir=...)
 
-The paper's protocol (Appendix B.2, `PAPER`): AdamW lr 1e-5, batch 32, a constant schedule after
+The settings are a typed `hlm_ray.config.ClassifyConfig` (fields documented there). The paper's
+protocol (Appendix B.2, `PAPER`): AdamW lr 1e-5, batch 32, a constant schedule after
 a linear warm-up over 10% of the steps, 10 epochs, balanced cross-entropy, 3 seeds, evaluation
 after every epoch and the best epoch reported. The main text gives weight decay 0.01 and Table 13
 gives 0: `PAPER` follows the text (and the authors' GLUE script). XNLI (Table 15, `PAPER_XNLI`):
@@ -33,7 +35,7 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,55 +47,30 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from hlm_ray.classify.loss import LOSSES, regression_mse
 from hlm_ray.classify.metrics import task_metrics
 from hlm_ray.classify.tasks import GLUE_EVAL, Example, TaskSpec, get_task, load_task
+from hlm_ray.config import ClassifyConfig
 from hlm_ray.errors import HLMError, one_line
 from hlm_ray.models import max_input_positions
 from hlm_ray.pretrained import model_info, resolve_model_dir
 from hlm_ray.tokenizer import load_tokenizer
 from hlm_ray.tracking import Tracker
 
-# Settings the CLI exposes as --recipe; any keyword of `finetune_classifier` may appear.
-# TINY: seconds on a CPU; a higher lr than the paper's so that a tiny encoder learns something.
-TINY: dict[str, Any] = {
-    "seeds": (0,),
-    "epochs": 3,
-    "lr": 3e-4,
-    "batch_size": 16,
-    "warmup_fraction": 0.1,
-    "weight_decay": 0.01,
-    "loss": "balanced",
-    "max_length": 64,
-    "train_limit": 1024,
-    "eval_limit": 512,
-}
-PAPER: dict[str, Any] = {
-    "seeds": (0, 1, 2),
-    "epochs": 10,
-    "lr": 1e-5,
-    "batch_size": 32,
-    "warmup_fraction": 0.1,
-    "weight_decay": 0.01,
-    "loss": "balanced",
-    "max_length": 128,
-    "train_limit": None,
-    "eval_limit": None,
-}
-PAPER_XNLI: dict[str, Any] = {
-    **PAPER,
-    "lr": 2e-5,
-    "batch_size": 128,
-    "weight_decay": 0.0,
-    "loss": "ce",
-}
+# The recipes `--recipe` names. TINY: seconds on a CPU; a higher lr than the paper's so that a
+# tiny encoder learns something.
+TINY = ClassifyConfig(
+    seeds=(0,), epochs=3, lr=3e-4, batch_size=16, max_length=64, train_limit=1024, eval_limit=512
+)
+PAPER = ClassifyConfig()  # the defaults are the paper's GLUE protocol
+PAPER_XNLI = replace(PAPER, lr=2e-5, batch_size=128, weight_decay=0.0, loss="ce")
 RECIPES = {"tiny": TINY, "paper": PAPER}
 
 
-def recipe(name: str, task: str) -> dict[str, Any]:
+def recipe(name: str, task: str) -> ClassifyConfig:
     """The settings of recipe `name` for `task` (the paper used other ones for XNLI)."""
     if name not in RECIPES:
         raise HLMError(f"unknown recipe {name!r}; recipes: {', '.join(RECIPES)}")
     if name == "paper" and task.startswith("xnli:"):
-        return dict(PAPER_XNLI)
-    return dict(RECIPES[name])
+        return PAPER_XNLI
+    return RECIPES[name]
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -442,19 +419,10 @@ def _limit(examples: list[Example], limit: int | None) -> list[Example]:
 def finetune_classifier(
     model_ref: str | Path,
     task: str,
+    settings: ClassifyConfig = PAPER,
     *,
     output_dir: Path,
-    seeds: Sequence[int] = (0, 1, 2),
-    epochs: int = 10,
-    lr: float = 1e-5,
-    batch_size: int = 32,
-    warmup_fraction: float = 0.1,
-    weight_decay: float = 0.01,
-    loss: str = "balanced",
-    max_length: int = 128,
     eval_languages: str | Sequence[str] | None = None,
-    train_limit: int | None = None,
-    eval_limit: int | None = None,
     train_file: str | Path | None = None,
     eval_file: str | Path | None = None,
     eval_fraction: float = 0.2,
@@ -470,9 +438,17 @@ def finetune_classifier(
     metrics, each seed's best epoch, and the mean / std over seeds at the best epochs.
     `tracker` (an `hlm_ray.tracking.Tracker`) gets the settings as params, every epoch's
     metrics as ``seed{s}/eval/...`` at step=epoch, and ``best/...`` summaries at the end.
-    `save_best_model` saves the best (seed, epoch) model to ``classify_<task>_model/``."""
+    `save_best_model` saves the best (seed, epoch) model to ``classify_<task>_model/``.
+    `eval_languages`, `train_file`, `eval_file`, `eval_fraction`, `split_seed`: which data
+    (`hlm_ray.classify.tasks.load_task`)."""
     started = time.perf_counter()
     spec = get_task(task)
+    seeds, epochs, batch_size, loss = (
+        settings.seeds,
+        settings.epochs,
+        settings.batch_size,
+        settings.loss,
+    )
     if loss not in LOSSES:
         raise HLMError(f"loss={loss!r} is not one of {', '.join(LOSSES)}")
     if epochs < 1 or batch_size < 1 or not seeds:
@@ -497,23 +473,19 @@ def finetune_classifier(
 
     tokenizer = load_tokenizer(folder)
     positions = max_input_positions(json.loads((folder / "config.json").read_text())) or 512
-    encoder = PairEncoder(tokenizer, min(max_length, positions))
-    train = _encode(encoder, _limit(data.train, train_limit), spec)
-    evals = {k: _encode(encoder, _limit(v, eval_limit), spec) for k, v in data.eval.items()}
+    encoder = PairEncoder(tokenizer, min(settings.max_length, positions))
+    train = _encode(encoder, _limit(data.train, settings.train_limit), spec)
+    evals = {
+        k: _encode(encoder, _limit(v, settings.eval_limit), spec) for k, v in data.eval.items()
+    }
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     slug = task.replace(":", "_")
-    settings = {
+    used = {
+        **asdict(settings),
         "seeds": list(seeds),
-        "epochs": epochs,
-        "lr": lr,
-        "batch_size": batch_size,
-        "warmup_fraction": warmup_fraction,
-        "weight_decay": weight_decay,
         "loss": "mse" if spec.regression else loss,
         "max_length": encoder.max_len,
-        "train_limit": train_limit,
-        "eval_limit": eval_limit,
         "device": str(device_t),
     }
     run = _Run(
@@ -524,7 +496,7 @@ def finetune_classifier(
         evals=evals,
         pad_id=encoder.pad_id,
         device=device_t,
-        settings=settings,
+        settings=used,
         main_key=_main_key(spec, list(evals)),
         tracker=tracker,
         progress=progress,
@@ -539,7 +511,7 @@ def finetune_classifier(
         "eval_fraction": eval_fraction,
         "split_seed": split_seed,
     }
-    tracker.log_params({"task": task, "model": model_desc, "data": data_desc, "finetune": settings})
+    tracker.log_params({"task": task, "model": model_desc, "data": data_desc, "finetune": used})
     per_seed = [_train_seed(run, seed) for seed in seeds]
     summary = _summary(per_seed)
     result = {
@@ -547,7 +519,7 @@ def finetune_classifier(
         "main_metric": run.main_key,
         "model": model_desc,
         "data": data_desc,
-        "settings": settings,
+        "settings": used,
         "inputs": "own special tokens" if encoder.own_specials else "[cls] a [sep] (b [sep])",
         "seeds": per_seed,
         "best_epoch": {str(r["seed"]): r["best_epoch"] for r in per_seed},
