@@ -65,6 +65,11 @@ def test_grad_accumulation_is_derived_and_checked():
         (["optim.nope=1"], "unknown config field optim.nope"),
         (["optim.lr"], "must look like section.field=value"),
         (["tokenizer.kind=file"], "tokenizer.path=None is not allowed; required when kind=file"),
+        (["objective.num_negatives=0"], "objective.num_negatives=0 is not allowed; must be >= 1"),
+        (
+            ["objective.num_negatives=8", "objective.cross_worker_negatives=true"],
+            "objective.num_negatives=8 is not allowed; samples the worker's own targets",
+        ),
     ],
 )
 def test_invalid_values_fail_with_one_line(overrides, message):

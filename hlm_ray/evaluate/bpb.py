@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from hlm_ray.errors import HLMError
-from hlm_ray.evaluate.lambada import eval_mode, load_lambada
+from hlm_ray.evaluate.common import eval_mode
+from hlm_ray.evaluate.lambada import load_lambada
 from hlm_ray.models import max_input_positions
 
 DEFAULT_NUM_TEXTS = 500

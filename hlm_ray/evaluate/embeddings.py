@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from hlm_ray.errors import HLMError
-from hlm_ray.evaluate.lambada import eval_mode
+from hlm_ray.evaluate.common import eval_mode
 from hlm_ray.models import body, input_embedding_weight, max_input_positions
 from hlm_ray.paths import DATA_ENV, data_dir, has_shared, shared_file
 

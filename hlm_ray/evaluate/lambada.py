@@ -22,8 +22,6 @@ from __future__ import annotations
 import inspect
 import json
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +29,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hlm_ray.errors import HLMError
+from hlm_ray.evaluate.common import eval_mode
 from hlm_ray.models import max_input_positions
 from hlm_ray.paths import DATA_ENV, data_dir, has_shared, shared_file
 
@@ -246,22 +245,6 @@ def _takes_logits_to_keep(model) -> bool:
         return "logits_to_keep" in inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
         return False
-
-
-@contextmanager
-def eval_mode(model, device: str | None) -> Iterator[torch.device]:
-    """`model` in eval mode without autograd, moved to `device` (None: left where it is);
-    yields the device its inputs go to. Its train mode comes back afterwards."""
-    if device is not None:
-        model.to(device)
-    param = next(model.parameters(), None)
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield param.device if param is not None else torch.device("cpu")
-    finally:
-        model.train(was_training)
 
 
 def _aggregate(results, requests: list[Request], per_example: bool) -> dict:
