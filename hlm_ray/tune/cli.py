@@ -73,7 +73,7 @@ def sweep_main(axis: Axis, presets: dict[str, SweepSpec], argv: list[str] | None
         if args.search:
             print(
                 f"--search: random lr / warm-up samples with ASHA for objective="
-                f"{spec.objectives[0]}, {axis.name}={spec.values[0]} (validation losses are "
+                f"{spec.objectives[0]}, {axis.field}={spec.values[0]} (validation losses are "
                 "not comparable across objectives or vocabularies); pick the cell with "
                 "--set sweep.objectives=[...] --set sweep.values=[...]"
             )
