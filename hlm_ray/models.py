@@ -295,7 +295,7 @@ def init_from_pretrained(
 def max_input_positions(config) -> int | None:
     """The longest input (in tokens) a Hugging Face model config allows, from whichever of
     `max_position_embeddings`, `n_positions`, `n_ctx` it has; `config` is a `PretrainedConfig`
-    or its config.json as a dict. None when it does not say."""
+    or its config.json as a dict (or None: a model without one). None when it does not say."""
     for key in ("max_position_embeddings", "n_positions", "n_ctx"):
         value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
         if isinstance(value, int) and value > 0:

@@ -81,7 +81,7 @@ def bits_per_byte(
         raise HLMError("bits per byte needs at least one non-empty text")
     if tokenizer.eos_token_id is None:
         raise HLMError("bits per byte needs a tokenizer with an end-of-text (eos) token")
-    limit = max_input_positions(model.config)
+    limit = max_input_positions(getattr(model, "config", None))
     if seq_len is not None and limit is not None and seq_len > limit:
         raise HLMError(f"seq_len={seq_len} exceeds the model's {limit} positions")
     window = seq_len or limit or _DEFAULT_WINDOW

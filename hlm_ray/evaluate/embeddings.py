@@ -194,7 +194,7 @@ def _layer_states(
     model, tokenizer, texts: list[str], max_tokens: int, batch_size: int, device: str | None
 ) -> list[torch.Tensor]:
     """Per layer, the (N, D) float32 states of the first `max_tokens` non-pad tokens."""
-    limit = max_input_positions(model.config) or 512
+    limit = max_input_positions(getattr(model, "config", None)) or 512
     encoded = [tokenizer.encode(t, add_special_tokens=False)[:limit] for t in texts if t]
     kept, total = [], 0
     for ids in encoded:  # only the texts needed for max_tokens

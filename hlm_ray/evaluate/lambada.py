@@ -181,7 +181,9 @@ def score_lambada(
         raise HLMError(f"batch_size={batch_size} must be at least 1")
     if not examples:
         raise HLMError("no LAMBADA passages to score")
-    requests = make_requests(tokenizer, examples, max_length or max_input_positions(model.config))
+    requests = make_requests(
+        tokenizer, examples, max_length or max_input_positions(getattr(model, "config", None))
+    )
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))
     results: list[tuple[float, bool] | None] = [None] * len(requests)
@@ -270,7 +272,9 @@ def score_lambada_reference(
     return_per_example: bool = False,
 ) -> dict:
     """The same numbers one passage at a time, as lm-eval's loop does it (a test reference)."""
-    requests = make_requests(tokenizer, examples, max_length or max_input_positions(model.config))
+    requests = make_requests(
+        tokenizer, examples, max_length or max_input_positions(getattr(model, "config", None))
+    )
     results = []
     with eval_mode(model, None) as device:
         for request in requests:
