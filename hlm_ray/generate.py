@@ -110,6 +110,10 @@ class Row:
     emitted: str = ""
     num_generated: int = 0
 
+    def reset(self) -> None:
+        """Forget any decoding done (to decode the row again, e.g. alone)."""
+        self.result, self.token_ids, self.emitted, self.num_generated = None, [], "", 0
+
 
 def row_seed(seed: int | None, choice: int) -> int:
     """The seed of choice `choice` of a request seeded with `seed` (random when None). It does not
@@ -167,7 +171,8 @@ def sample_next(
     device = logits_BV.device
     sub_BV = logits_BV[torch.tensor(sampled, device=device)]
     temperature = [params[i].temperature for i in sampled]
-    top_k = [params[i].top_k or 0 for i in sampled]
+    # k >= V keeps every token: clamp, so that no k overflows a tensor (k = 2**63 did).
+    top_k = [min(params[i].top_k or 0, logits_BV.shape[-1]) for i in sampled]
     top_p = [params[i].top_p for i in sampled]
     sub_BV = apply_temperature(sub_BV, torch.tensor(temperature, device=device))
     if any(top_k):  # (each filter sorts the vocabulary: skip it when no row uses it)
@@ -247,6 +252,7 @@ class Generator:
             raise HLMError(
                 f"cannot tell how many positions the {model.config.model_type} model allows"
             )
+        self.vocab_size = int(model.config.vocab_size)
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
 
@@ -356,6 +362,28 @@ class Generator:
         for _ in self.stream_rows(rows):
             pass
         return [row.result for row in rows]
+
+    def complete_groups(self, groups: list[list[Row]]) -> list[Exception | None]:
+        """Decode several requests' rows as one batch; when the batch fails, decode each group
+        alone so that only the group that fails fails. Returns, per group, the error that
+        stopped it (None: its rows have their results)."""
+        rows = [row for group in groups for row in group]
+        try:
+            self.complete_rows(rows)
+            return [None] * len(groups)
+        except Exception as err:
+            if len(groups) == 1:
+                return [err]
+        errors: list[Exception | None] = []
+        for group in groups:
+            for row in group:
+                row.reset()
+            try:
+                self.complete_rows(group)
+                errors.append(None)
+            except Exception as err:
+                errors.append(err)
+        return errors
 
     # -- the decoding loop
 

@@ -265,3 +265,35 @@ def test_default_model_name(tmp_path):
     assert default_model_name(tmp_path / "run-a" / "checkpoint_00000010") == (
         "run-a/checkpoint_00000010"
     )
+
+
+def test_huge_top_k_keeps_every_token_instead_of_overflowing():
+    """top_k = 2**63 raised in torch.tensor and failed the whole batch (issue 14)."""
+    logits = torch.randn(3, 11)
+    params = [SamplingParams(temperature=1.0, top_k=k) for k in (2**63, 10**30, 3)]
+    gens = [torch.Generator().manual_seed(i) for i in range(3)]
+    drawn = sample_next(logits, params, gens)
+    assert drawn.shape == (3,) and int(drawn.max()) < 11
+    assert int(drawn[2]) in logits[2].topk(3).indices.tolist()
+
+
+def test_a_failing_request_fails_alone_and_its_batch_mates_complete(gen):
+    """complete_groups: one group whose row cannot be decoded (a token id past the vocabulary
+    fails in the embedding) fails alone; the others get exactly the text they get alone."""
+    greedy = SamplingParams(max_new_tokens=8, temperature=0)
+    sampled = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=2**63)
+    groups = [
+        gen.rows(PROMPTS[0], greedy),
+        [Row([gen.vocab_size + 5], greedy)],  # poisoned
+        gen.rows(PROMPTS[1], sampled, seed=3, n=2),
+        gen.rows(PROMPTS[3], greedy),
+    ]
+    errors = gen.complete_groups(groups)
+    assert errors[1] is not None and [errors[i] for i in (0, 2, 3)] == [None, None, None]
+    alone = [
+        gen.generate(PROMPTS[0], max_new_tokens=8, temperature=0),
+        gen.generate(PROMPTS[1], max_new_tokens=8, temperature=1.0, top_k=2**63, seed=3, n=2),
+        gen.generate(PROMPTS[3], max_new_tokens=8, temperature=0),
+    ]
+    for group, expected in zip([groups[0], groups[2], groups[3]], alone, strict=True):
+        assert [row.result.text for row in group] == [c.text for c in expected]
