@@ -85,7 +85,7 @@ def start_server(model: str, *, num_cpus: float, max_batch_size: int, app: str) 
     from hlm_ray.serve.schemas import AppArgs
 
     if not ray.is_initialized():
-        ray.init(num_cpus=2, log_to_driver=False, include_dashboard=False)
+        ray.init(address="local", num_cpus=2, log_to_driver=False, include_dashboard=False)
     port = _free_port()
     serve.start(
         http_options={"host": "127.0.0.1", "port": port},
