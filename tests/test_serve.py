@@ -522,3 +522,22 @@ def test_fuzz_never_gets_a_5xx_and_the_server_stays_healthy(server):
     assert counts[200] > 20 and counts[422] > 20  # both valid and invalid bodies were sent
     assert _get(server, "/healthz").status_code == 200
     assert _post(server, {"prompt": "still fine?", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.ray
+def test_a_client_that_leaves_mid_body_is_logged_as_such_not_as_a_500(server):
+    import ray
+
+    port = int(server.rsplit(":", 1)[1])
+    sock = _stall(port)
+    time.sleep(0.2)
+    sock.close()
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    for _ in range(50):
+        text = "\n".join(f.read_text(errors="replace") for f in logs.glob("proxy_*.log"))
+        if "client disconnected while sending its request" in text:
+            break
+        time.sleep(0.1)
+    assert "client disconnected while sending its request to /v1/completions" in text
+    assert " 500 " not in text and "Traceback" not in text
+    assert _post(server, {"prompt": "x", "max_tokens": 2}).status_code == 200
