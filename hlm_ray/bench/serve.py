@@ -40,7 +40,7 @@ def tiny_model(root: Path) -> str:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hlm_ray.config import load_config
+    from hlm_ray.presets import load_config
     from hlm_ray.train.loop import train_worker
 
     os.environ.setdefault("HLM_CACHE_DIR", str(root / "cache"))
