@@ -126,7 +126,7 @@ def _check_serve_config(config: dict) -> dict:
 def test_serve_yaml_is_a_valid_serve_config_for_the_app():
     config = _load("serve.yaml")
     app = _check_serve_config(config)
-    assert config["http_options"] == {"host": "127.0.0.1", "port": 8000}
+    assert config["http_options"] == {"host": "127.0.0.1", "port": 8000, "keep_alive_timeout_s": 5}
     assert app["args"]["model"].startswith("models:/")
     [deployment] = app["deployments"]
     assert deployment["max_ongoing_requests"] >= app["args"]["max_batch_size"]
@@ -256,3 +256,21 @@ def test_readme_commands_and_references():
     ):
         assert command in commands, command
     assert TRACKING_URI in text
+
+
+def test_the_api_key_comes_from_a_kubernetes_secret():
+    """serve.yaml and the RayService read the key from HLM_API_KEY; every pod of the RayService
+    takes it from the Secret, never from a literal."""
+    [local] = _load("serve.yaml")["applications"]
+    [cluster] = _serve_config_v2()["applications"]
+    assert local["args"]["api_key_env"] == cluster["args"]["api_key_env"] == "HLM_API_KEY"
+    assert "api_key" not in local["args"] and "api_key" not in cluster["args"]
+    spec = _load("kuberay/rayservice.yaml")["spec"]["rayClusterConfig"]
+    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    for group in groups:
+        for container in group["template"]["spec"]["containers"]:
+            [env] = [e for e in container["env"] if e["name"] == "HLM_API_KEY"]
+            assert env["valueFrom"]["secretKeyRef"] == {
+                "name": "hlm-serve-api-key",
+                "key": "api-key",
+            }

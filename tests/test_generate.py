@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import shutil
 import time
 
@@ -95,7 +96,7 @@ def test_temperature_divides_and_zero_is_left_alone():
 def test_sample_next_follows_the_filtered_distribution():
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
     params = [SamplingParams(temperature=0.7, top_k=4, top_p=0.9)]
-    g = torch.Generator().manual_seed(0)
+    g = random.Random(0)
     draws = [int(sample_next(logits, params, [g])[0]) for _ in range(4000)]
     counts = np.bincount(draws, minlength=6) / len(draws)
     # Reference in float64: softmax(logits / T) over the top 4, then the nucleus of mass 0.9.
@@ -265,3 +266,46 @@ def test_default_model_name(tmp_path):
     assert default_model_name(tmp_path / "run-a" / "checkpoint_00000010") == (
         "run-a/checkpoint_00000010"
     )
+
+
+def test_huge_top_k_keeps_every_token_instead_of_overflowing():
+    """top_k = 2**63 raised in torch.tensor and failed the whole batch (issue 14)."""
+    logits = torch.randn(3, 11)
+    params = [SamplingParams(temperature=1.0, top_k=k) for k in (2**63, 10**30, 3)]
+    gens = [random.Random(i) for i in range(3)]
+    drawn = sample_next(logits, params, gens)
+    assert drawn.shape == (3,) and int(drawn.max()) < 11
+    assert int(drawn[2]) in logits[2].topk(3).indices.tolist()
+
+
+def test_a_failing_request_fails_alone_and_its_batch_mates_complete(gen):
+    """complete_groups: one group whose row cannot be decoded (a token id past the vocabulary
+    fails in the embedding) fails alone; the others get exactly the text they get alone."""
+    greedy = SamplingParams(max_new_tokens=8, temperature=0)
+    sampled = SamplingParams(max_new_tokens=8, temperature=1.0, top_k=2**63)
+    groups = [
+        gen.rows(PROMPTS[0], greedy),
+        [Row([gen.vocab_size + 5], greedy)],  # poisoned
+        gen.rows(PROMPTS[1], sampled, seed=3, n=2),
+        gen.rows(PROMPTS[3], greedy),
+    ]
+    errors = gen.complete_groups(groups)
+    assert errors[1] is not None and [errors[i] for i in (0, 2, 3)] == [None, None, None]
+    alone = [
+        gen.generate(PROMPTS[0], max_new_tokens=8, temperature=0),
+        gen.generate(PROMPTS[1], max_new_tokens=8, temperature=1.0, top_k=2**63, seed=3, n=2),
+        gen.generate(PROMPTS[3], max_new_tokens=8, temperature=0),
+    ]
+    for group, expected in zip([groups[0], groups[2], groups[3]], alone, strict=True):
+        assert [row.result.text for row in group] == [c.text for c in expected]
+
+
+def test_incremental_detokenization_equals_decoding_everything(gen):
+    """A row's text is decoded incrementally (byte-level tokenizer): token by token, through
+    multi-byte characters split across tokens, it equals decoding all its tokens at once."""
+    assert gen._incremental
+    ids = gen.encode("Été 🐍 naïve — 東京 ok") * 3
+    row = Row([0], SamplingParams())
+    for i, token in enumerate(ids):
+        row.token_ids.append(token)
+        assert gen._row_text(row) == gen.tokenizer.decode(ids[: i + 1], skip_special_tokens=True)

@@ -3,6 +3,7 @@
     hlm bench --preset cpu                         # < 10 min on 2 cores -> runs/bench/cpu
     hlm bench --preset gpu --mlflow                # one CUDA device; also logged to MLflow
     hlm bench --preset cpu --only train_step --repeats 7
+    hlm bench --only serve                         # serving: overhead ratio and soak (serve.py)
     python -m hlm_ray.bench --preset smoke --output /tmp/bench
     RAY_AUTH_MODE=token ray job submit --working-dir . -- python -m hlm_ray.bench --preset cpu
 
@@ -35,7 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--output", help="folder for CSV, Markdown and figures (runs/bench/<preset>)")
     p.add_argument(
-        "--only", help=f"comma-separated subset of {','.join(BENCHMARKS)} (default: all)"
+        "--only",
+        help=f"comma-separated subset of {','.join(BENCHMARKS)} (default: all), or serve "
+        "(the serving benchmark on its own: python -m hlm_ray.bench.serve --help)",
     )
     p.add_argument("--repeats", type=int, help="timed repeats per measurement (preset's default)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -59,6 +62,10 @@ def run(args: argparse.Namespace) -> int:
     from hlm_ray.bench.suite import log_to_mlflow, parse_only, run_bench
     from hlm_ray.paths import resolve_output
 
+    if args.only == "serve":
+        from hlm_ray.bench import serve as serve_bench
+
+        return serve_bench.main(["--output", args.output or "runs/bench/serve"])
     preset = get_bench_preset(args.preset, repeats=args.repeats)
     only = parse_only(args.only)
     if args.device == "cuda" and not torch.cuda.is_available():

@@ -29,8 +29,10 @@ One log line per request (`ray.serve` logger: id, status, latency, token counts)
 # annotation at run time to turn a config file's `args:` into `AppArgs`, which a string defeats.
 
 import asyncio
+import hmac
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -39,10 +41,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from hlm_ray.errors import HLMError, one_line
 from hlm_ray.generate import (
@@ -54,6 +59,7 @@ from hlm_ray.generate import (
     row_seed,
 )
 from hlm_ray.pretrained import REGISTRY_SCHEME, model_info, resolve_model_dir
+from hlm_ray.serve.guard import error_body
 from hlm_ray.serve.schemas import (
     AppArgs,
     Choice,
@@ -84,15 +90,32 @@ class ApiError(Exception):
         self.status, self.message, self.param = status, message, param
 
     def body(self) -> dict[str, Any]:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": None}}
+        return json.loads(error_body(self.status, self.message, self.param))
+
+
+class _ClientGone(Exception):
+    """The client disconnected before its request was read."""
+
+
+@api.exception_handler(HTTPException)
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    """404 (no such route), 405 (wrong method) and friends in OpenAI's error shape."""
+    message = f"{request.method} {request.url.path}: {exc.detail}"
+    return JSONResponse(json.loads(error_body(exc.status_code, message)), exc.status_code)
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return JSONResponse(json.loads(error_body(422, str(exc.errors()[:1]))), 422)
 
 
 @dataclass
 class _Job:
-    """One request's rows, batched with other requests' rows."""
+    """One request's rows, batched with other requests' rows; `error` is set when they could
+    not be decoded (they failed alone: their batch-mates were decoded without them)."""
 
     rows: list[Row]
+    error: Exception | None = None
 
 
 def _num_rows(jobs: list[_Job]) -> int:
@@ -135,6 +158,8 @@ def _sse(payload: dict[str, Any]) -> str:
     max_queued_requests=256,
     ray_actor_options={"num_cpus": 1},
     max_constructor_retry_count=2,  # a model that does not load will not load on retry 20
+    # Our own line per request (id, status, latency, tokens) replaces Serve's access line.
+    logging_config={"enable_access_log": False},
 )
 @serve.ingress(api)
 class CompletionServer:
@@ -155,15 +180,23 @@ class CompletionServer:
         self.name = self.generator.name
         self.created = int(time.time())
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode")
+        # Tokenizing a 1 MB prompt takes most of a second: never on the event loop, and not
+        # behind the decoding thread either.
+        self._prep_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prepare")
+        key = self.args.api_key.get_secret_value() if self.args.api_key else None
+        key = key or os.environ.get(self.args.api_key_env, "")
+        self._api_key = key.encode() if key else None
+        self._mlflow_uri = self.args.model if self.args.model.startswith(REGISTRY_SCHEME) else None
         self._complete_batch.set_max_batch_size(self.args.max_batch_size)
         self._complete_batch.set_batch_wait_timeout_s(self.args.batch_wait_timeout_s)
         self._stats = {"requests": 0, "batches": 0, "max_batch_requests": 0, "max_batch_rows": 0}
         log.info(
-            "serving %s (%s) from %s, %d positions",
+            "serving %s (%s) from %s, %d positions, %s",
             self.name,
             self.args.model,
             self.generator.info.get("path"),
             self.generator.max_positions,
+            "API key required" if self._api_key else "no API key",
         )
 
     # ------------------------------------------------------------------------- routes
@@ -173,14 +206,14 @@ class CompletionServer:
         return self._json(Health(model=self.name, **self._stats).model_dump())
 
     @api.get("/v1/models")
-    async def models(self) -> JSONResponse:
+    async def models(self, request: Request) -> JSONResponse:
+        if (denied := self._check_key(request)) is not None:
+            return self._json(denied.body(), denied.status)
         info = self.generator.info
         card = ModelCard(
             id=self.name,
             created=self.created,
-            source=self.args.model,
-            mlflow_uri=self.args.model if self.args.model.startswith(REGISTRY_SCHEME) else None,
-            path=str(info.get("path", "")),
+            mlflow_uri=self._mlflow_uri,
             objective=info.get("objective"),
             finetuned=info.get("finetuned"),
             max_positions=self.generator.max_positions,
@@ -191,21 +224,30 @@ class CompletionServer:
     async def completions(self, request: Request):
         start = time.perf_counter()
         rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+        loop = asyncio.get_running_loop()
         try:
+            if (denied := self._check_key(request)) is not None:
+                raise denied
             req = parse_request(await self._read_body(request))
-            rows, prompt_tokens = self._rows(req)
+            rows, prompt_tokens = await loop.run_in_executor(self._prep_pool, self._rows, req)
         except ApiError as err:
             return self._fail(rid, err, start)
+        except _ClientGone:
+            self._log(rid, 499, start, None, 0, stream=False, reason="client disconnected")
+            return self._json(ApiError(400, "client disconnected").body(), 400)
         if req.stream:
             events = self._events(rid, req, rows, prompt_tokens, start)
             return StreamingResponse(events, media_type="text/event-stream", headers=self._headers)
+        job = _Job(rows)
         try:
-            await self._complete_batch(_Job(rows))
+            await self._complete_batch(job)
         except Exception as err:  # a bug or the device failing, not the request: say so
-            log.exception("completion %s failed", rid)
-            return self._fail(
-                rid, ApiError(500, f"generation failed: {one_line(err, with_type=True)}"), start
-            )
+            job.error = err
+        if job.error is not None:
+            err = job.error
+            log.error("completion %s failed: %s", rid, one_line(err, with_type=True), exc_info=err)
+            message = f"generation failed for request {rid}: {one_line(err, with_type=True)}"
+            return self._fail(rid, ApiError(500, message), start)
         if any(row.result.finish_reason == "timeout" for row in rows):
             return self._fail(rid, self._timeout_error(), start)
         choices = [
@@ -219,7 +261,7 @@ class CompletionServer:
             model=self.name,
             choices=choices,
             usage=usage,
-            system_fingerprint=self.args.model,
+            system_fingerprint=self._fingerprint,
         )
         self._log(rid, 200, start, usage, len(rows), stream=False)
         return self._json(body.model_dump())
@@ -235,7 +277,10 @@ class CompletionServer:
         stats["max_batch_requests"] = max(stats["max_batch_requests"], len(jobs))
         stats["max_batch_rows"] = max(stats["max_batch_rows"], len(rows))
         loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._pool, self.generator.complete_rows, rows)
+        groups = [job.rows for job in jobs]
+        errors = await loop.run_in_executor(self._pool, self.generator.complete_groups, groups)
+        for job, error in zip(jobs, errors, strict=True):
+            job.error = error
         return jobs
 
     # ------------------------------------------------------------------------- streaming
@@ -261,7 +306,7 @@ class CompletionServer:
                         Choice(text=d.text, index=d.index, finish_reason=d.finish_reason)
                         for d in deltas
                     ],
-                    system_fingerprint=self.args.model,
+                    system_fingerprint=self._fingerprint,
                 )
                 yield _sse(chunk.model_dump())
             if status == 200 and req.stream_options and req.stream_options.include_usage:
@@ -271,14 +316,15 @@ class CompletionServer:
                     model=self.name,
                     choices=[],
                     usage=_usage(prompt_tokens, rows),
-                    system_fingerprint=self.args.model,
+                    system_fingerprint=self._fingerprint,
                 )
                 yield _sse(usage.model_dump())
             yield "data: [DONE]\n\n"
         except Exception as err:
             status = 500
             log.exception("completion %s failed", rid)
-            yield _sse(ApiError(500, f"generation failed: {one_line(err, with_type=True)}").body())
+            message = f"generation failed for request {rid}: {one_line(err, with_type=True)}"
+            yield _sse(ApiError(500, message).body())
         finally:
             # On the decoding thread, after any step in progress: a client that went away
             # stops its rows there.
@@ -288,12 +334,30 @@ class CompletionServer:
 
     # ------------------------------------------------------------------------- validation
 
+    def _check_key(self, request: Request) -> ApiError | None:
+        """401 unless the request carries the API key (when one is set), compared in constant
+        time."""
+        if self._api_key is None:
+            return None
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(
+            given.strip().encode(), self._api_key
+        ):
+            return None
+        return ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'")
+
     async def _read_body(self, request: Request) -> bytes:
         limit = self.args.max_body_bytes
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > limit:
             raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}")
-        body = await request.body()
+        try:
+            body = await asyncio.wait_for(request.body(), self.args.body_timeout_s)
+        except ClientDisconnect:
+            raise _ClientGone from None
+        except TimeoutError:
+            timeout = self.args.body_timeout_s
+            raise ApiError(408, f"request body not received in {timeout:g} s") from None
         if len(body) > limit:
             raise ApiError(413, f"request body is {len(body)} bytes; the limit is {limit}")
         return body
@@ -316,6 +380,12 @@ class CompletionServer:
             )
         if req.n > args.max_n:
             raise ApiError(400, f"n={req.n} is above this server's limit of {args.max_n}", "n")
+        if req.top_k is not None and req.top_k > gen.vocab_size:
+            raise ApiError(
+                400,
+                f"top_k={req.top_k} is above the model's vocabulary of {gen.vocab_size} tokens",
+                "top_k",
+            )
         prompts = req.prompts()
         if len(prompts) * req.n > args.max_batch_size:
             raise ApiError(
@@ -365,6 +435,11 @@ class CompletionServer:
         return ApiError(504, f"generation took longer than {self.args.request_timeout_s} s")
 
     # ------------------------------------------------------------------------- responses, logs
+
+    @property
+    def _fingerprint(self) -> str:
+        """Which weights answer: the registry URI when there is one, else the served name."""
+        return self._mlflow_uri or self.name
 
     @property
     def _headers(self) -> dict[str, str]:

@@ -71,6 +71,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="serve a headless decoder that was never fine-tuned, with its raw Eᵀ head",
     )
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("HLM_API_KEY"),
+        help="clients must send 'Authorization: Bearer KEY' (default: $HLM_API_KEY; none: open)",
+    )
+    p.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=10.0,
+        help="a request body not received within this is answered 408 (default 10)",
+    )
+    p.add_argument(
+        "--keep-alive-timeout-s",
+        type=int,
+        default=5,
+        help="idle keep-alive connections are closed after this (default 5)",
+    )
     p.add_argument("--address", help="Ray cluster to deploy onto (default: $RAY_ADDRESS or local)")
 
 
@@ -80,6 +97,7 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from hlm_ray.serve.app import make_app, model_name
+    from hlm_ray.serve.guard import guard_controller_options
     from hlm_ray.serve.schemas import AppArgs
 
     try:
@@ -90,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
             allow_raw_head=args.allow_raw_head,
             max_batch_size=args.max_batch_size,
             request_timeout_s=args.request_timeout_s,
+            api_key=args.api_key or None,
+            body_timeout_s=args.body_timeout_s,
         )
     except ValidationError as err:
         first = err.errors()[0]
@@ -112,7 +132,17 @@ def run(args: argparse.Namespace) -> int:
 
     ray.init(address=args.address, log_to_driver=False)
     try:
-        serve.start(http_options={"host": args.host, "port": args.port})
+        serve.start(
+            http_options={
+                "host": args.host,
+                "port": args.port,
+                "keep_alive_timeout_s": args.keep_alive_timeout_s,
+            },
+            # The proxy's guard: bodies read there, under a deadline (hlm_ray.serve.guard).
+            controller_options=guard_controller_options(
+                body_timeout_s=args.body_timeout_s, max_body_bytes=app_args.max_body_bytes
+            ),
+        )
         try:
             serve.run(app, name="hlm", route_prefix="/")
         except RuntimeError as err:
@@ -120,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
         _interrupt_on_signals()
         print(
             f"serving {model_name(app_args)} at http://{args.host}:{args.port}/v1 "
-            "(POST /v1/completions, GET /v1/models, GET /healthz); Ctrl-C to stop",
+            "(POST /v1/completions, GET /v1/models, GET /healthz), "
+            f"{'API key required' if app_args.api_key else 'no API key'}; Ctrl-C to stop",
             flush=True,
         )
         try:

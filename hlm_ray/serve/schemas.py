@@ -13,13 +13,19 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
+MAX_STOP_CHARS = 256
+MAX_PROMPTS = 1024
+# Upper bounds of the schema: every number a request carries is bounded here (422 above),
+# before the server's own limits (400, they depend on the model and the configuration). No
+# value that passes can overflow a tensor (int64) or a C int.
+MAX_INT = 2**31 - 1
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Strict):
@@ -34,17 +40,18 @@ class CompletionRequest(_Strict):
     model: str | None = None
     """The served model's id (GET /v1/models); None or omitted: the served model."""
     prompt: str | list[str]
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=1, le=MAX_INT)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=1)
-    """Not in OpenAI's API (vLLM has it): sample among the k most likely tokens."""
-    n: int = Field(1, ge=1)
+    top_k: int | None = Field(None, ge=1, le=MAX_INT)
+    """Not in OpenAI's API (vLLM has it): sample among the k most likely tokens (at most the
+    model's vocabulary size: the server answers 400 above it)."""
+    n: int = Field(1, ge=1, le=MAX_INT)
     stop: str | list[str] | None = None
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: str | None = Field(None, max_length=256)
     echo: Literal[False] = False
     logprobs: None = None
     presence_penalty: Literal[0] = 0
@@ -55,6 +62,8 @@ class CompletionRequest(_Strict):
     def _prompt_list(cls, value: str | list[str]) -> str | list[str]:
         if isinstance(value, list) and not value:
             raise ValueError("must be a string or a non-empty list of strings")
+        if isinstance(value, list) and len(value) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts")
         return value
 
     @field_validator("stop")
@@ -65,6 +74,8 @@ class CompletionRequest(_Strict):
             raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
         if any(not s for s in stops):
             raise ValueError("stop sequences must be non-empty strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop sequences are at most {MAX_STOP_CHARS} characters")
         return value
 
     def prompts(self) -> list[str]:
@@ -98,7 +109,8 @@ class CompletionResponse(BaseModel):
     choices: list[Choice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
-    """The model's source (a run folder or `models:/` URI): which weights answered."""
+    """Which weights answered: the `models:/NAME/VERSION` URI, or the served name (never a
+    local path)."""
 
 
 class ModelCard(BaseModel):
@@ -106,11 +118,9 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "hlm_ray"
-    source: str
-    """What the server was started with: a folder or a `models:/NAME/VERSION` URI."""
     mlflow_uri: str | None
-    """The MLflow registry URI, when the model came from the registry."""
-    path: str
+    """The MLflow registry URI, when the model came from the registry (a local folder is
+    never reported)."""
     objective: str | None
     finetuned: str | None
     max_positions: int
@@ -163,5 +173,14 @@ class AppArgs(BaseModel):
     """A request still decoding after this long is answered 504 and its rows are dropped."""
     max_body_bytes: int = Field(1 << 20, ge=1024)
     """Larger request bodies are answered 413."""
+    body_timeout_s: float = Field(10.0, gt=0.0)
+    """A request body not received within this long is answered 408 (the proxy's guard,
+    `hlm_ray.serve.guard`, does this before a replica is involved; this is the fallback)."""
     num_threads: int | None = Field(None, ge=1)
     """torch threads per replica (default: torch's, i.e. the replica's CPUs under Ray)."""
+    api_key: SecretStr | None = None
+    """Clients must send `Authorization: Bearer KEY` (401 otherwise). Prefer `api_key_env`:
+    a key given here is part of the application's config."""
+    api_key_env: str = "HLM_API_KEY"
+    """Environment variable holding the key when `api_key` is not set (in Kubernetes, from a
+    Secret); unset or empty and no `api_key`: no authentication."""
