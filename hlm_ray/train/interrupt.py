@@ -59,3 +59,54 @@ class restore_sigint:
         with contextlib.suppress(ValueError, TypeError):
             signal.signal(signal.SIGINT, self.saved)
         return False
+
+
+class tune_interrupt:
+    """Ctrl-C on a sweep: `Tuner.fit()` ends as Tune's own handler would end it (state saved,
+    trials stopped), and `interrupted` says so afterwards: Tune then returns normally, with the
+    interrupted trials looking like ones an early-stopping scheduler stopped.
+
+        with tune_interrupt() as stop:
+            results = tuner.fit()
+        if stop.interrupted: ...
+
+    Tune's SIGINT handler is switched off (``TUNE_DISABLE_SIGINT_HANDLER``); ours asks Tune to
+    stop through the SIGUSR1 handler it always installs. A second Ctrl-C raises
+    `KeyboardInterrupt` at once."""
+
+    ENV = "TUNE_DISABLE_SIGINT_HANDLER"
+
+    def __enter__(self):
+        import os
+
+        self.interrupted = False
+        self.saved_env = os.environ.get(self.ENV)
+        os.environ[self.ENV] = "1"
+        self.saved = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def _handler(self, signum, frame):
+        import os
+
+        if self.interrupted:
+            raise KeyboardInterrupt
+        self.interrupted = True
+        print(
+            "\ninterrupted: stopping the trials and saving the sweep's state "
+            "(Ctrl-C again to stop at once)",
+            file=sys.stderr,
+            flush=True,
+        )
+        os.kill(os.getpid(), signal.SIGUSR1)  # Tune's "stop the experiment" signal
+
+    def __exit__(self, *exc):
+        import os
+
+        if self.saved_env is None:
+            os.environ.pop(self.ENV, None)
+        else:
+            os.environ[self.ENV] = self.saved_env
+        with contextlib.suppress(ValueError, TypeError):
+            signal.signal(signal.SIGINT, self.saved)
+        return False

@@ -261,6 +261,9 @@ def train_local(
 
     out_dir = Path(cfg.run.output_dir)
     check_output(out_dir)
+    # Bad input (an unreadable corpus, a tokenizer that cannot be built) fails before an MLflow
+    # run exists; both are cached, so the training function finds them built.
+    build_corpus(cfg, build_tokenizer(cfg))
     if resume_from is not None:
         resume_from = prepare_resume(out_dir, resume_from, cfg) or resume_from
     tracker, tracking = open_mlflow_run(
