@@ -232,7 +232,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_sync(args) -> int:
-    from hlm_ray.train.sync import sync_run
+    from hlm_ray.tracking.sync import sync_run
 
     report = sync_run(args.run)
     print(

@@ -15,9 +15,9 @@ import time
 import pytest
 
 from hlm_ray.cli import main
-from hlm_ray.presets import load_config
 from hlm_ray.errors import HLMError
 from hlm_ray.paths import data_dir
+from hlm_ray.presets import load_config
 from hlm_ray.train import checkpoint as ckpt
 from hlm_ray.train.launch import choose_resume
 from hlm_ray.train.resume import check_compatible, resumed_config
@@ -270,8 +270,9 @@ def test_a_tracking_outage_costs_seconds_and_sync_replays_the_metrics(
 ):
     from mlflow import MlflowClient
 
-    from hlm_ray.tracking import HTTP_WAITS, MlflowTracker
-    from hlm_ray.train.sync import record_status, sync_run
+    from hlm_ray.tracking import MlflowTracker
+    from hlm_ray.tracking.store import HTTP_WAITS
+    from hlm_ray.tracking.sync import record_status, sync_run
 
     for key in HTTP_WAITS:
         monkeypatch.delenv(key, raising=False)

@@ -16,7 +16,7 @@ An unreachable HTTP server is detected up front with a short TCP probe; a server
 mid-run costs one short stall: `store.bound_http_waits` gives MLflow's HTTP client a 5 s timeout
 and one retry unless ``MLFLOW_HTTP_REQUEST_TIMEOUT`` / ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` /
 ``MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR`` are set (MLflow's defaults wait minutes). What MLflow
-missed is in ``metrics.jsonl``; `hlm_ray.train.sync` replays it.
+missed is in ``metrics.jsonl``; `hlm_ray.tracking.sync` replays it.
 """
 
 from __future__ import annotations

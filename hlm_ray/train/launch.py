@@ -209,7 +209,7 @@ def prepare_resume(
 def finish(tracker, out_dir: Path, status: str) -> None:
     """End the MLflow run; the status is also kept in the run folder so that a run whose
     server was down gets it from `hlm sync`."""
-    from hlm_ray.train.sync import record_status
+    from hlm_ray.tracking.sync import record_status
 
     record_status(out_dir, status)
     tracker.finish(status)
@@ -255,9 +255,9 @@ def train_local(
 ) -> dict[str, Any]:
     """The same run in this process, without Ray (`hlm train --local`, fine-tunes in a trial):
     one MLflow run, marked KILLED on Ctrl-C and FAILED if training raises."""
+    from hlm_ray.tracking.sync import sync_quietly
     from hlm_ray.train.interrupt import RunInterrupted
     from hlm_ray.train.loop import train_worker
-    from hlm_ray.train.sync import sync_quietly
 
     out_dir = Path(cfg.run.output_dir)
     check_output(out_dir)
@@ -311,8 +311,8 @@ def launch(
     `callbacks=[TuneReportCallback()]` (reports reach Tune)."""
     import ray.train
 
+    from hlm_ray.tracking.sync import sync_quietly
     from hlm_ray.train.interrupt import RunInterrupted, restore_sigint, trainer_class
-    from hlm_ray.train.sync import sync_quietly
 
     check_workers(num_workers)
     cfg.optim.grad_accum_steps(num_workers)  # fails here, not in the workers

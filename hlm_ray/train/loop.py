@@ -492,7 +492,7 @@ def _tracker(out_dir: Path, tracking: dict[str, Any] | None, resuming: bool = Fa
     if not tracking or tracking.get("run_id") is None:  # no MLflow run could be opened
         return JsonlTracker(out_dir)
     from hlm_ray.tracking import MlflowTracker
-    from hlm_ray.train.sync import SkipLogged, last_logged_step
+    from hlm_ray.tracking.sync import SkipLogged, last_logged_step
 
     mlflow = MlflowTracker(
         tracking["experiment"], tracking_uri=tracking["uri"], run_id=tracking["run_id"]

@@ -2,7 +2,7 @@
 
 Training never waits on the tracking server: every metric is written to `metrics.jsonl` first,
 and the MLflow tracker turns itself off after its first failed call (with short HTTP timeouts,
-see `hlm_ray.tracking.bound_http_waits`). What MLflow missed while the server was down is sent
+see `store.bound_http_waits`). What MLflow missed while the server was down is sent
 here, once it is back:
 
     report = sync_run("runs/tiny-headless")      # {"run_id", "metrics_logged", "status", ...}
