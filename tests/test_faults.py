@@ -62,8 +62,9 @@ def test_resume_falls_back_past_damaged_checkpoints_with_one_warning(tmp_path, c
     half.mkdir()
     (half / "config.yaml").write_text("x")
 
-    with caplog.at_level(logging.WARNING):
-        chosen = ckpt.resolve_resume(tmp_path)
+    assert ckpt.resolve_resume(tmp_path).name == "checkpoint_00000020"
+    with caplog.at_level(logging.WARNING):  # a restarted worker group says it in one line
+        chosen = ckpt.latest_valid(tmp_path)
     assert chosen.name == "checkpoint_00000020"
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1
@@ -77,7 +78,8 @@ def test_resume_falls_back_past_damaged_checkpoints_with_one_warning(tmp_path, c
 
     # Before the run continues, the damaged folders are set aside (kept, never resumed from).
     notes = ckpt.prepare_resume(tmp_path, chosen)
-    assert len(notes) == 1 and "set aside" in notes[0]
+    assert len(notes) == 1 and "checkpoint_00000030 (train_state.pt has 1 bytes" in notes[0]
+    assert "resuming from checkpoint_00000020" in notes[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "checkpoint_00000010",
         "checkpoint_00000020",
@@ -93,7 +95,7 @@ def test_an_explicit_checkpoint_wins_and_ray_snapshot_is_dropped_when_it_disagre
     assert ckpt.prepare_resume(tmp_path, twenty) == []  # it agrees: Ray keeps its state
     assert snapshot.exists()
 
-    notes = ckpt.prepare_resume(tmp_path, ckpt.resolve_resume(ten))
+    notes = ckpt.prepare_resume(tmp_path, ckpt.resolve_resume(ten), explicit=True)
     assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["checkpoint_00000010"]
     assert any("removed checkpoint(s) after step 10" in n for n in notes)
     assert not snapshot.exists()  # it named checkpoint_20: Ray would have resumed from there
@@ -338,3 +340,13 @@ def test_a_guarded_child_dies_with_its_killed_parent(tmp_path):
         time.sleep(0.2)
     os.killpg(group, signal.SIGKILL)
     pytest.fail("the guarded process group outlived its parent")
+
+
+def test_checkpoints_from_before_manifests_still_resume(tmp_path):
+    folder = fake_checkpoint(tmp_path, 10)
+    meta = json.loads((folder / ckpt.MARKER).read_text())
+    del meta["files"]
+    (folder / ckpt.MARKER).write_text(json.dumps(meta))
+    assert ckpt.verify(folder) is None
+    (folder / "train_state.pt").unlink()
+    assert ckpt.verify(folder) == "train_state.pt is missing"

@@ -117,8 +117,12 @@ def verify(folder: Path) -> str | None:
     except (ValueError, KeyError, TypeError, OSError):
         return f"unreadable {MARKER}"
     files = meta.get("files")
+    if files is None:  # written before checkpoints had manifests: the files must be there
+        legacy = ("train_state.pt", "config.yaml")
+        missing = [n for n in legacy if not (folder / n).is_file()]
+        return f"{missing[0]} is missing" if missing else None
     if not isinstance(files, dict) or not files:
-        return f"{MARKER} lists no files (written before checkpoints had manifests)"
+        return f"{MARKER} lists no files"
     for name, want in files.items():
         path = folder / name
         if not path.is_file():
@@ -156,22 +160,25 @@ def list_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
-def scan(root: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
-    """(valid checkpoints oldest first, [(damaged folder, why)]) among `root`'s checkpoint_*
-    folders. A folder without a marker counts as damaged: a copy that was cut short."""
+def folders(root: Path) -> list[Path]:
+    """Every checkpoint_N folder under `root` (complete or not), by step, oldest first."""
     root = Path(root)
     if not root.is_dir():
-        return [], []
-    valid, damaged = [], []
-    for folder in sorted(root.glob(f"{PREFIX}*"), key=_folder_step):
-        if not folder.is_dir() or _folder_step(folder) < 0:
-            continue
+        return []
+    found = [p for p in root.glob(f"{PREFIX}*") if p.is_dir() and _folder_step(p) >= 0]
+    return sorted(found, key=_folder_step)
+
+
+def newest_valid(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(the newest checkpoint that passes `verify`, [(newer damaged folder, why)]). Checks from
+    the newest down and stops at the first that passes: older ones are not read."""
+    damaged = []
+    for folder in reversed(folders(root)):
         problem = verify(folder)
         if problem is None:
-            valid.append(folder)
-        else:
-            damaged.append((folder, problem))
-    return sorted(valid, key=checkpoint_step), damaged
+            return folder, damaged[::-1]
+        damaged.append((folder, problem))
+    return None, damaged[::-1]
 
 
 def describe_damaged(damaged: list[tuple[Path, str]]) -> str:
@@ -181,19 +188,13 @@ def describe_damaged(damaged: list[tuple[Path, str]]) -> str:
 def latest_valid(root: Path, *, warn: bool = True) -> Path | None:
     """The newest checkpoint under `root` whose files match its manifest; the damaged ones
     newer than it are named in one warning."""
-    valid, damaged = scan(root)
-    newest = valid[-1] if valid else None
-    newer = [(p, why) for p, why in damaged if newest is None or _folder_step(p) > _step(newest)]
-    if warn and newer:
+    newest, damaged = newest_valid(root)
+    if warn and damaged:
         where = f"resuming from {newest.name}" if newest else "no valid checkpoint left"
         log.warning(
-            "skipping damaged checkpoint(s) in %s: %s; %s", root, describe_damaged(newer), where
+            "skipping damaged checkpoint(s) in %s: %s; %s", root, describe_damaged(damaged), where
         )
     return newest
-
-
-def _step(folder: Path) -> int:
-    return checkpoint_step(folder)
 
 
 def set_aside(damaged: list[tuple[Path, str]]) -> list[Path]:
@@ -215,7 +216,7 @@ def resolve_resume(path: str | Path) -> Path:
     """A checkpoint folder, or a run folder's newest valid checkpoint; HLMError otherwise.
 
     An explicit checkpoint folder must pass `verify`; in a run folder, damaged checkpoints are
-    skipped (one warning names them)."""
+    skipped (`prepare_resume` sets them aside and says so)."""
     path = Path(path)
     if _folder_step(path) >= 0 or is_checkpoint(path):
         problem = verify(path) if path.is_dir() else "no such folder"
@@ -225,10 +226,10 @@ def resolve_resume(path: str | Path) -> Path:
             f"--resume {path}: damaged checkpoint ({problem}); pass the run folder "
             f"{path.parent} to resume from its newest valid checkpoint"
         )
-    found = latest_valid(path)
+    found = latest_valid(path, warn=False)
     if found is not None:
         return found
-    _, damaged = scan(path)
+    _, damaged = newest_valid(path)
     if damaged:
         raise HLMError(
             f"--resume {path}: every checkpoint is damaged: {describe_damaged(damaged)}; "
@@ -240,44 +241,39 @@ def resolve_resume(path: str | Path) -> Path:
     )
 
 
-def prepare_resume(root: Path, chosen: Path | None) -> list[str]:
-    """Make the run folder agree with the checkpoint a run continues from (`chosen`: the newest
-    valid one, or an older one the user named): damaged folders are set aside, valid ones newer
-    than `chosen` removed (that work is redone), and Ray's run snapshot dropped when it names a
-    folder that is no longer there or a checkpoint other than `chosen` (Ray would restore from
-    its own idea of the latest, or refuse a "corrupted run directory"). Returns what was done,
-    one line each, for the caller to print."""
+def prepare_resume(root: Path, chosen: Path | None, *, explicit: bool = False) -> list[str]:
+    """Make the run folder agree with the checkpoint a run continues from: `chosen`, the newest
+    valid one (then every newer folder is damaged: set aside), or one the user named
+    (`explicit`: newer folders are removed, that work is redone). Ray's run snapshot is dropped
+    when it names a folder that is no longer there or not `chosen` (Ray would restore from its
+    own idea of the latest, or refuse a "corrupted run directory"). Returns what was done, one
+    line each, for the caller to print."""
     root = Path(root)
     notes = []
-    valid, damaged = scan(root)
-    if damaged:
-        moved = set_aside(damaged)
-        notes.append(
-            f"set aside damaged checkpoint(s): {describe_damaged(damaged)} "
-            f"(renamed {', '.join(p.name for p in moved)})"
-        )
-    if chosen is not None:
-        step = checkpoint_step(chosen)
-        later = [p for p in valid if checkpoint_step(p) > step]
-        for folder in later:
+    step = checkpoint_step(chosen) if chosen is not None else -1
+    newer = [p for p in folders(root) if _folder_step(p) > step and p != chosen]
+    if explicit and newer:
+        for folder in newer:
             shutil.rmtree(folder, ignore_errors=True)
-        if later:
-            notes.append(
-                f"removed checkpoint(s) after step {step}: {', '.join(p.name for p in later)} "
-                f"(continuing from {chosen.name})"
-            )
+        notes.append(
+            f"removed checkpoint(s) after step {step}: {', '.join(p.name for p in newer)} "
+            f"(continuing from {chosen.name})"
+        )
+    elif newer:
+        damaged = [(p, verify(p) or "newer than the one resumed from") for p in newer]
+        moved = set_aside(damaged)
+        where = f"resuming from {chosen.name}" if chosen is not None else "starting afresh"
+        notes.append(
+            f"set aside damaged checkpoint(s): {describe_damaged(damaged)}; {where} "
+            f"(kept as {', '.join(p.name for p in moved)})"
+        )
     snapshot = root / RAY_SNAPSHOT
     if snapshot.is_file():
         named = set(re.findall(rf"{PREFIX}\d+", snapshot.read_text(errors="replace")))
-        present = {p.name for p in valid if p.exists()}
-        stale = not named <= present
-        if chosen is not None and chosen.name not in named:
-            stale = True
-        if stale:
+        present = {p.name for p in folders(root)}
+        if not named <= present or (chosen is not None and chosen.name not in named):
             snapshot.unlink()
-            notes.append(
-                f"dropped Ray's run snapshot (it named {', '.join(sorted(named)) or 'none'})"
-            )
+            notes.append(f"dropped Ray's run snapshot (it named {', '.join(sorted(named))})")
     return notes
 
 
@@ -297,5 +293,5 @@ def load_train_state(folder: Path) -> dict[str, Any]:
 
 def prune_checkpoints(root: Path, keep: int) -> None:
     """Keep the newest `keep` checkpoints."""
-    for old in scan(root)[0][:-keep]:
+    for old in list_checkpoints(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)

@@ -194,12 +194,14 @@ def prepare_resume(
     from hlm_ray.train.resume import check_compatible
 
     chosen = ckpt.resolve_resume(resume_from) if resume_from else None
-    if chosen is None and (ckpt.list_checkpoints(out_dir) or ckpt.scan(out_dir)[1]):
+    if chosen is None and ckpt.folders(out_dir):
         chosen = ckpt.latest_valid(out_dir, warn=False)
     if chosen is not None and cfg is not None:
         check_compatible(cfg, chosen)  # one line here, not a failing worker group
-    for note in ckpt.prepare_resume(out_dir, chosen):
-        print(f"resume: {note}", file=sys.stderr)
+    # Named, and older than the newest valid one: the later checkpoints are superseded.
+    explicit = chosen is not None and chosen != ckpt.latest_valid(out_dir, warn=False)
+    for note in ckpt.prepare_resume(out_dir, chosen, explicit=explicit):
+        print(f"warning: {note}", file=sys.stderr)
     if chosen is not None and chosen.parent.resolve() != out_dir.resolve():
         # A checkpoint from another run folder: its files are read in place, not moved.
         return chosen
