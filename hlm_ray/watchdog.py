@@ -26,7 +26,7 @@ import subprocess
 import sys
 import time
 
-GRACE_S = 10.0
+GRACE_S = 5.0
 PR_SET_PDEATHSIG = 1
 
 

@@ -163,7 +163,10 @@ def test_ctrl_c_damaged_checkpoints_and_resume_on_ray(ray_cluster, mlflow_store,
     assert metric_steps == list(range(4, end + 1, 4))  # redone steps replaced, not repeated
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert sorted(m.step for m in history) == list(range(4, end + 1, 4))  # no duplicates
-    assert client.get_run(run.info.run_id).info.status == "FINISHED"
+    resumed = client.get_run(run.info.run_id)
+    assert resumed.info.status == "FINISHED"
+    assert resumed.data.params["optim.max_steps"] == "400"  # what the run started with
+    assert resumed.data.tags["param_changed.optim.max_steps"] == str(end)
     assert fallback < steps[-1]
 
     # An explicit older checkpoint is honoured: later ones go, the run continues from it.

@@ -215,6 +215,8 @@ def _setup(cfg, env, reporter, tracking, resume_from) -> _Run:
         tracker.log_params(cfg.to_dict())
         tracker.set_tags(_tags(cfg, tokenizer, env, model, step_cost))
         tracker.log_metrics(describe(step_cost), step=0)
+    elif env.is_main:  # resumed: values changed by overrides are kept as param_changed.* tags
+        tracker.log_params(cfg.to_dict())
     amp = autocast_dtype(cfg.optim.precision, env.device)
     return _Run(
         cfg=cfg,
