@@ -350,3 +350,43 @@ def test_checkpoints_from_before_manifests_still_resume(tmp_path):
     assert ckpt.verify(folder) is None
     (folder / "train_state.pt").unlink()
     assert ckpt.verify(folder) == "train_state.pt is missing"
+
+
+def test_trials_cut_short_by_ctrl_c_are_killed_not_stopped_by_asha(tmp_path, mlflow_store):
+    from types import SimpleNamespace
+
+    from mlflow import MlflowClient
+
+    from hlm_ray.tracking import MlflowTracker, write_run_ref
+    from hlm_ray.tune.presets import get_sweep
+    from hlm_ray.tune.sweep import _close_orphans, _rows
+    from hlm_ray.tune.trial import TrialRuntime, run_name
+
+    spec = get_sweep("vocab", "tiny")
+    cfg = spec.cell_config(spec.values[0], spec.objectives[0], 0)
+    runtime = TrialRuntime(
+        "s",
+        "vocab",
+        "sweep-ctrl-c",
+        None,
+        str(tmp_path),
+        "tiny",
+        1,
+        1.0,
+        0.0,
+        env={"MLFLOW_TRACKING_URI": mlflow_store},
+    )
+    cut = SimpleNamespace(
+        metrics={"val/loss": 5.0},
+        config={"config": cfg.to_dict()},
+        error=None,
+        path=str(tmp_path / "t1"),
+    )
+    child = MlflowTracker("sweep-ctrl-c", "t1", tracking_uri=mlflow_store)
+    write_run_ref(tmp_path / run_name(cfg, "vocab", "t1"), child.run_id, mlflow_store)
+
+    assert _rows([cut], spec, runtime, search=True)[0]["status"] == "STOPPED"  # ASHA
+    rows = _rows([cut], spec, runtime, search=False, interrupted=True)
+    assert rows[0]["status"] == "KILLED"
+    _close_orphans(rows, spec, runtime)
+    assert MlflowClient(mlflow_store).get_run(child.run_id).info.status == "KILLED"
