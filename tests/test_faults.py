@@ -240,16 +240,26 @@ def test_ctrl_c_on_a_sweep_stops_tune_and_says_so():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def _vocab_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "sweeps" / "vocab.py"
+    spec = importlib.util.spec_from_file_location("sweep_vocab_faults", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def test_an_interrupted_sweep_exits_130_with_the_command_to_continue(monkeypatch, capsys):
     import hlm_ray.tune.sweep as sweep
-    from hlm_ray.tune.cli import sweep_main
 
     def interrupted(spec, *, name, search):
         rows = [{"status": "FINISHED"}, {"status": "KILLED"}, {"status": "KILLED"}]
         return sweep.SweepOutcome(name, None, rows, "", [], None, False, 1.0, interrupted=True)
 
     monkeypatch.setattr(sweep, "run_sweep", interrupted)
-    code = sweep_main("vocab", ["--set", "optim.max_steps=20"])
+    code = _vocab_script().main(["--set", "optim.max_steps=20"])
     err = capsys.readouterr().err
     assert code == 130
     assert "2 unfinished trial(s) stopped and marked KILLED" in err
@@ -358,15 +368,17 @@ def test_trials_cut_short_by_ctrl_c_are_killed_not_stopped_by_asha(tmp_path, mlf
     from mlflow import MlflowClient
 
     from hlm_ray.tracking import MlflowTracker, write_run_ref
-    from hlm_ray.tune.presets import get_sweep
+    from hlm_ray.tune.spec import get_sweep
     from hlm_ray.tune.sweep import _close_orphans, _rows
     from hlm_ray.tune.trial import TrialRuntime, run_name
 
-    spec = get_sweep("vocab", "tiny")
-    cfg = spec.cell_config(spec.values[0], spec.objectives[0], 0)
+    script = _vocab_script()
+    spec = get_sweep(script.PRESETS, "tiny", [])
+    value, objective = spec.values[0], spec.objectives[0]
+    cfg = spec.cell_config(value, objective, 0)
     runtime = TrialRuntime(
         "s",
-        "vocab",
+        spec.axis.name,
         "sweep-ctrl-c",
         None,
         str(tmp_path),
@@ -375,15 +387,17 @@ def test_trials_cut_short_by_ctrl_c_are_killed_not_stopped_by_asha(tmp_path, mlf
         1.0,
         0.0,
         env={"MLFLOW_TRACKING_URI": mlflow_store},
+        short=spec.axis.short,
     )
     cut = SimpleNamespace(
         metrics={"val/loss": 5.0},
-        config={"config": cfg.to_dict()},
+        config={"config": cfg.to_dict(), "value": value},
         error=None,
         path=str(tmp_path / "t1"),
     )
     child = MlflowTracker("sweep-ctrl-c", "t1", tracking_uri=mlflow_store)
-    write_run_ref(tmp_path / run_name(cfg, "vocab", "t1"), child.run_id, mlflow_store)
+    name = run_name(cfg.objective.name, spec.axis.short, value, cfg.run.seed, "t1")
+    write_run_ref(tmp_path / name, child.run_id, mlflow_store)
 
     assert _rows([cut], spec, runtime, search=True)[0]["status"] == "STOPPED"  # ASHA
     rows = _rows([cut], spec, runtime, search=False, interrupted=True)
