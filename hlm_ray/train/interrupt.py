@@ -98,6 +98,8 @@ class tune_interrupt:
             file=sys.stderr,
             flush=True,
         )
+        if not callable(signal.getsignal(signal.SIGUSR1)):  # Tune is not listening here
+            raise KeyboardInterrupt
         os.kill(os.getpid(), signal.SIGUSR1)  # Tune's "stop the experiment" signal
 
     def __exit__(self, *exc):
