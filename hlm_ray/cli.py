@@ -3,7 +3,8 @@
     hlm train --preset tiny-decoder --objective headless --output runs/tiny-headless
     hlm train --preset bert-small --config my.yaml --set optim.lr=3e-4 --set data.seq_len=64
     hlm train --preset tiny-decoder --num-workers 2               # 2 Ray Train workers (gloo)
-    hlm train --resume runs/tiny-headless --set optim.max_steps=300
+    hlm train --resume runs/tiny-headless --set optim.max_steps=300   # the run's own config
+    hlm sync runs/tiny-headless              # send what MLflow missed during a tracking outage
     hlm compare --preset tiny-decoder --output runs/compare    # headless and vanilla, side by side
     hlm presets                                                 # list the presets
     hlm finetune --task clm --model runs/tiny-headless --register hlm-tiny-generator  # -> a generator
@@ -12,12 +13,14 @@
     hlm serve --model models:/hlm-tiny-generator/1                # OpenAI-style HTTP endpoint
     hlm bench --preset cpu                                           # headless vs vanilla speed
 
-Bad input prints one line, ``error: ...``, and exits with status 2.
+Bad input prints one line, ``error: ...``, and exits with status 2; Ctrl-C stops the run
+(its MLflow run marked KILLED), prints the command that continues it and exits with 130.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -26,7 +29,7 @@ from hlm_ray.paths import resolve_output
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny-decoder", help="named preset (hlm presets)")
+    p.add_argument("--preset", help="named preset (hlm presets; default tiny-decoder)")
     p.add_argument("--objective", help="headless | vanilla | mixed (default: the preset's)")
     p.add_argument("--config", help="YAML file of overrides (nested sections)")
     p.add_argument(
@@ -39,17 +42,21 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _launch_args(p: argparse.ArgumentParser) -> None:
+    # Defaults are filled in by `_launch_settings` (a resumed run takes its own saved ones).
     p.add_argument(
-        "--local", action="store_true", help="run in this process, without Ray (debugging)"
+        "--local",
+        action="store_true",
+        default=None,
+        help="run in this process, without Ray (debugging)",
     )
-    p.add_argument("--num-workers", type=int, default=1, help="Ray Train workers (default 1)")
+    p.add_argument("--num-workers", type=int, help="Ray Train workers (default 1)")
     p.add_argument("--gpu", action="store_true", default=None, help="one GPU per worker")
-    p.add_argument("--cpus-per-worker", type=float, default=1.0)
+    p.add_argument("--cpus-per-worker", type=float, help="default 1")
     p.add_argument(
-        "--max-failures", type=int, default=2, help="worker-group restarts from the last checkpoint"
+        "--max-failures", type=int, help="worker-group restarts from the last checkpoint (2)"
     )
     p.add_argument("--storage-path", help="Ray storage (default: the output folder's parent)")
-    p.add_argument("--experiment", default="hlm_ray", help="MLflow experiment name")
+    p.add_argument("--experiment", help="MLflow experiment name (default hlm_ray)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,7 +67,14 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(train)
     _launch_args(train)
     train.add_argument("--output", help="run folder (default runs/<preset>-<objective>)")
-    train.add_argument("--resume", help="a run folder (or checkpoint folder) to continue")
+    train.add_argument(
+        "--resume",
+        help="a run folder (its newest valid checkpoint) or a checkpoint folder to continue, "
+        "with the run's own config and launch settings",
+    )
+
+    sync = sub.add_parser("sync", help="send a run's metrics that MLflow missed (an outage)")
+    sync.add_argument("run", help="the run folder (an `hlm train --output`)")
 
     compare = sub.add_parser("compare", help="pretrain headless and vanilla, print both")
     _config_args(compare)
@@ -125,15 +139,31 @@ def _load(args, output: str | None, objective: str | None):
     overrides = list(args.set)
     if output:
         overrides.append(f"run.output_dir={resolve_output(output)}")
-    return load_config(args.preset, objective=objective, yaml_file=args.config, overrides=overrides)
+    return load_config(
+        args.preset or "tiny-decoder",
+        objective=objective,
+        yaml_file=args.config,
+        overrides=overrides,
+    )
 
 
-def _run(cfg, args, *, resume: Path | None = None) -> dict:
-    """One training run, on Ray Train or (with --local) in this process."""
+def _launch_settings(args, run_dir: Path | None = None) -> None:
+    """Fill the launch flags not given: from the run's launch.json on resume, else defaults."""
+    from hlm_ray.train.resume import LAUNCH_DEFAULTS, launch_settings
+
+    given = {k: getattr(args, k, None) for k in LAUNCH_DEFAULTS}
+    vars(args).update(launch_settings(run_dir, given))
+
+
+def _run(cfg, args, *, resume: Path | None = None, resume_from: Path | None = None) -> dict:
+    """One training run, on Ray Train or (with --local) in this process. `resume` continues
+    the run folder; `resume_from` names the checkpoint to continue from."""
+    if args.num_workers is None:
+        _launch_settings(args)
     if args.local:
         from hlm_ray.train.launch import train_local
 
-        return train_local(cfg, experiment=args.experiment, resume_from=resume)
+        return train_local(cfg, experiment=args.experiment, resume_from=resume_from or resume)
     from hlm_ray.train.launch import launch
 
     return launch(
@@ -145,34 +175,71 @@ def _run(cfg, args, *, resume: Path | None = None) -> dict:
         storage_path=args.storage_path,
         experiment=args.experiment,
         resume=resume is not None,
+        resume_from=resume_from,
     )
 
 
 def cmd_train(args) -> int:
     from hlm_ray.train.checkpoint import refuse_existing, resolve_resume
+    from hlm_ray.train.launch import check_output, check_workers
+    from hlm_ray.train.resume import resumed_config, save_launch
     from hlm_ray.train.summary import format_summary
 
-    resume = None
+    resume = resume_from = None
     if args.resume:
         resume = resolve_resume(args.resume)
+        named = Path(args.resume).resolve() == resume.resolve()  # a checkpoint, not a run
+        resume_from = resume if named else None
         args.output = args.output or str(resume.parent)
-    objective = args.objective or "headless"
-    output = args.output or f"runs/{args.preset}-{objective}"
-    cfg = _load(args, output, args.objective)
-    if resume is None:
+        _launch_settings(args, resume.parent)
+        output = args.output
+        overrides = [*args.set, f"run.output_dir={resolve_output(output)}"]
+        cfg = resumed_config(
+            resume,
+            preset=args.preset,
+            objective=args.objective,
+            yaml_file=args.config,
+            overrides=overrides,
+        )
+    else:
+        _launch_settings(args)
+        objective = args.objective or "headless"
+        output = args.output or f"runs/{args.preset or 'tiny-decoder'}-{objective}"
+        cfg = _load(args, output, args.objective)
         refuse_existing(cfg.run.output_dir)
+    if not args.local:
+        check_workers(args.num_workers)
+    check_output(Path(cfg.run.output_dir))
+    save_launch(cfg.run.output_dir, vars(args))
     where = "this process" if args.local else f"Ray Train, {args.num_workers} worker(s)"
     print(f"training {cfg.preset} ({cfg.model.arch}, {cfg.objective.name}) on {where} -> {output}")
     try:
-        summary = _run(cfg, args, resume=resume)
+        summary = _run(cfg, args, resume=resume, resume_from=resume_from)
     except KeyboardInterrupt:
+        again = " ".join(
+            ["hlm train --resume", shlex.quote(str(output))]
+            + (["--config", shlex.quote(args.config)] if args.config else [])
+            + [f"--set {shlex.quote(s)}" for s in args.set]
+        )
         print(
-            f"\ninterrupted: the checkpoints in {output} are intact; "
-            f"continue with: hlm train --resume {output}",
+            f"\ninterrupted: the run is stopped and marked KILLED; the checkpoints in {output} "
+            f"are intact; continue with: {again}",
             file=sys.stderr,
         )
         return 130
     print(format_summary([summary]))
+    return 0
+
+
+def cmd_sync(args) -> int:
+    from hlm_ray.tracking.sync import sync_run
+
+    report = sync_run(args.run)
+    print(
+        f"synced {args.run} to MLflow run {report['run_id']}: {report['metrics_logged']} metric "
+        f"point(s), {report['params_logged']} param(s), "
+        f"{len(report['artifacts_logged'])} artifact(s) sent; status {report['status']}"
+    )
     return 0
 
 
@@ -181,7 +248,8 @@ def cmd_compare(args) -> int:
 
     from hlm_ray.train.summary import format_summary, plot_runs
 
-    root = Path(args.output or f"runs/compare-{args.preset}")
+    _launch_settings(args)
+    root = Path(args.output or f"runs/compare-{args.preset or 'tiny-decoder'}")
     summaries = []
     for objective in ("headless", "vanilla"):
         cfg = _load(args, str(root / objective), objective)
@@ -221,6 +289,7 @@ def _default_output(model: str, suffix: str) -> str:
 def cmd_finetune(args) -> int:
     from hlm_ray import downstream
 
+    _launch_settings(args)
     suffix = args.task.replace(":", "-")
     output = str(resolve_output(args.output or _default_output(args.model, suffix)))
     if args.task == "clm":
@@ -312,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         "presets": cmd_presets,
         "finetune": cmd_finetune,
         "eval": cmd_eval,
+        "sync": cmd_sync,
     }
     try:
         return handler.get(args.command, getattr(args, "handler", None))(args)

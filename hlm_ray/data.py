@@ -83,9 +83,49 @@ def _load_local(path: Path, text_field: str, sample_by: str) -> list[datasets.Da
         groups.setdefault(BUILDERS[p.suffix], []).append(str(p))
     return [
         # .txt rows are always "text"; text_field names the column of json/parquet files.
-        _only_text(_load(builder, group, sample_by), _field(builder, text_field), str(path))
+        _only_text(_load_checked(builder, group, sample_by), _field(builder, text_field), str(path))
         for builder, group in groups.items()
     ]
+
+
+def _load_checked(builder: str, files: list[str], sample_by: str) -> datasets.Dataset:
+    """`_load`, naming the file when one is not UTF-8 text (binary, Latin-1): the datasets
+    library raises a long `DatasetGenerationError` that names none."""
+    try:
+        return _load(builder, files, sample_by)
+    except Exception:
+        if builder in ("text", "json"):
+            for name in files:
+                problem = not_utf8(Path(name))
+                if problem:
+                    raise HLMError(
+                        f"{name} is not UTF-8 text ({problem}); convert it (e.g. `iconv -f "
+                        "latin1 -t utf-8`) or remove it from data.sources"
+                    ) from None
+        raise
+
+
+def not_utf8(path: Path, chunk: int = 1 << 20) -> str | None:
+    """Why `path` is not UTF-8 text (a NUL byte, an invalid sequence at some offset), or None."""
+    import codecs
+
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset = 0
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            nul = block.find(b"\0")
+            if nul >= 0:
+                return f"a NUL byte at offset {offset + nul}: binary data"
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as err:
+                return f"byte 0x{block[err.start]:02x} at offset {offset + err.start} is not UTF-8"
+            offset += len(block)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        return "it ends inside a UTF-8 sequence"
+    return None
 
 
 def _field(builder: str, text_field: str) -> str:

@@ -104,3 +104,78 @@ def test_a_run_that_keeps_failing_reports_the_error_and_keeps_its_checkpoints(
     experiment = client.get_experiment_by_name("test-ray-fail")
     (run,) = client.search_runs([experiment.experiment_id])
     assert run.info.status == "FAILED"
+
+
+def test_ctrl_c_damaged_checkpoints_and_resume_on_ray(ray_cluster, mlflow_store, tmp_path, capsys):
+    """Issue 14's Ray faults in one run: Ctrl-C (KILLED, no traceback), a damaged newest
+    checkpoint and a half-copied one (skipped, set aside; Ray's snapshot does not decide), the
+    resume adds no duplicate MLflow points, and an explicit older checkpoint is honoured."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from mlflow import MlflowClient
+
+    from hlm_ray.config import apply_overrides
+    from hlm_ray.train.interrupt import RunInterrupted
+
+    out = tmp_path / "faulty"
+    cfg = cfg_for(out, **{"optim.max_steps": 400, "run.log_every": 4, "run.eval_every": 400})
+
+    def ctrl_c_after_two_checkpoints():
+        deadline = time.monotonic() + 300
+        while len(ckpt.list_checkpoints(out)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=ctrl_c_after_two_checkpoints, daemon=True).start()
+    with pytest.raises(RunInterrupted):
+        launch(cfg, num_workers=1, experiment="test-ray-faults")
+    client = MlflowClient(mlflow_store)
+    (run,) = client.search_runs([client.get_experiment_by_name("test-ray-faults").experiment_id])
+    assert run.info.status == "KILLED"
+    steps = [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(out)]
+    assert len(steps) >= 2 and steps[-1] < 400
+
+    # The newest checkpoint's weights are truncated and a copy was cut short after it.
+    newest = ckpt.list_checkpoints(out)[-1]
+    weights = newest / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    half = out / f"checkpoint_{steps[-1] + 8:08d}"
+    half.mkdir()
+    (half / "config.yaml").write_text("partial")
+    fallback = steps[-2]
+    end = steps[-1] + 8
+    summary = launch(
+        apply_overrides(cfg, {"optim.max_steps": end}),
+        num_workers=1,
+        experiment="test-ray-faults",
+        resume=True,
+    )
+    err = capsys.readouterr().err
+    assert f"set aside damaged checkpoint(s): {newest.name}" in err and half.name in err
+    assert summary["steps"] == end
+    assert (out / f"damaged-{newest.name}").is_dir() and (out / f"damaged-{half.name}").is_dir()
+    assert ckpt.verify(half) is None  # the step was saved again, whole
+    assert [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(out)][-1] == end
+    metric_steps = [r["step"] for r in read_metrics(out) if "train/loss" in r]
+    assert metric_steps == list(range(4, end + 1, 4))  # redone steps replaced, not repeated
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert sorted(m.step for m in history) == list(range(4, end + 1, 4))  # no duplicates
+    resumed = client.get_run(run.info.run_id)
+    assert resumed.info.status == "FINISHED"
+    assert resumed.data.params["optim.max_steps"] == "400"  # what the run started with
+    assert resumed.data.tags["param_changed.optim.max_steps"] == str(end)
+    assert fallback < steps[-1]
+
+    # An explicit older checkpoint is honoured: later ones go, the run continues from it.
+    first = ckpt.list_checkpoints(out)[0]
+    launch(
+        apply_overrides(cfg, {"optim.max_steps": ckpt.checkpoint_step(first) + 8}),
+        num_workers=1,
+        experiment="test-ray-faults",
+        resume_from=first,
+    )
+    kept = [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(out)]
+    assert kept == [ckpt.checkpoint_step(first), ckpt.checkpoint_step(first) + 8]

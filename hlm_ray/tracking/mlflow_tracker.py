@@ -13,8 +13,10 @@ tagged with `git_commit()` (``mlflow.source.git.commit``) and the user; `parent_
 Tracking never stops training: if the store cannot be reached or a call fails, `MlflowTracker`
 logs one warning saying why and ignores every later call (the JSONL tracker keeps recording).
 An unreachable HTTP server is detected up front with a short TCP probe; a server that goes away
-mid-run costs one stall of MLflow's own retries (minutes by default: bound it with
-``MLFLOW_HTTP_REQUESTMAX_RETRIES`` and ``MLFLOW_HTTP_REQUEST_TIMEOUT``).
+mid-run costs one short stall: `store.bound_http_waits` gives MLflow's HTTP client a 5 s timeout
+and one retry unless ``MLFLOW_HTTP_REQUEST_TIMEOUT`` / ``MLFLOW_HTTP_REQUEST_MAX_RETRIES`` /
+``MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR`` are set (MLflow's defaults wait minutes). What MLflow
+missed is in ``metrics.jsonl``; `hlm_ray.tracking.sync` replays it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from hlm_ray.tracking.store import (
     MAX_PARAMS_TAGS_PER_BATCH,
     MAX_TAG_VALUE,
     artifact_location,
+    bound_http_waits,
     chunks,
     clip,
     default_tracking_uri,
@@ -72,6 +75,7 @@ class MlflowTracker(Tracker):
         parent_run_id: str | None = None,
         tags: dict[str, Any] | None = None,
     ):
+        bound_http_waits()
         self.experiment = experiment
         self.tracking_uri = tracking_uri or default_tracking_uri()
         self.run_id: str | None = None

@@ -8,7 +8,8 @@ writes. When ``MLFLOW_TRACKING_URI`` already names a server (http/https) or anot
 it is used as is. Otherwise (unset, or a sqlite file) a server is started on loopback over the
 same sqlite store and artifact folder the embedded tracker uses
 (`hlm_ray.tracking.store.default_tracking_uri`), so ``mlflow ui --backend-store-uri sqlite:///mlflow.db``
-shows the sweep afterwards; it is stopped when the block exits (and at interpreter exit).
+shows the sweep afterwards; it is stopped when the block exits (and at interpreter exit), and
+runs under `hlm_ray.watchdog`, so it also dies with a driver killed by SIGKILL.
 
 The server runs as ``python -m mlflow server`` (a subprocess: this module does not import
 mlflow). Start-up takes 10-45 s on a busy 2-core machine (more on a fresh store: it migrates).
@@ -17,8 +18,6 @@ mlflow). Start-up takes 10-45 s on a busy 2-core machine (more on a fresh store:
 from __future__ import annotations
 
 import atexit
-import os
-import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from pathlib import Path
 
 from hlm_ray.errors import HLMError
 from hlm_ray.tracking.store import default_tracking_uri, sqlite_path
+from hlm_ray.watchdog import spawn_guarded, stop_group
 
 START_TIMEOUT_S = 180.0
 
@@ -91,10 +91,9 @@ class LocalServer:
         self.artifacts.mkdir(parents=True, exist_ok=True)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_file.open("ab")
-        # Its own process group: stopping it also stops the server's worker processes.
-        self.process = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        # Its own process group under a watchdog: stopping it also stops the server's worker
+        # processes, and so does the death of this process, even by SIGKILL.
+        self.process = spawn_guarded(self.command(), stdout=log, stderr=subprocess.STDOUT)
         log.close()
         atexit.register(self.stop)
         print(f"MLflow: starting a local tracking server at {self.uri} (store {self.db})")
@@ -125,17 +124,9 @@ class LocalServer:
 
     def stop(self) -> None:
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        try:
+        if process is not None:
             # SIGINT (Ctrl-C): the server shuts down at once; it lingers on SIGTERM.
-            os.killpg(process.pid, signal.SIGINT)
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=5)
-        except ProcessLookupError:
-            pass
+            stop_group(process)
 
 
 def free_port() -> int:

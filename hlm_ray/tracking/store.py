@@ -33,6 +33,19 @@ MAX_METRICS_PER_BATCH = 1000
 MAX_PARAM_VALUE = 6000
 MAX_TAG_VALUE = 8000
 PROBE_TIMEOUT_S = 3.0
+# hlm's own MLflow calls: a tracking outage must cost training seconds, not MLflow's minutes.
+HTTP_WAITS = {
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "5",
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.2",
+}
+
+
+def bound_http_waits() -> None:
+    """Short MLflow HTTP timeouts and retries in this process, unless the user set them."""
+    for key, value in HTTP_WAITS.items():
+        os.environ.setdefault(key, value)
 
 
 def mlflow_dir() -> Path:

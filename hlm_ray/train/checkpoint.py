@@ -6,17 +6,24 @@ A checkpoint is a folder:
       model/              save_pretrained() output + the tokenizer (+ token_bytes.npy)
       train_state.pt      optimizer, scheduler, step, RNG states, metrics at this step
       config.yaml         the resolved hlm_ray config
-      hlm_checkpoint.json {"step": 50, ...}: written last, so its presence means "complete"
+      hlm_checkpoint.json {"step": 50, ..., "files": {path: {"size", "sha256"}}}: the manifest,
+                          written last, so its presence means "complete"
 
-`save_checkpoint` builds the folder under a temporary name and renames it into place, so an
-interrupted save (Ctrl-C, a killed worker) never leaves a half-written checkpoint behind.
+`write_checkpoint` builds the folder under a temporary name and renames it into place, so an
+interrupted save (Ctrl-C, a killed worker) never leaves a half-written checkpoint behind. Copies
+made by others (Ray uploads a checkpoint file by file; a killed driver can leave a folder with
+some of the files) are caught by the manifest: `verify` checks every file's size and checksum,
+and `latest_valid` takes the newest checkpoint that passes, naming the ones it skipped.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import os
 import random
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -28,6 +35,10 @@ from hlm_ray.errors import HLMError
 
 MARKER = "hlm_checkpoint.json"
 PREFIX = "checkpoint_"
+DAMAGED_PREFIX = "damaged-"  # a damaged checkpoint is renamed aside: damaged-checkpoint_N
+RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of reported checkpoints
+
+log = logging.getLogger(__name__)
 
 
 def rng_state() -> dict[str, Any]:
@@ -69,14 +80,63 @@ def write_checkpoint(
     save_tokenizer(tokenizer, tmp / "model")
     torch.save(train_state, tmp / "train_state.pt")
     (tmp / "config.yaml").write_text(config_yaml)
-    (tmp / MARKER).write_text(json.dumps(meta, indent=2))
+    write_manifest(tmp, meta)
     if folder.exists():  # re-saving the same step after a restart: replace the old one
         shutil.rmtree(folder)
     os.replace(tmp, folder)
     return folder
 
 
+def write_manifest(folder: Path, meta: dict[str, Any]) -> None:
+    """The marker file, last: `meta` plus every other file's size and sha256."""
+    folder = Path(folder)
+    files = {
+        p.relative_to(folder).as_posix(): {"size": p.stat().st_size, "sha256": _sha256(p)}
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != MARKER
+    }
+    tmp = folder / f".{MARKER}.tmp"
+    tmp.write_text(json.dumps({**meta, "files": files}, indent=2))
+    os.replace(tmp, folder / MARKER)
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def verify(folder: Path) -> str | None:
+    """None when `folder` is a complete checkpoint; else what is wrong with it, in a few words."""
+    folder = Path(folder)
+    marker = folder / MARKER
+    if not marker.is_file():
+        return f"no {MARKER} (an interrupted copy)"
+    try:
+        meta = json.loads(marker.read_text())
+        int(meta["step"])
+    except (ValueError, KeyError, TypeError, OSError):
+        return f"unreadable {MARKER}"
+    files = meta.get("files")
+    if files is None:  # written before checkpoints had manifests: the files must be there
+        legacy = ("train_state.pt", "config.yaml")
+        missing = [n for n in legacy if not (folder / n).is_file()]
+        return f"{missing[0]} is missing" if missing else None
+    if not isinstance(files, dict) or not files:
+        return f"{MARKER} lists no files"
+    for name, want in files.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        size = path.stat().st_size
+        if size != want.get("size"):
+            return f"{name} has {size} bytes, the manifest says {want.get('size')}"
+        if _sha256(path) != want.get("sha256"):
+            return f"{name} does not match its checksum"
+    return None
+
+
 def is_checkpoint(folder: Path) -> bool:
+    """A folder with the marker (complete when written; `verify` checks its files)."""
     return (Path(folder) / MARKER).is_file()
 
 
@@ -84,27 +144,137 @@ def checkpoint_step(folder: Path) -> int:
     return int(json.loads((Path(folder) / MARKER).read_text())["step"])
 
 
+def _folder_step(folder: Path) -> int:
+    """The step from the folder's name (checkpoint_00000150 -> 150), -1 if it has none."""
+    match = re.fullmatch(rf"{PREFIX}(\d+)", Path(folder).name)
+    return int(match.group(1)) if match else -1
+
+
 def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first."""
+    """Checkpoints under `root` with their marker, oldest first (not verified: see
+    `latest_valid`)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.glob(f"{PREFIX}*") if is_checkpoint(p)]
+    found = [p for p in root.glob(f"{PREFIX}*") if p.is_dir() and is_checkpoint(p)]
     return sorted(found, key=checkpoint_step)
 
 
+def folders(root: Path) -> list[Path]:
+    """Every checkpoint_N folder under `root` (complete or not), by step, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [p for p in root.glob(f"{PREFIX}*") if p.is_dir() and _folder_step(p) >= 0]
+    return sorted(found, key=_folder_step)
+
+
+def newest_valid(root: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """(the newest checkpoint that passes `verify`, [(newer damaged folder, why)]). Checks from
+    the newest down and stops at the first that passes: older ones are not read."""
+    damaged = []
+    for folder in reversed(folders(root)):
+        problem = verify(folder)
+        if problem is None:
+            return folder, damaged[::-1]
+        damaged.append((folder, problem))
+    return None, damaged[::-1]
+
+
+def describe_damaged(damaged: list[tuple[Path, str]]) -> str:
+    return "; ".join(f"{p.name} ({why})" for p, why in damaged)
+
+
+def latest_valid(root: Path, *, warn: bool = True) -> Path | None:
+    """The newest checkpoint under `root` whose files match its manifest; the damaged ones
+    newer than it are named in one warning."""
+    newest, damaged = newest_valid(root)
+    if warn and damaged:
+        where = f"resuming from {newest.name}" if newest else "no valid checkpoint left"
+        log.warning(
+            "skipping damaged checkpoint(s) in %s: %s; %s", root, describe_damaged(damaged), where
+        )
+    return newest
+
+
+def set_aside(damaged: list[tuple[Path, str]]) -> list[Path]:
+    """Rename damaged folders to damaged-checkpoint_N (kept for inspection, never resumed
+    from, and out of the way of the step's next save)."""
+    moved = []
+    for folder, _ in damaged:
+        target = folder.with_name(DAMAGED_PREFIX + folder.name)
+        shutil.rmtree(target, ignore_errors=True)
+        try:
+            folder.rename(target)
+        except OSError:
+            continue
+        moved.append(target)
+    return moved
+
+
 def resolve_resume(path: str | Path) -> Path:
-    """A checkpoint folder, or a run folder's latest checkpoint; HLMError otherwise."""
+    """A checkpoint folder, or a run folder's newest valid checkpoint; HLMError otherwise.
+
+    An explicit checkpoint folder must pass `verify`; in a run folder, damaged checkpoints are
+    skipped (`prepare_resume` sets them aside and says so)."""
     path = Path(path)
-    if is_checkpoint(path):
-        return path
-    found = list_checkpoints(path)
-    if found:
-        return found[-1]
+    if _folder_step(path) >= 0 or is_checkpoint(path):
+        problem = verify(path) if path.is_dir() else "no such folder"
+        if problem is None:
+            return path
+        raise HLMError(
+            f"--resume {path}: damaged checkpoint ({problem}); pass the run folder "
+            f"{path.parent} to resume from its newest valid checkpoint"
+        )
+    found = latest_valid(path, warn=False)
+    if found is not None:
+        return found
+    _, damaged = newest_valid(path)
+    if damaged:
+        raise HLMError(
+            f"--resume {path}: every checkpoint is damaged: {describe_damaged(damaged)}; "
+            "start a new run with another --output"
+        )
     raise HLMError(
         f"--resume {path}: not a checkpoint (no {MARKER}) and no {PREFIX}* folders inside it; "
         "pass a run's output folder or one of its checkpoint_* folders"
     )
+
+
+def prepare_resume(root: Path, chosen: Path | None, *, explicit: bool = False) -> list[str]:
+    """Make the run folder agree with the checkpoint a run continues from: `chosen`, the newest
+    valid one (then every newer folder is damaged: set aside), or one the user named
+    (`explicit`: newer folders are removed, that work is redone). Ray's run snapshot is dropped
+    when it names a folder that is no longer there or not `chosen` (Ray would restore from its
+    own idea of the latest, or refuse a "corrupted run directory"). Returns what was done, one
+    line each, for the caller to print."""
+    root = Path(root)
+    notes = []
+    step = checkpoint_step(chosen) if chosen is not None else -1
+    newer = [p for p in folders(root) if _folder_step(p) > step and p != chosen]
+    if explicit and newer:
+        for folder in newer:
+            shutil.rmtree(folder, ignore_errors=True)
+        notes.append(
+            f"removed checkpoint(s) after step {step}: {', '.join(p.name for p in newer)} "
+            f"(continuing from {chosen.name})"
+        )
+    elif newer:
+        damaged = [(p, verify(p) or "newer than the one resumed from") for p in newer]
+        moved = set_aside(damaged)
+        where = f"resuming from {chosen.name}" if chosen is not None else "starting afresh"
+        notes.append(
+            f"set aside damaged checkpoint(s): {describe_damaged(damaged)}; {where} "
+            f"(kept as {', '.join(p.name for p in moved)})"
+        )
+    snapshot = root / RAY_SNAPSHOT
+    if snapshot.is_file():
+        named = set(re.findall(rf"{PREFIX}\d+", snapshot.read_text(errors="replace")))
+        present = {p.name for p in folders(root)}
+        if not named <= present or (chosen is not None and chosen.name not in named):
+            snapshot.unlink()
+            notes.append(f"dropped Ray's run snapshot (it named {', '.join(sorted(named))})")
+    return notes
 
 
 def refuse_existing(folder: str | Path) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -68,13 +69,27 @@ def _ray_worker(loop_config: dict[str, Any]) -> None:
         world_size=ctx.get_world_size(),
         device=ray.train.torch.get_device(),
     )
-    checkpoint = ray.train.get_checkpoint()  # the latest one, after a restart or on --resume
+    out_dir = Path(loop_config["config"]["run"]["output_dir"])
     kwargs = dict(env=env, reporter=RayReporter(), tracking=loop_config["tracking"])
+    checkpoint = ray.train.get_checkpoint()  # Ray's latest, after a restart or on --resume
     if checkpoint is None:
-        train_worker(loop_config["config"], **kwargs, progress=env.is_main)
-        return
-    with checkpoint.as_directory() as folder:
+        folder = ckpt.latest_valid(out_dir, warn=env.is_main)
         train_worker(loop_config["config"], **kwargs, resume_from=folder, progress=env.is_main)
+        return
+    with checkpoint.as_directory() as ray_folder:
+        folder = choose_resume(out_dir, Path(ray_folder), warn=env.is_main)
+        train_worker(loop_config["config"], **kwargs, resume_from=folder, progress=env.is_main)
+
+
+def choose_resume(out_dir: Path, ray_folder: Path | None, *, warn: bool = True) -> Path | None:
+    """Where a (re)started worker continues: the newest valid checkpoint in the run folder,
+    or Ray's when it is newer (a remote storage path) and valid. Ray's own pick can lag the
+    disk (a report still in flight when a worker died) or point at a damaged copy."""
+    disk = ckpt.latest_valid(out_dir, warn=warn) if out_dir.is_dir() else None
+    ray_ok = ray_folder is not None and ckpt.verify(ray_folder) is None
+    if ray_ok and (disk is None or ckpt.checkpoint_step(ray_folder) > ckpt.checkpoint_step(disk)):
+        return ray_folder
+    return disk
 
 
 def connect() -> None:
@@ -143,6 +158,65 @@ def check_storage(storage_path: str) -> None:
         ) from None
 
 
+def check_output(out_dir: Path) -> None:
+    """The run folder can be created and written (checked before any MLflow run is opened)."""
+    out_dir = Path(out_dir)
+    blocker = next((p for p in [out_dir, *out_dir.parents] if p.exists()), None)
+    if blocker is not None and not blocker.is_dir():
+        raise HLMError(
+            f"output {out_dir}: {blocker} is a file, not a folder; choose another --output"
+        )
+    created = [p for p in [out_dir, *out_dir.parents] if not p.exists()]
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f".hlm-write-probe-{os.getpid()}"
+        probe.write_text("ok")
+        probe.unlink()
+        for folder in created:  # leave no trace: later checks may still refuse the run
+            folder.rmdir()
+    except OSError as err:
+        raise HLMError(
+            f"output folder {out_dir} is not writable ({err.strerror}); choose another --output"
+        ) from None
+
+
+def check_workers(num_workers: int) -> None:
+    if num_workers < 1:
+        raise HLMError(f"--num-workers {num_workers}: use 1 or more (Ray Train workers)")
+
+
+def prepare_resume(
+    out_dir: Path, resume_from: str | Path | None, cfg: Config | None = None
+) -> Path | None:
+    """The checkpoint this run continues from (the named one, else the run folder's newest
+    valid one, else None for a fresh folder); damaged and superseded checkpoints are moved out
+    of the way and Ray's snapshot dropped when it disagrees (see `checkpoint.prepare_resume`)."""
+    from hlm_ray.train.resume import check_compatible
+
+    chosen = ckpt.resolve_resume(resume_from) if resume_from else None
+    if chosen is None and ckpt.folders(out_dir):
+        chosen = ckpt.latest_valid(out_dir, warn=False)
+    if chosen is not None and cfg is not None:
+        check_compatible(cfg, chosen)  # one line here, not a failing worker group
+    # Named, and older than the newest valid one: the later checkpoints are superseded.
+    explicit = chosen is not None and chosen != ckpt.latest_valid(out_dir, warn=False)
+    for note in ckpt.prepare_resume(out_dir, chosen, explicit=explicit):
+        print(f"warning: {note}", file=sys.stderr)
+    if chosen is not None and chosen.parent.resolve() != out_dir.resolve():
+        # A checkpoint from another run folder: its files are read in place, not moved.
+        return chosen
+    return ckpt.latest_valid(out_dir, warn=False) if chosen is not None else None
+
+
+def finish(tracker, out_dir: Path, status: str) -> None:
+    """End the MLflow run; the status is also kept in the run folder so that a run whose
+    server was down gets it from `hlm sync`."""
+    from hlm_ray.tracking.sync import record_status
+
+    record_status(out_dir, status)
+    tracker.finish(status)
+
+
 def open_mlflow_run(
     cfg: Config,
     out_dir: Path,
@@ -182,20 +256,36 @@ def train_local(
     progress: bool = True,
 ) -> dict[str, Any]:
     """The same run in this process, without Ray (`hlm train --local`, fine-tunes in a trial):
-    one MLflow run, marked FAILED if training raises."""
+    one MLflow run, marked KILLED on Ctrl-C and FAILED if training raises."""
+    from hlm_ray.tracking.sync import sync_quietly
+    from hlm_ray.train.interrupt import RunInterrupted
     from hlm_ray.train.loop import train_worker
 
+    out_dir = Path(cfg.run.output_dir)
+    check_output(out_dir)
+    # Bad input (an unreadable corpus, a tokenizer that cannot be built) fails before an MLflow
+    # run exists; both are cached, so the training function finds them built.
+    build_corpus(cfg, build_tokenizer(cfg))
+    if resume_from is not None:
+        resume_from = prepare_resume(out_dir, resume_from, cfg) or resume_from
     tracker, tracking = open_mlflow_run(
-        cfg, Path(cfg.run.output_dir), experiment=experiment, resume=resume_from is not None
+        cfg, out_dir, experiment=experiment, resume=resume_from is not None
     )
     try:
         summary = train_worker(
             cfg.to_dict(), tracking=tracking, resume_from=resume_from, progress=progress
         )
+    except KeyboardInterrupt:
+        finish(tracker, out_dir, "KILLED")
+        raise RunInterrupted() from None
     except BaseException:
-        tracker.finish("FAILED")
+        finish(tracker, out_dir, "FAILED")
         raise
-    tracker.finish("FINISHED")
+    finish(tracker, out_dir, "FINISHED")
+    if tracker.run_id is not None:
+        note = sync_quietly(out_dir)
+        if note:
+            print(note, file=sys.stderr)
     return summary
 
 
@@ -209,6 +299,7 @@ def launch(
     storage_path: str | None = None,
     experiment: str = "hlm_ray",
     resume: bool = False,
+    resume_from: str | Path | None = None,
     gpus_per_worker: float = 1.0,
     parent_run_id: str | None = None,
     tags: dict[str, Any] | None = None,
@@ -216,13 +307,20 @@ def launch(
 ) -> dict[str, Any]:
     """Train `cfg` on `num_workers` Ray Train workers; returns rank 0's run summary.
 
-    A sweep trial (Train inside Tune) passes `parent_run_id` (its MLflow run nests under the
-    sweep's), `tags`, and `callbacks=[TuneReportCallback()]` (reports reach Tune)."""
+    `resume` continues the run folder from its newest valid checkpoint; `resume_from` names a
+    checkpoint folder to continue from instead (later ones are removed). A sweep trial (Train
+    inside Tune) passes `parent_run_id` (its MLflow run nests under the sweep's), `tags`, and
+    `callbacks=[TuneReportCallback()]` (reports reach Tune)."""
     import ray.train
-    from ray.train.torch import TorchTrainer
 
+    from hlm_ray.tracking.sync import sync_quietly
+    from hlm_ray.train.interrupt import RunInterrupted, restore_sigint, trainer_class
+
+    check_workers(num_workers)
     cfg.optim.grad_accum_steps(num_workers)  # fails here, not in the workers
     out_dir = Path(cfg.run.output_dir).resolve()
+    resume = resume or resume_from is not None
+    check_output(out_dir)
     storage = storage_path or str(out_dir.parent)
     check_storage(storage)
     # Tokenizer and tokenized corpus are built here, once: bad input (a missing corpus, a
@@ -237,6 +335,9 @@ def launch(
     check_resources(num_workers, use_gpu, cpus_per_worker, gpus_per_worker)
     if not resume:
         ckpt.refuse_existing(out_dir)
+    elif storage_path is None or Path(storage).resolve() == out_dir.parent:
+        # The run folder is Ray's storage: the newest valid checkpoint in it decides.
+        prepare_resume(out_dir, resume_from, cfg)
 
     # Workers run elsewhere (another cwd, another node): give them absolute paths.
     cfg = apply_overrides(
@@ -254,7 +355,7 @@ def launch(
     resources = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if use_gpu else {})}
     cache = os.environ.get(CACHE_ENV)
     env = {CACHE_ENV: str(Path(cache).expanduser().resolve())} if cache else {}
-    trainer = TorchTrainer(
+    trainer = trainer_class()(
         _ray_worker,
         train_loop_config={"config": cfg.to_dict(), "tracking": tracking, "env": env},
         scaling_config=ray.train.ScalingConfig(
@@ -269,16 +370,32 @@ def launch(
         ),
     )
     try:
-        result = trainer.fit()
+        with restore_sigint():
+            result = trainer.fit()
+        if trainer.interrupted:
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        finish(tracker, out_dir, "KILLED")
+        raise RunInterrupted() from None
     except Exception as err:
-        tracker.finish("FAILED")
-        last = ckpt.list_checkpoints(out_dir)
-        kept = f"; last checkpoint: {last[-1]}" if last else ""
+        if trainer.interrupted:  # Ray's abort surfaced as an error: still a Ctrl-C
+            finish(tracker, out_dir, "KILLED")
+            raise RunInterrupted() from None
+        finish(tracker, out_dir, "FAILED")
+        last = ckpt.latest_valid(out_dir, warn=False)
+        kept = f"; last checkpoint: {last}" if last else ""
         raise HLMError(
             f"training failed after {max_failures} restart(s): "
             f"{str(err).strip().splitlines()[-1]}{kept}"
         ) from err
-    tracker.finish("FINISHED")
+    except BaseException:
+        finish(tracker, out_dir, "FAILED")
+        raise
+    finish(tracker, out_dir, "FINISHED")
+    if tracker.run_id is not None:
+        note = sync_quietly(out_dir)  # what the workers could not send (a tracking outage)
+        if note:
+            print(note, file=sys.stderr)
     summary_file = out_dir / "summary.json"
     if summary_file.exists():
         return json.loads(summary_file.read_text())

@@ -178,7 +178,9 @@ def _setup(cfg, env, reporter, tracking, resume_from) -> _Run:
     env = env or WorkerEnv(device=resolve_device(cfg.run.device))
     out_dir = Path(cfg.run.output_dir)
     reporter = reporter or LocalReporter(out_dir, cfg.run.keep_checkpoints)
-    tracker = _tracker(out_dir, tracking) if env.is_main else Tracker()
+    tracker = (
+        _tracker(out_dir, tracking, resuming=resume_from is not None) if env.is_main else Tracker()
+    )
     accum = cfg.optim.grad_accum_steps(env.world_size)
     torch.manual_seed(cfg.run.seed)
 
@@ -213,6 +215,8 @@ def _setup(cfg, env, reporter, tracking, resume_from) -> _Run:
         tracker.log_params(cfg.to_dict())
         tracker.set_tags(_tags(cfg, tokenizer, env, model, step_cost))
         tracker.log_metrics(describe(step_cost), step=0)
+    elif env.is_main:  # resumed: values changed by overrides are kept as param_changed.* tags
+        tracker.log_params(cfg.to_dict())
     amp = autocast_dtype(cfg.optim.precision, env.device)
     return _Run(
         cfg=cfg,
@@ -486,14 +490,17 @@ def _inject_failure(out_dir: Path, step: int) -> None:
         raise RuntimeError(f"injected failure at step {step} (run.fail_at_step)")
 
 
-def _tracker(out_dir: Path, tracking: dict[str, Any] | None) -> Tracker:
+def _tracker(out_dir: Path, tracking: dict[str, Any] | None, resuming: bool = False) -> Tracker:
     if not tracking or tracking.get("run_id") is None:  # no MLflow run could be opened
         return JsonlTracker(out_dir)
     from hlm_ray.tracking import MlflowTracker
+    from hlm_ray.tracking.sync import SkipLogged, last_logged_step
 
     mlflow = MlflowTracker(
         tracking["experiment"], tracking_uri=tracking["uri"], run_id=tracking["run_id"]
     )
+    if resuming:  # steps redone after the checkpoint were sent to MLflow already
+        mlflow = SkipLogged(mlflow, last_logged_step(out_dir))
     return MultiTracker(JsonlTracker(out_dir), mlflow)
 
 

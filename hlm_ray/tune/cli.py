@@ -6,12 +6,14 @@
     python sweeps/vocab.py --preset tiny --search --set sweep.search_samples=8
 
 Exit status: 0 when every trial finished, 1 when some failed (they are in the summary), 2 on
-bad input (one line, ``error: ...``).
+bad input (one line, ``error: ...``), 130 after Ctrl-C (trials stopped, their runs and the
+parent marked KILLED, the command that continues the sweep printed).
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from hlm_ray.errors import HLMError
@@ -52,9 +54,19 @@ def build_parser(axis: Axis, presets: dict[str, SweepSpec]) -> argparse.Argument
     return p
 
 
+def _with_name(argv: list[str], name: str) -> list[str]:
+    """The command's arguments with --name spelled out (resuming needs the same name)."""
+    if "--name" in argv or any(a.startswith("--name=") for a in argv):
+        return argv
+    return [*argv, "--name", name]
+
+
 def sweep_main(axis: Axis, presets: dict[str, SweepSpec], argv: list[str] | None = None) -> int:
     """Parse the script's arguments, run its sweep, print the table; the exit status."""
+    from hlm_ray.train.interrupt import EXIT_INTERRUPTED
+
     kind = axis.name
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser(axis, presets).parse_args(argv)
     flags = {
         "num_seeds": args.num_seeds,
@@ -81,11 +93,24 @@ def sweep_main(axis: Axis, presets: dict[str, SweepSpec], argv: list[str] | None
     except HLMError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C: the parent run is KILLED already
+        again = " ".join(shlex.quote(a) for a in [f"sweeps/{kind}.py", *_with_name(argv, name)])
+        print(f"\ninterrupted; continue with: python {again}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(f"\n== sweep {outcome.name}: {len(outcome.rows)} trial(s) in {outcome.seconds:.0f} s")
     print(outcome.table)
     print("\nfiles (also on the parent MLflow run):")
     for path in outcome.files:
         print(f"  {path}")
+    if outcome.interrupted:
+        killed = sum(r["status"] == "KILLED" for r in outcome.rows)
+        again = " ".join(shlex.quote(a) for a in [f"sweeps/{kind}.py", *_with_name(argv, name)])
+        print(
+            f"\ninterrupted: {killed} unfinished trial(s) stopped and marked KILLED; "
+            f"continue with: python {again}",
+            file=sys.stderr,
+        )
+        return EXIT_INTERRUPTED
     stopped = sum(r["status"] == "STOPPED" for r in outcome.rows)
     if stopped:
         print(f"\n{stopped} trial(s) stopped early by ASHA")

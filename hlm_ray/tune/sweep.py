@@ -52,6 +52,8 @@ class SweepOutcome:
     resumed: bool
     seconds: float
     real_vocab: dict[int, int] = field(default_factory=dict)
+    interrupted: bool = False
+    """Ctrl-C ended the sweep: unfinished trials are KILLED (their runs too), as is the parent."""
 
     @property
     def failed(self) -> list[dict[str, Any]]:
@@ -205,19 +207,22 @@ def run_sweep(
             f"sweep {name}: {'resuming' if resumed else 'starting'} {num_trials} trial(s), "
             f"{concurrency} at a time, in {folder}"
         )
+        from hlm_ray.train.interrupt import tune_interrupt
+
         try:
-            results = _tuner(spec, folder, runtime, search, concurrency, verbose).fit()
+            with tune_interrupt() as stop:
+                results = _tuner(spec, folder, runtime, search, concurrency, verbose).fit()
         except BaseException:
             parent.finish("KILLED")
             raise
-        rows = _rows(results, spec, runtime, search)
+        rows = _rows(results, spec, runtime, search, interrupted=stop.interrupted)
         _close_orphans(rows, spec, runtime)
         files = summary_mod.write_summary(rows, folder, axis=spec.axis, figures=not search)
         for path in files:
             parent.log_artifact(path)
         counts = {s: sum(r["status"] == s for r in rows) for s in ("FINISHED", "FAILED")}
         parent.log_metrics({f"trials_{k.lower()}": v for k, v in counts.items()}, step=0)
-        parent.finish("FINISHED")
+        parent.finish("KILLED" if stop.interrupted else "FINISHED")
     table = summary_mod.markdown_table(rows, spec.axis)
     return SweepOutcome(
         name=name,
@@ -229,6 +234,7 @@ def run_sweep(
         resumed=resumed,
         seconds=time.perf_counter() - started,
         real_vocab=real_vocab,
+        interrupted=stop.interrupted,
     )
 
 
@@ -323,7 +329,9 @@ def _tuner(spec, folder, runtime, search, concurrency, verbose):
     )
 
 
-def _rows(results, spec: SweepSpec, runtime: TrialRuntime, search: bool) -> list[dict]:
+def _rows(
+    results, spec: SweepSpec, runtime: TrialRuntime, search: bool, interrupted: bool = False
+) -> list[dict]:
     rows = []
     for result in results:
         metrics = result.metrics or {}
@@ -334,6 +342,8 @@ def _rows(results, spec: SweepSpec, runtime: TrialRuntime, search: bool) -> list
             status = "FAILED"
         elif "downstream/score" in metrics:
             status = "FINISHED"
+        elif interrupted:
+            status = "KILLED"  # stopped by Ctrl-C: it continues when the sweep is resumed
         else:
             status = "STOPPED"  # early-stopped by ASHA
         rows.append(
@@ -359,11 +369,11 @@ def _rows(results, spec: SweepSpec, runtime: TrialRuntime, search: bool) -> list
 
 
 def _close_orphans(rows, spec: SweepSpec, runtime: TrialRuntime) -> None:
-    """A trial stopped by ASHA was killed mid-run: mark its child MLflow run KILLED."""
+    """A trial stopped by ASHA or Ctrl-C was killed mid-run: mark its child MLflow run KILLED."""
     from hlm_ray.tracking import MlflowTracker, read_run_ref
 
     for row in rows:
-        if row["status"] != "STOPPED":
+        if row["status"] not in ("STOPPED", "KILLED"):
             continue
         ref = read_run_ref(Path(runtime.trials_dir) / row["run"])
         if ref is not None:

@@ -1,0 +1,164 @@
+"""Replay a run folder's records to its MLflow run: `hlm sync RUN`, and the end of every run.
+
+Training never waits on the tracking server: every metric is written to `metrics.jsonl` first,
+and the MLflow tracker turns itself off after its first failed call (with short HTTP timeouts,
+see `store.bound_http_waits`). What MLflow missed while the server was down is sent
+here, once it is back:
+
+    report = sync_run("runs/tiny-headless")      # {"run_id", "metrics_logged", "status", ...}
+
+Points MLflow already holds (same key and step) are not sent again, so syncing twice, or a run
+whose tracking never failed, adds nothing. The status the launcher meant to give the run
+(FINISHED, FAILED, KILLED: kept in `mlflow_run.json`) is applied, as are the params (from
+`params.json`) and the final artifacts, when the run lacks them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from hlm_ray.errors import HLMError
+from hlm_ray.tracking.base import RUN_REF_FILE as RUN_ID_FILE
+
+
+def read_run_file(out_dir: str | Path) -> dict[str, Any]:
+    path = Path(out_dir) / RUN_ID_FILE
+    if not path.is_file():
+        raise HLMError(
+            f"{out_dir} has no {RUN_ID_FILE}: not a run folder, or its MLflow run was never "
+            "opened; pass the --output folder of an `hlm train` run"
+        )
+    return json.loads(path.read_text())
+
+
+def record_status(out_dir: str | Path, status: str) -> None:
+    """Remember the status the run should end with (applied now, or by a later sync)."""
+    path = Path(out_dir) / RUN_ID_FILE
+    if path.is_file():
+        info = json.loads(path.read_text())
+        info["status"] = status
+        path.write_text(json.dumps(info))
+
+
+def sync_run(out_dir: str | Path, *, tracking_uri: str | None = None) -> dict[str, Any]:
+    """Send what the MLflow run lacks from `out_dir`; HLMError if the server cannot be reached."""
+    from hlm_ray.tracking import read_metrics
+    from hlm_ray.tracking.store import bound_http_waits, is_number, probe, redact
+
+    out_dir = Path(out_dir)
+    info = read_run_file(out_dir)
+    run_id = info["run_id"]
+    uri = tracking_uri or info.get("tracking_uri")
+    bound_http_waits()
+    try:
+        probe(uri)
+        from mlflow import MlflowClient
+        from mlflow.entities import Metric, Param
+
+        client = MlflowClient(tracking_uri=uri)
+        run = client.get_run(run_id)
+        rows = read_metrics(out_dir)
+        keys = sorted({k for row in rows for k in row if k != "step"})
+        have = {k: {m.step for m in client.get_metric_history(run_id, k)} for k in keys}
+        now = int(time.time() * 1000)
+        missing = [
+            Metric(key, float(value), now, int(row["step"]))
+            for row in rows
+            for key, value in row.items()
+            if key != "step" and is_number(value) and int(row["step"]) not in have[key]
+        ]
+        for start in range(0, len(missing), 1000):
+            client.log_batch(run_id, metrics=missing[start : start + 1000], synchronous=True)
+        params_logged = 0
+        params_file = out_dir / "params.json"
+        if not run.data.params and params_file.is_file():
+            params = [
+                Param(k, str(v)[:6000]) for k, v in json.loads(params_file.read_text()).items()
+            ]
+            for start in range(0, len(params), 100):
+                client.log_batch(run_id, params=params[start : start + 100], synchronous=True)
+            params_logged = len(params)
+        artifacts = _missing_artifacts(client, run_id, out_dir, info.get("status"))
+        for path, artifact_path in artifacts:
+            if path.is_dir():
+                client.log_artifacts(run_id, str(path), artifact_path)
+            else:
+                client.log_artifact(run_id, str(path), artifact_path)
+        status = run.info.status
+        wanted = info.get("status")
+        if wanted and wanted != status:
+            client.set_terminated(run_id, wanted)
+            status = wanted
+    except HLMError:
+        raise
+    except Exception as err:
+        line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise HLMError(
+            f"cannot sync {out_dir} to MLflow at {redact(uri)}: {type(err).__name__}: {line}; "
+            f"its metrics stay in {out_dir / 'metrics.jsonl'}; retry with `hlm sync {out_dir}`"
+        ) from None
+    return {
+        "run_id": run_id,
+        "metrics_logged": len(missing),
+        "params_logged": params_logged,
+        "artifacts_logged": [a for _, a in artifacts],
+        "status": status,
+    }
+
+
+def _missing_artifacts(client, run_id: str, out_dir: Path, status: str | None):
+    """A finished run's config, model and loss curve, when the run has none of them."""
+    if status != "FINISHED" or not (out_dir / "summary.json").is_file():
+        return []
+    present = {a.path for a in client.list_artifacts(run_id)}
+    wanted = [
+        (out_dir / "config.yaml", None),
+        (out_dir / "model", "model"),
+        (out_dir / "loss_curve.png", None),
+    ]
+    out = []
+    for path, artifact_path in wanted:
+        name = artifact_path or path.name
+        if path.exists() and name not in present:
+            out.append((path, artifact_path))
+    return out
+
+
+def sync_quietly(out_dir: str | Path) -> str | None:
+    """`sync_run` at the end of a run: a one-line note when something was sent or it failed."""
+    try:
+        report = sync_run(out_dir)
+    except HLMError as err:
+        return f"warning: {err}"
+    if report["metrics_logged"] or report["params_logged"] or report["artifacts_logged"]:
+        return (
+            f"MLflow: replayed {report['metrics_logged']} metric point(s) the tracking server "
+            f"missed to run {report['run_id']}"
+        )
+    return None
+
+
+class SkipLogged:
+    """Wraps a run's MLflow tracker after a resume: metric points at steps it was already sent
+    (up to `through`, the last step in `metrics.jsonl` before the resume) are not sent again,
+    so the redone steps after the checkpoint add no duplicate points."""
+
+    def __init__(self, tracker, through: int):
+        self.tracker = tracker
+        self.through = through
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        if step > self.through:
+            self.tracker.log_metrics(metrics, step)
+
+    def __getattr__(self, name: str):
+        return getattr(self.tracker, name)
+
+
+def last_logged_step(out_dir: str | Path) -> int:
+    from hlm_ray.tracking import read_metrics
+
+    return max((int(r["step"]) for r in read_metrics(out_dir)), default=-1)

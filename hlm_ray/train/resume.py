@@ -1,0 +1,118 @@
+"""`hlm train --resume RUN`: continue a run as it was started, not with today's defaults.
+
+The run's own config comes from the checkpoint it continues from (`config.yaml` in every
+checkpoint); `--config` and `--set` still apply on top (a changed value is recorded as a
+`param_changed.*` tag, so MLflow's params keep saying what the run started with). How it was
+launched (workers, CPUs, GPUs, --local, experiment) is kept in `<run>/launch.json` and used for
+every flag not given again.
+
+    cfg, launch = resumed_config(checkpoint, yaml_file=None, overrides=["optim.max_steps=300"])
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from hlm_ray.config import Config, apply_overrides
+from hlm_ray.errors import HLMError
+
+LAUNCH_FILE = "launch.json"
+LAUNCH_DEFAULTS = {
+    "local": False,
+    "num_workers": 1,
+    "gpu": None,
+    "cpus_per_worker": 1.0,
+    "max_failures": 2,
+    "storage_path": None,
+    "experiment": "hlm_ray",
+}
+
+
+def save_launch(out_dir: str | Path, settings: dict[str, Any]) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / LAUNCH_FILE).write_text(json.dumps({k: settings[k] for k in LAUNCH_DEFAULTS}, indent=1))
+
+
+def launch_settings(out_dir: str | Path | None, given: dict[str, Any]) -> dict[str, Any]:
+    """The run's saved launch settings (none without `out_dir`), overridden by the flags given
+    now (those not None)."""
+    path = Path(out_dir) / LAUNCH_FILE if out_dir else None
+    saved = json.loads(path.read_text()) if path and path.is_file() else {}
+    merged = {**LAUNCH_DEFAULTS, **saved}
+    merged.update({k: v for k, v in given.items() if k in LAUNCH_DEFAULTS and v is not None})
+    return merged
+
+
+def resumed_config(
+    checkpoint: Path,
+    *,
+    preset: str | None = None,
+    objective: str | None = None,
+    yaml_file: str | None = None,
+    overrides: list[str] = (),
+) -> Config:
+    """The config saved with `checkpoint`, then the YAML file and the dotted overrides."""
+    from hlm_ray.presets import load_config
+
+    path = Path(checkpoint) / "config.yaml"
+    try:
+        saved = Config.from_dict(yaml.safe_load(path.read_text()))
+    except (OSError, yaml.YAMLError, TypeError, AttributeError) as err:
+        raise HLMError(f"cannot read the run's config {path}: {err}".splitlines()[0]) from None
+    for flag, asked, had in (
+        ("--preset", preset, saved.preset),
+        ("--objective", objective, saved.objective.name),
+    ):
+        if asked is not None and asked != had:
+            raise HLMError(
+                f"{flag} {asked}: the run in {Path(checkpoint).parent} was trained with "
+                f"{flag} {had}; drop {flag} to continue it, or start a new run with --output"
+            )
+    cfg = saved
+    if yaml_file is not None:
+        # load_config reads and validates the file; only what it sets is applied here.
+        base = load_config(saved.preset if saved.preset != "custom" else "tiny-decoder")
+        from_file = load_config(base.preset, yaml_file=yaml_file)
+        changed = _diff(base.to_dict(), from_file.to_dict())
+        cfg = apply_overrides(cfg, changed)
+    if overrides:
+        cfg = apply_overrides(cfg, list(overrides))
+    return cfg
+
+
+def check_compatible(cfg: Config, checkpoint: Path) -> None:
+    """The model the run would build can load `checkpoint`: same architecture and vocabulary."""
+    path = Path(checkpoint) / "config.yaml"
+    if not path.is_file():
+        return
+    saved = yaml.safe_load(path.read_text()) or {}
+    now = cfg.to_dict()
+    for section, keys in (
+        ("model", ("arch", "num_layers", "hidden_size", "num_heads")),
+        ("tokenizer", ("kind", "vocab_size")),
+    ):
+        for key in keys:
+            had = (saved.get(section) or {}).get(key)
+            want = now[section].get(key)
+            if had is not None and had != want:
+                raise HLMError(
+                    f"checkpoint {checkpoint} was trained with {section}.{key}={had}, this run "
+                    f"asks for {want}; resume without --preset/--set {section}.{key} (the run's "
+                    "own config is used) or start a new run with --output"
+                )
+
+
+def _diff(base: dict, other: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in other.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_diff(base.get(key, {}), value, f"{name}."))
+        elif base.get(key) != value:
+            out[name] = value
+    return out

@@ -1,0 +1,406 @@
+"""Runs that survive their faults (issue 14), as plain functions: damaged and half-copied
+checkpoints, Ctrl-C, a tracking outage, orphan processes, bad input. The Ray end-to-end ones are
+in test_ray_train.py."""
+
+import http.server
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from hlm_ray.cli import main
+from hlm_ray.errors import HLMError
+from hlm_ray.paths import data_dir
+from hlm_ray.presets import load_config
+from hlm_ray.train import checkpoint as ckpt
+from hlm_ray.train.launch import choose_resume
+from hlm_ray.train.resume import check_compatible, resumed_config
+
+SHAKESPEARE = str(data_dir() / "corpus" / "en" / "tinyshakespeare.txt")
+
+
+def fake_checkpoint(root, step, preset="tiny-decoder", weights=b"w" * 1000):
+    """A checkpoint folder with the layout and manifest of a real one (no real weights)."""
+    folder = root / f"checkpoint_{step:08d}"
+    (folder / "model").mkdir(parents=True)
+    (folder / "model" / "model.safetensors").write_bytes(weights)
+    (folder / "train_state.pt").write_bytes(b"s" * 100)
+    (folder / "config.yaml").write_text(load_config(preset).to_yaml())
+    ckpt.write_manifest(folder, {"step": step})
+    return folder
+
+
+def test_the_manifest_catches_truncated_missing_and_changed_files(tmp_path):
+    folder = fake_checkpoint(tmp_path, 10)
+    assert ckpt.verify(folder) is None
+    files = json.loads((folder / ckpt.MARKER).read_text())["files"]
+    assert files["model/model.safetensors"]["size"] == 1000 and "sha256" in files["train_state.pt"]
+
+    weights = folder / "model" / "model.safetensors"
+    weights.write_bytes(b"w" * 10)
+    assert "model/model.safetensors has 10 bytes" in ckpt.verify(folder)
+    weights.write_bytes(b"x" * 1000)
+    assert "checksum" in ckpt.verify(folder)
+    weights.unlink()
+    assert "missing" in ckpt.verify(folder)
+    (folder / ckpt.MARKER).unlink()
+    assert "no hlm_checkpoint.json" in ckpt.verify(folder)
+
+
+def test_resume_falls_back_past_damaged_checkpoints_with_one_warning(tmp_path, caplog):
+    fake_checkpoint(tmp_path, 10)
+    fake_checkpoint(tmp_path, 20)
+    bad = fake_checkpoint(tmp_path, 30)
+    (bad / "train_state.pt").write_bytes(b"s")  # truncated
+    half = tmp_path / "checkpoint_00000040"  # a copy cut short by a SIGKILLed driver
+    half.mkdir()
+    (half / "config.yaml").write_text("x")
+
+    assert ckpt.resolve_resume(tmp_path).name == "checkpoint_00000020"
+    with caplog.at_level(logging.WARNING):  # a restarted worker group says it in one line
+        chosen = ckpt.latest_valid(tmp_path)
+    assert chosen.name == "checkpoint_00000020"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1
+    assert "checkpoint_00000030 (train_state.pt has 1 bytes" in warnings[0]
+    assert "checkpoint_00000040 (no hlm_checkpoint.json" in warnings[0]
+
+    # An explicit damaged checkpoint is refused in one line.
+    with pytest.raises(HLMError, match="damaged checkpoint") as err:
+        ckpt.resolve_resume(bad)
+    assert "\n" not in str(err.value)
+
+    # Before the run continues, the damaged folders are set aside (kept, never resumed from).
+    notes = ckpt.prepare_resume(tmp_path, chosen)
+    assert len(notes) == 1 and "checkpoint_00000030 (train_state.pt has 1 bytes" in notes[0]
+    assert "resuming from checkpoint_00000020" in notes[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "checkpoint_00000010",
+        "checkpoint_00000020",
+        "damaged-checkpoint_00000030",
+        "damaged-checkpoint_00000040",
+    ]
+
+
+def test_an_explicit_checkpoint_wins_and_ray_snapshot_is_dropped_when_it_disagrees(tmp_path):
+    ten, twenty = fake_checkpoint(tmp_path, 10), fake_checkpoint(tmp_path, 20)
+    snapshot = tmp_path / ckpt.RAY_SNAPSHOT
+    snapshot.write_text(json.dumps({"checkpoints": [str(ten), str(twenty)]}))
+    assert ckpt.prepare_resume(tmp_path, twenty) == []  # it agrees: Ray keeps its state
+    assert snapshot.exists()
+
+    notes = ckpt.prepare_resume(tmp_path, ckpt.resolve_resume(ten), explicit=True)
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["checkpoint_00000010"]
+    assert any("removed checkpoint(s) after step 10" in n for n in notes)
+    assert not snapshot.exists()  # it named checkpoint_20: Ray would have resumed from there
+
+    # Ray's snapshot one checkpoint behind the disk (a report still in flight): dropped too.
+    thirty = fake_checkpoint(tmp_path, 30)
+    snapshot.write_text(json.dumps({"checkpoints": [str(ten)]}))
+    ckpt.prepare_resume(tmp_path, thirty)
+    assert not snapshot.exists()
+
+
+def test_a_restarted_worker_takes_the_newest_valid_checkpoint_not_rays(tmp_path):
+    run = tmp_path / "run"
+    ray_pick = fake_checkpoint(run, 10)
+    newest = fake_checkpoint(run, 20)
+    assert choose_resume(run, ray_pick) == newest  # Ray lagged the disk
+    (newest / "train_state.pt").write_bytes(b"")
+    assert choose_resume(run, ray_pick) == ray_pick  # the newest is damaged
+    remote = fake_checkpoint(tmp_path / "remote", 30)  # a remote storage path, downloaded
+    assert choose_resume(run, remote) == remote
+    (remote / "train_state.pt").write_bytes(b"")
+    assert choose_resume(run, remote) == ray_pick
+
+
+def test_resume_uses_the_runs_own_config_and_refuses_another_model(tmp_path, capsys):
+    folder = fake_checkpoint(tmp_path / "enc", 10, preset="tiny-encoder")
+    cfg = resumed_config(folder, overrides=["optim.max_steps=400"])
+    assert cfg.model.family == "encoder" and cfg.optim.max_steps == 400
+
+    code = main(["train", "--local", "--resume", str(tmp_path / "enc"), "--preset", "tiny-decoder"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "\n" not in err
+    assert "was trained with --preset tiny-encoder; drop --preset" in err
+
+    other = resumed_config(folder, overrides=["model.num_layers=7"])
+    with pytest.raises(HLMError, match="model.num_layers=.*asks for 7"):
+        check_compatible(other, folder)
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--num-workers", "0"], "--num-workers 0: use 1 or more"),
+        (["--num-workers", "-1"], "--num-workers -1: use 1 or more"),
+        (["--local", "--output", "FILE"], "is a file, not a folder"),
+        (["--local", "--output", "FILE/run"], "is a file, not a folder"),
+        (["--local", "--output", "UNWRITABLE"], "is not writable"),
+        (["--local", "--set", "data.sources=[LATIN]"], "latin.txt is not UTF-8 text (byte 0xe9"),
+        (["--local", "--set", "data.sources=[BINARY]"], "binary.txt is not UTF-8 text (a NUL"),
+    ],
+)
+def test_bad_input_gives_one_line_and_no_running_run(args, message, tmp_path, capsys, mlflow_store):
+    from mlflow import MlflowClient
+
+    (tmp_path / "file").write_text("not a folder")
+    (tmp_path / "latin.txt").write_bytes("Ce café était fermé.\n".encode("latin-1") * 200)
+    (tmp_path / "binary.txt").write_bytes(bytes(range(256)) * 40)
+    unwritable = tmp_path / "ro"
+    unwritable.mkdir()
+    unwritable.chmod(0o500)
+    if os.geteuid() == 0:  # root writes anywhere: use a folder no one can write
+        unwritable = "/proc/hlm-cannot-write-here"
+    swap = {
+        "FILE": str(tmp_path / "file"),
+        "UNWRITABLE": str(unwritable),
+        "LATIN": str(tmp_path / "latin.txt"),
+        "BINARY": str(tmp_path / "binary.txt"),
+    }
+    args = [a.replace("FILE", swap["FILE"]).replace("UNWRITABLE", swap["UNWRITABLE"]) for a in args]
+    args = [a.replace("LATIN", swap["LATIN"]).replace("BINARY", swap["BINARY"]) for a in args]
+    if "--output" not in args:
+        args += ["--output", str(tmp_path / "out")]
+    experiment = f"bad-input-{abs(hash(message)) % 10**8}"
+    code = main(["train", "--experiment", experiment, *args])
+    # (datasets may draw its progress bar first: the error is the last line, and only one)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("error: ") and sum("error" in line for line in err) == 1, err
+    assert message in err[-1], err
+    exp = MlflowClient(mlflow_store).get_experiment_by_name(experiment)
+    runs = MlflowClient(mlflow_store).search_runs([exp.experiment_id]) if exp else []
+    assert not [r for r in runs if r.info.status == "RUNNING"]
+    unwritable_dir = tmp_path / "ro"
+    unwritable_dir.chmod(0o700)
+
+
+def test_ctrl_c_on_a_local_run_marks_it_killed_and_prints_the_command(
+    tmp_path, capsys, monkeypatch, mlflow_store
+):
+    from mlflow import MlflowClient
+
+    import hlm_ray.train.loop as loop
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "train_worker", interrupted)
+    out = tmp_path / "run"
+    code = main(
+        [
+            "train",
+            "--local",
+            "--output",
+            str(out),
+            "--experiment",
+            "ctrl-c",
+            "--set",
+            f"data.sources=[{SHAKESPEARE}]",
+            "--set",
+            "tokenizer.vocab_size=512",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == 130
+    assert (
+        f"continue with: hlm train --resume {out} --set 'data.sources=[{SHAKESPEARE}]' "
+        "--set tokenizer.vocab_size=512" in err
+    )
+    client = MlflowClient(mlflow_store)
+    (run,) = client.search_runs([client.get_experiment_by_name("ctrl-c").experiment_id])
+    assert run.info.status == "KILLED"
+    assert json.loads((out / "launch.json").read_text())["local"] is True
+
+
+def test_ctrl_c_on_a_sweep_stops_tune_and_says_so():
+    from hlm_ray.train.interrupt import tune_interrupt
+
+    asked = []
+    with tune_interrupt() as stop:
+        assert os.environ["TUNE_DISABLE_SIGINT_HANDLER"] == "1"
+        old = signal.signal(signal.SIGUSR1, lambda *a: asked.append("stop"))  # as Tune does
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+            assert stop.interrupted and asked == ["stop"]
+            with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C stops at once
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.2)
+        finally:
+            signal.signal(signal.SIGUSR1, old)
+    assert "TUNE_DISABLE_SIGINT_HANDLER" not in os.environ
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _vocab_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "sweeps" / "vocab.py"
+    spec = importlib.util.spec_from_file_location("sweep_vocab_faults", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_an_interrupted_sweep_exits_130_with_the_command_to_continue(monkeypatch, capsys):
+    import hlm_ray.tune.sweep as sweep
+
+    def interrupted(spec, *, name, search):
+        rows = [{"status": "FINISHED"}, {"status": "KILLED"}, {"status": "KILLED"}]
+        return sweep.SweepOutcome(name, None, rows, "", [], None, False, 1.0, interrupted=True)
+
+    monkeypatch.setattr(sweep, "run_sweep", interrupted)
+    code = _vocab_script().main(["--set", "optim.max_steps=20"])
+    err = capsys.readouterr().err
+    assert code == 130
+    assert "2 unfinished trial(s) stopped and marked KILLED" in err
+    assert "continue with: python sweeps/vocab.py --set optim.max_steps=20 --name vocab-tiny" in err
+
+
+class _Unavailable(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(503)
+        self.end_headers()
+
+    do_POST = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_tracking_outage_costs_seconds_and_sync_replays_the_metrics(
+    tmp_path, mlflow_store, monkeypatch, capsys
+):
+    from mlflow import MlflowClient
+
+    from hlm_ray.tracking import MlflowTracker
+    from hlm_ray.tracking.store import HTTP_WAITS
+    from hlm_ray.tracking.sync import record_status, sync_run
+
+    for key in HTTP_WAITS:
+        monkeypatch.delenv(key, raising=False)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Unavailable)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        started = time.monotonic()
+        down = MlflowTracker("outage", tracking_uri=f"http://127.0.0.1:{server.server_port}")
+        down.log_metrics({"train/loss": 1.0}, step=1)
+        took = time.monotonic() - started
+    finally:
+        server.shutdown()
+    assert down.run_id is None and "503" in (down.disabled_reason or "")
+    assert took < 8, took  # MLflow's own defaults retry for minutes
+
+    # The run's metrics were kept in metrics.jsonl; half of them reached MLflow.
+    run = tmp_path / "run"
+    run.mkdir()
+    live = MlflowTracker("outage", "run", tracking_uri=mlflow_store)
+    (run / "mlflow_run.json").write_text(
+        json.dumps({"run_id": live.run_id, "tracking_uri": mlflow_store})
+    )
+    rows = [{"step": s, "train/loss": 5.0 - s / 10, "train/lr": 0.01} for s in range(1, 11)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for row in rows[:5]:
+        live.log_metrics({k: v for k, v in row.items() if k != "step"}, step=row["step"])
+    record_status(run, "FINISHED")
+
+    assert main(["sync", str(run)]) == 0
+    assert "10 metric point(s)" in capsys.readouterr().out  # 5 steps × 2 keys were missing
+    client = MlflowClient(mlflow_store)
+    history = client.get_metric_history(live.run_id, "train/loss")
+    assert sorted(m.step for m in history) == list(range(1, 11))  # each step once
+    assert client.get_run(live.run_id).info.status == "FINISHED"
+    assert sync_run(run)["metrics_logged"] == 0  # nothing twice
+
+
+def test_a_guarded_child_dies_with_its_killed_parent(tmp_path):
+    # The "driver" starts a guarded process group (a process with a child of its own, like
+    # `mlflow server` and its workers), then is SIGKILLed.
+    script = (
+        "import sys, time\n"
+        "from hlm_ray.watchdog import spawn_guarded\n"
+        "cmd = [sys.executable, '-c', 'import subprocess, time; "
+        'subprocess.Popen(["sleep", "120"]); time.sleep(120)\']\n'
+        "p = spawn_guarded(cmd)\n"
+        "print(p.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    driver = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env)
+    group = int(driver.stdout.readline())
+    time.sleep(1.0)  # the guarded command has started its child
+    os.killpg(group, 0)  # alive
+    driver.kill()
+    driver.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(group, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    os.killpg(group, signal.SIGKILL)
+    pytest.fail("the guarded process group outlived its parent")
+
+
+def test_checkpoints_from_before_manifests_still_resume(tmp_path):
+    folder = fake_checkpoint(tmp_path, 10)
+    meta = json.loads((folder / ckpt.MARKER).read_text())
+    del meta["files"]
+    (folder / ckpt.MARKER).write_text(json.dumps(meta))
+    assert ckpt.verify(folder) is None
+    (folder / "train_state.pt").unlink()
+    assert ckpt.verify(folder) == "train_state.pt is missing"
+
+
+def test_trials_cut_short_by_ctrl_c_are_killed_not_stopped_by_asha(tmp_path, mlflow_store):
+    from types import SimpleNamespace
+
+    from mlflow import MlflowClient
+
+    from hlm_ray.tracking import MlflowTracker, write_run_ref
+    from hlm_ray.tune.spec import get_sweep
+    from hlm_ray.tune.sweep import _close_orphans, _rows
+    from hlm_ray.tune.trial import TrialRuntime, run_name
+
+    script = _vocab_script()
+    spec = get_sweep(script.PRESETS, "tiny", [])
+    value, objective = spec.values[0], spec.objectives[0]
+    cfg = spec.cell_config(value, objective, 0)
+    runtime = TrialRuntime(
+        "s",
+        spec.axis.name,
+        "sweep-ctrl-c",
+        None,
+        str(tmp_path),
+        "tiny",
+        1,
+        1.0,
+        0.0,
+        env={"MLFLOW_TRACKING_URI": mlflow_store},
+        short=spec.axis.short,
+    )
+    cut = SimpleNamespace(
+        metrics={"val/loss": 5.0},
+        config={"config": cfg.to_dict(), "value": value},
+        error=None,
+        path=str(tmp_path / "t1"),
+    )
+    child = MlflowTracker("sweep-ctrl-c", "t1", tracking_uri=mlflow_store)
+    name = run_name(cfg.objective.name, spec.axis.short, value, cfg.run.seed, "t1")
+    write_run_ref(tmp_path / name, child.run_id, mlflow_store)
+
+    assert _rows([cut], spec, runtime, search=True)[0]["status"] == "STOPPED"  # ASHA
+    rows = _rows([cut], spec, runtime, search=False, interrupted=True)
+    assert rows[0]["status"] == "KILLED"
+    _close_orphans(rows, spec, runtime)
+    assert MlflowClient(mlflow_store).get_run(child.run_id).info.status == "KILLED"
