@@ -49,7 +49,22 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
         "--max-failures", type=int, default=2, help="worker-group restarts from the last checkpoint"
     )
     p.add_argument("--storage-path", help="Ray storage (default: the output folder's parent)")
+    _device_arg(p)
     p.add_argument("--experiment", default="hlm_ray", help="MLflow experiment name")
+
+
+def _device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),  # hlm_ray.device.DEVICES (not imported: no torch here)
+        default="auto",
+        help="auto (default): the GPU when this process or Ray worker sees one, else the CPU",
+    )
+
+
+def _device_overrides(args) -> list[str]:
+    """--device as a config override; an explicit --set run.device=... still wins."""
+    return [] if args.device == "auto" else [f"run.device={args.device}"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--task", required=True, help="comma-separated: lambada,bpb,synonyms,...")
     ev.add_argument("--limit", type=int, help="examples per task (default: all)")
     ev.add_argument("--batch-size", type=int, default=32)
-    ev.add_argument("--device", default="cpu")
+    _device_arg(ev)
     ev.add_argument("--output", help="folder for the JSON results (default <model>/eval)")
     ev.add_argument("--experiment", default="hlm_ray", help="MLflow experiment name")
 
@@ -122,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _load(args, output: str | None, objective: str | None):
     from hlm_ray.presets import load_config
 
-    overrides = list(args.set)
+    overrides = [*_device_overrides(args), *args.set]
     if output:
         overrides.append(f"run.output_dir={resolve_output(output)}")
     return load_config(args.preset, objective=objective, yaml_file=args.config, overrides=overrides)
@@ -234,7 +249,7 @@ def cmd_finetune(args) -> int:
             output_dir=output,
             recipe=args.recipe,
             probe=args.probe,
-            overrides=args.set,
+            overrides=[*_device_overrides(args), *args.set],
             train=train,
             eval_limit=args.eval_limit or None,
             register=args.register,
@@ -263,6 +278,7 @@ def cmd_finetune(args) -> int:
                 settings[key] = getattr(args, key)
         if args.eval_file:
             settings["eval_file"] = args.eval_file
+        settings["device"] = args.device
         print(f"fine-tuning {args.model} on {args.task} ({args.recipe}) -> {output}")
         result = downstream.finetune_encoder(
             args.model,

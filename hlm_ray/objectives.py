@@ -45,6 +45,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from hlm_ray.device import float32_region
+
 IGNORE_INDEX = -100
 CWT_VARIANTS = ("plain", "dedup", "mask_same")
 CE_IMPLS = ("full", "chunked", "linear")
@@ -116,8 +118,10 @@ def _cwt_rows(
     log(count_u) is added to its logit; the positive still counts once. Returns the loss (K,)
     and, when col_ids_U is given, whether each row's top-scoring column has its own id (K,).
     """
-    # Scaling the K×D side is cheaper than dividing the K×U logits.
-    logits_KU = (pred_KD / temperature) @ cols_UD.T
+    # Scaling the K×D side is cheaper than dividing the K×U logits. Autocast off: the inputs are
+    # float32 and so are the logits, even inside a bf16 autocast region.
+    with float32_region(pred_KD.device.type):
+        logits_KU = (pred_KD / temperature) @ cols_UD.T
     correct_K = None
     if col_ids_U is not None:
         with torch.no_grad():
@@ -329,7 +333,8 @@ def cwt_loss_sampled(
 def _ce_rows(
     hidden_ND: Tensor, weight_VD: Tensor, bias_V: Tensor | None, labels_N: Tensor, ignore: int
 ) -> Tensor:
-    logits_NV = F.linear(hidden_ND, weight_VD, bias_V)
+    with float32_region(hidden_ND.device.type):  # float32 logits, also under autocast
+        logits_NV = F.linear(hidden_ND, weight_VD, bias_V)
     return F.cross_entropy(logits_NV, labels_N, ignore_index=ignore, reduction="none")
 
 
@@ -348,20 +353,23 @@ def cross_entropy_head(
 
     ``impl``: ``"full"`` materialises the N×V float32 logits; ``"chunked"`` holds only
     chunk_size×V logits at a time (row chunks with activation checkpointing, same result);
-    ``"linear"`` calls torch's fused ``F.linear_cross_entropy`` with its chunked path, which
-    picks its own chunk size per device and dtype (``chunk_size`` is not used there) and
-    accumulates half-precision inputs in float32, but returns the loss rounded to the input
-    dtype (bf16: ~3 significant digits). "mean" averages over non-ignored rows.
+    ``"linear"`` calls torch's fused ``F.linear_cross_entropy`` with the same ``chunk_size``
+    rows per chunk (``LinearCrossEntropyOptions(batch_chunk_size=...)``: torch's own heuristic
+    picks 1-2 rows a chunk on CPU, an unfairly slow baseline). All three compute float32 logits,
+    also under autocast. "mean" averages over non-ignored rows.
     """
     if impl not in CE_IMPLS:
         raise ValueError(f"impl={impl!r}; use one of {', '.join(CE_IMPLS)}")
     if impl == "linear":
-        return _fused_linear_cross_entropy(hidden, weight, bias, labels, ignore_index, reduction)
+        return _fused_linear_cross_entropy(
+            hidden, weight, bias, labels, ignore_index, reduction, chunk_size
+        )
     hidden, weight = _upcast(hidden), _upcast(weight)
     bias = None if bias is None else _upcast(bias)
     N = hidden.shape[0]
     if impl == "full" or chunk_size >= N:
-        logits_NV = F.linear(hidden, weight, bias)
+        with float32_region(hidden.device.type):  # float32 logits, also under autocast
+            logits_NV = F.linear(hidden, weight, bias)
         return F.cross_entropy(logits_NV, labels, ignore_index=ignore_index, reduction=reduction)
     # Chunked: the (upcast) weight is an input of every chunk, saved once by reference.
     loss_N = torch.cat(
@@ -392,6 +400,7 @@ def _fused_linear_cross_entropy(
     labels_N: Tensor,
     ignore_index: int,
     reduction: str,
+    chunk_size: int,
 ) -> Tensor:
     if not hasattr(F, "linear_cross_entropy"):
         raise RuntimeError(
@@ -399,20 +408,26 @@ def _fused_linear_cross_entropy(
             f"{torch.__version__} lacks; use impl='chunked' or a newer torch"
         )
     # The op needs one dtype; under autocast the hidden states are often bf16 and the weight
-    # float32. Promote rather than truncate the weight.
+    # float32. Promote rather than truncate the weight, and keep autocast from rounding the
+    # float32 chunks back to bf16 inside the op.
     dtype = torch.promote_types(hidden_ND.dtype, weight_VD.dtype)
-    loss = F.linear_cross_entropy(
-        hidden_ND.to(dtype),
-        weight_VD.to(dtype),
-        labels_N,
-        # The chunked path supports a (V,) bias natively, so nothing needs folding in.
-        linear_bias=None if bias_V is None else bias_V.to(dtype),
-        ignore_index=ignore_index,
-        reduction=reduction,
-        # options=None would be the unfused reference (full logits); this enables chunking.
-        options=torch.nn.LinearCrossEntropyOptions(),
+    # Explicit rows per chunk (the same as impl="chunked"), not torch's per-device heuristic.
+    options = torch.nn.LinearCrossEntropyOptions(
+        batch_chunk_size=max(1, min(chunk_size, hidden_ND.shape[0])), chunking_method=None
     )
-    return _upcast(loss)  # float32 like the other impls (the value is already bf16-rounded)
+    with float32_region(hidden_ND.device.type):
+        loss = F.linear_cross_entropy(
+            hidden_ND.to(dtype),
+            weight_VD.to(dtype),
+            labels_N,
+            # The chunked path supports a (V,) bias natively, so nothing needs folding in.
+            linear_bias=None if bias_V is None else bias_V.to(dtype),
+            ignore_index=ignore_index,
+            reduction=reduction,
+            # options=None would be the unfused reference (full logits); this enables chunking.
+            options=options,
+        )
+    return _upcast(loss)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from hlm_ray.config import Config
 from hlm_ray.data import BlockSampler, mask_tokens
+from hlm_ray.device import autocast, autocast_dtype, resolve_device
 from hlm_ray.flops import config_step_flops, describe, device_peak_flops, mfu
 from hlm_ray.models import build_model, init_from_pretrained, num_parameters
 from hlm_ray.tokenizer import token_byte_lengths
@@ -65,23 +66,6 @@ class LocalReporter:
 
     def checkpoint_folder(self, step: int) -> Path:
         return self.root / f"{ckpt.PREFIX}{step:08d}"
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        from hlm_ray.errors import HLMError
-
-        raise HLMError("run.device=cuda but no CUDA GPU is visible; use run.device=cpu")
-    return torch.device(name)
-
-
-def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    if precision == "auto":
-        ok = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if ok else None
-    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 
 @dataclass
@@ -175,7 +159,7 @@ def train_worker(
 def _setup(cfg, env, reporter, tracking, resume_from) -> _Run:
     """Tokenizer, corpus, model, objective, optimizer; restored from `resume_from` if given;
     parameters and tags logged on a fresh start."""
-    env = env or WorkerEnv(device=resolve_device(cfg.run.device))
+    env = env or WorkerEnv(device=resolve_device(cfg.run.device, option="run.device"))
     out_dir = Path(cfg.run.output_dir)
     reporter = reporter or LocalReporter(out_dir, cfg.run.keep_checkpoints)
     tracker = _tracker(out_dir, tracking) if env.is_main else Tracker()
@@ -253,7 +237,7 @@ def _step(run: _Run, step: int) -> None:
             negatives = gather_negative_ids(LMObjective.target_ids(input_ids, labels))
         sync = i == len(micro_batches) - 1 or env.world_size == 1
         seed = _stream(cfg.run.seed, step, env.rank, i)
-        with _no_sync(run.module, sync), _autocast(env.device, run.amp):
+        with _no_sync(run.module, sync), autocast(env.device, run.amp):
             out = run.module(input_ids, labels, negative_ids=negatives, negative_seed=seed)["loss"]
         run.scaler.scale(out.loss / run.accum).backward()
         run.loss_sum += out.loss.detach() / run.accum
@@ -395,7 +379,7 @@ def evaluate(module, val_blocks, cfg: Config, env: WorkerEnv, masking, token_byt
     for b in range(min(cfg.run.eval_batches, math.ceil(len(val_blocks) / mb))):
         idx = torch.arange(b * mb, min((b + 1) * mb, len(val_blocks)))
         input_ids, labels = _batch(val_blocks, idx, env, masking, cfg.run.seed, -1, b)
-        with _autocast(env.device, amp):
+        with autocast(env.device, amp):
             seed = _stream(cfg.run.seed, -1, env.rank, b)
             parts = inner(input_ids, labels, negative_seed=seed, return_accuracy=True)
         out = parts["loss"]
@@ -530,12 +514,6 @@ def _peak_memory(device: torch.device) -> dict[str, float]:
 
     # CPU: the process's peak resident set (KiB on Linux), the closest thing to device memory.
     return {"train/peak_mem_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-
-
-def _autocast(device: torch.device, dtype: torch.dtype | None):
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def _no_sync(module, sync: bool):
