@@ -103,6 +103,8 @@ class _Run:
     grad_norm: float = math.nan
     num_rows: float = math.nan
     """K of the last micro-batch (rows scored by the loss)."""
+    last_batch: tuple | None = None
+    """(input_ids, labels, negatives) of the last micro-batch."""
     best_val: float = math.inf
     last: dict[str, float] = field(default_factory=dict)
 
@@ -249,6 +251,7 @@ def _step(run: _Run, step: int) -> None:
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.num_rows = out.num_rows
+    run.last_batch = (input_ids, labels, negatives)  # for the measured U at log steps
     run.train_time += time.perf_counter() - step_start
     run.window_steps += 1
 
@@ -267,12 +270,29 @@ def _log_window(run: _Run, done: int) -> None:
         "train/K": float(run.num_rows),
         **_peak_memory(run.env.device),
     }
-    utilisation = mfu(run.step_cost.per_token * run.last["train/tokens_per_s"], run.peak_flops)
+    # Measured U: distinct ids among the last micro-batch's negatives (all workers' with
+    # cross-worker negatives); the FLOP model and MFU use it, not the bound min(W·K, V).
+    U = measured_unique_columns(*run.last_batch)
+    cost = config_step_flops(
+        run.cfg, len(run.tokenizer), world_size=run.env.world_size, unique_columns=U
+    )
+    run.last["train/U"] = float(U)
+    run.last["train/flops_per_token"] = cost.per_token
+    utilisation = mfu(cost.per_token * run.last["train/tokens_per_s"], run.peak_flops)
     if utilisation is not None:
         run.last["train/mfu"] = utilisation / run.env.world_size  # peak is per device
     run.tracker.log_metrics(run.last, step=done)
     run.loss_sum.zero_()
     run.window_steps, run.window_start = 0, time.perf_counter()
+
+
+def measured_unique_columns(
+    input_ids: torch.Tensor, labels: torch.Tensor | None, negatives: torch.Tensor | None
+) -> int:
+    """U of one micro-batch: distinct target ids, or distinct ids among all workers' negatives
+    when they were gathered (one host sync; called at log steps only)."""
+    ids = negatives if negatives is not None else LMObjective.target_ids(input_ids, labels)
+    return int(torch.unique(ids).numel())
 
 
 def _evaluate_now(run: _Run, done: int) -> None:

@@ -182,7 +182,10 @@ def final_metrics(
     the objective's loss, tokens/s, peak memory, the head's FLOP share, K, V and K/V."""
     metrics = summary.get("metrics") or {}
     vocab = int(summary["vocab_size"])
-    step = config_step_flops(cfg, vocab, world_size=workers)
+    U = metrics.get("train/U")  # measured; None: the min(W·K, V) bound
+    step = config_step_flops(
+        cfg, vocab, world_size=workers, unique_columns=None if U is None else int(U)
+    )
     rows = float(metrics.get("train/K", step.target_rows))
     # Two different quantities, kept apart. text_bpb: held-out text scored by a model with a
     # head (decoders: the fine-tuned generator). token_bpb: pretraining validation of a
