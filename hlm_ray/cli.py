@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     _launch_args(train)
     train.add_argument("--output", help="run folder (default runs/<preset>-<objective>)")
     train.add_argument("--resume", help="a run folder (or checkpoint folder) to continue")
+    from hlm_ray.plan import add_arguments as plan_arguments
+
+    plan_arguments(train)
 
     compare = sub.add_parser("compare", help="pretrain headless and vanilla, print both")
     _config_args(compare)
@@ -174,6 +177,19 @@ def cmd_train(args) -> int:
     objective = args.objective or "headless"
     output = args.output or f"runs/{args.preset}-{objective}"
     cfg = _load(args, output, args.objective)
+    if args.dry_run:
+        from hlm_ray.plan import assumptions_from, format_plan, train_plan
+
+        # A GPU-denominated plan: one GPU per worker, whether or not --gpu is given.
+        plan = train_plan(
+            cfg,
+            assumptions_from(args),
+            workers=args.num_workers,
+            gpus_per_worker=1.0,
+            cpus_per_worker=args.cpus_per_worker,
+        )
+        print(format_plan(plan))
+        return 0
     if resume is None:
         refuse_existing(cfg.run.output_dir)
     where = "this process" if args.local else f"Ray Train, {args.num_workers} worker(s)"

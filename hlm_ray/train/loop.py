@@ -103,6 +103,10 @@ class _Run:
     grad_norm: float = math.nan
     num_rows: float = math.nan
     """K of the last micro-batch (rows scored by the loss)."""
+    setup_s: float = 0.0
+    checkpoint_s: float = 0.0
+    entered: float = 0.0
+    entered_at: float = 0.0
     last_batch: tuple | None = None
     """(input_ids, labels, negatives) of the last micro-batch."""
     best_val: float = math.inf
@@ -126,9 +130,11 @@ def train_worker(
 
     `tracking` ({"uri": ..., "run_id": ...}) makes rank 0 log to that MLflow run as well as to
     `<output_dir>/metrics.jsonl`; the caller opened the run and closes it."""
+    entered, entered_at = time.perf_counter(), time.time()  # for summary["seconds"]
     cfg = Config.from_dict(config)
     _quiet_library_progress_bars()
     run = _setup(cfg, env, reporter, tracking, resume_from)
+    run.entered, run.entered_at = entered, entered_at
     bar = tqdm(
         total=cfg.optim.max_steps,
         initial=run.start,
@@ -140,6 +146,7 @@ def train_worker(
     )
     run.model.train()
     run.window_start = time.perf_counter()
+    run.setup_s = run.window_start - entered
     for step in range(run.start, cfg.optim.max_steps):
         if cfg.run.fail_at_step == step and run.env.rank == run.env.world_size - 1:
             _inject_failure(run.out_dir, step)
@@ -307,6 +314,7 @@ def _evaluate_now(run: _Run, done: int) -> None:
 def _checkpoint(run: _Run, done: int) -> None:
     """Write the step's checkpoint (rank 0), keep the final model and the best checkpoint
     beside it, and report to Ray (every rank)."""
+    saving = time.perf_counter()
     folder = _save(
         run.reporter.checkpoint_folder(done),
         run.model,
@@ -326,6 +334,7 @@ def _checkpoint(run: _Run, done: int) -> None:
         _copy_tree(folder, run.out_dir / BEST)
     run.reporter.report({**run.last, "step": done}, folder)
     run.window_start = time.perf_counter()
+    run.checkpoint_s += run.window_start - saving  # saving, copying, Ray's report
 
 
 def _finish(run: _Run) -> dict[str, Any]:
@@ -346,6 +355,16 @@ def _finish(run: _Run) -> dict[str, Any]:
         "parameters": num_parameters(run.model),
         "metrics": run.last,
         "model_dir": str(out_dir / "model"),
+        # Where the worker's time went (rank 0): building model and data, the optimizer steps
+        # (train), checkpoints with their reports, everything (worker); entered_at is the wall
+        # clock the launcher compares with its own.
+        "seconds": {
+            "setup": run.setup_s,
+            "train": run.train_time,
+            "checkpoint": run.checkpoint_s,
+            "worker": time.perf_counter() - run.entered,
+            "entered_at": run.entered_at,
+        },
     }
     if run.env.is_main:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))

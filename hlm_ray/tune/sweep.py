@@ -160,6 +160,7 @@ def run_sweep(
     search: bool = False,
     root: str | Path = SWEEPS_DIR,
     verbose: int = 1,
+    assumptions=None,
 ) -> SweepOutcome:
     from hlm_ray.train.launch import connect
 
@@ -180,6 +181,9 @@ def run_sweep(
 
     with tracking_server(folder / "mlflow_server.log") as uri:
         parent = _open_parent(spec, name, uri, state, search, concurrency, real_vocab)
+        from hlm_ray import plan as plan_mod
+
+        plan_mod.log_sweep_plan(parent, spec, name, assumptions, concurrency, folder, search)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / STATE_FILE).write_text(
             json.dumps(
@@ -217,6 +221,8 @@ def run_sweep(
             parent.log_artifact(path)
         counts = {s: sum(r["status"] == s for r in rows) for s in ("FINISHED", "FAILED")}
         parent.log_metrics({f"trials_{k.lower()}": v for k, v in counts.items()}, step=0)
+        seconds = time.perf_counter() - started
+        parent.log_metrics(plan_mod.measured_metrics(rows, seconds), step=0)
         parent.finish("FINISHED")
     table = summary_mod.markdown_table(rows, spec.axis)
     return SweepOutcome(

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ def run_name(objective: str, short: str, value: Any, seed: int, trial_id: str) -
 
 
 def run_trial(params: dict[str, Any], runtime: TrialRuntime) -> None:
+    started = time.perf_counter()
     cfg = Config.from_dict(params["config"])
     import ray.tune
 
@@ -67,8 +69,50 @@ def run_trial(params: dict[str, Any], runtime: TrialRuntime) -> None:
     out_dir = Path(runtime.trials_dir) / name
     cfg = apply_overrides(cfg, {"run.output_dir": str(out_dir)})
     summary = _pretrain(cfg, runtime, out_dir, trial_id)
+    pretrained = time.perf_counter()
     scores = _downstream(runtime, out_dir, Path(summary["model_dir"]))
-    ray.tune.report(final_metrics(cfg, summary, scores, runtime.workers))
+    finished = time.perf_counter()
+    metrics = final_metrics(cfg, summary, scores, runtime.workers)
+    metrics.update(trial_times(summary, started, pretrained, finished))
+    _log_times(runtime, out_dir, metrics)
+    ray.tune.report(metrics)
+
+
+def trial_times(
+    summary: dict[str, Any], started: float, pretrained: float, finished: float
+) -> dict[str, float]:
+    """Where a trial's wall time went (seconds). `trial/overhead_s` is all but the optimizer
+    steps: Ray Train start-up and teardown (`trainer`), the worker's model and data set-up,
+    checkpoints with their reports, and the downstream step."""
+    worker = summary.get("seconds") or {}
+    train = float(worker.get("train", 0.0))
+    pretrain = pretrained - started
+    out = {
+        "trial/wall_s": finished - started,
+        "trial/pretrain_s": pretrain,
+        "trial/train_s": train,
+        "trial/downstream_s": finished - pretrained,
+        "trial/overhead_s": finished - started - train,
+    }
+    if worker:  # absent for a trial whose training finished in an earlier attempt
+        out["trial/worker_setup_s"] = float(worker["setup"])
+        out["trial/checkpoint_s"] = float(worker["checkpoint"])
+        out["trial/trainer_s"] = pretrain - float(worker["worker"])
+    return out
+
+
+def _log_times(runtime: TrialRuntime, out_dir: Path, metrics: dict[str, float]) -> None:
+    """The time accounting on the trial's own MLflow run too (the child run is closed)."""
+    id_file = out_dir / RUN_ID_FILE
+    if not id_file.is_file():
+        return
+    from hlm_ray.tracking import MlflowTracker
+
+    times = {k: v for k, v in metrics.items() if k.startswith("trial/")}
+    run_id = json.loads(id_file.read_text())["run_id"]
+    tracker = MlflowTracker(runtime.experiment, run_id=run_id)  # reopened: set back to RUNNING
+    tracker.log_metrics(times, step=0)
+    tracker.finish("FINISHED")
 
 
 def _pretrain(cfg: Config, runtime: TrialRuntime, out_dir: Path, trial_id: str) -> dict[str, Any]:
