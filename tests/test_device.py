@@ -127,3 +127,52 @@ def test_linear_arm_uses_explicit_chunks(monkeypatch) -> None:
     assert seen["options"].batch_chunk_size == 16
     assert seen["options"].chunking_method is None
     assert_close(loss, F.cross_entropy(F.linear(hidden, weight), labels))
+
+
+def test_gpu_check_without_a_gpu_says_so_and_runs_nothing(monkeypatch, capsys, tmp_path):
+    from hlm_ray import gpu_check
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ran = []
+    monkeypatch.setattr(gpu_check, "RUNNERS", {c: ran.append for c in gpu_check.CHECKS})
+    assert gpu_check.main(["--output", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "no CUDA GPU is visible" in out and "nothing was run" in out
+    assert ran == [] and not (tmp_path / "out").exists()
+    assert gpu_check.main(["--only", "nope"]) == 2
+
+
+def test_gpu_check_table():
+    from hlm_ray.gpu_check import Row, format_table
+
+    table = format_table([Row("train", "PASS", "loss 6.9→5.1", 12.3)], "cuda:0 (H100)")
+    assert "| train | PASS | loss 6.9→5.1 | 12 |" in table and "cuda:0 (H100)" in table
+
+
+# ------------------------------------------------------------------------- on a CUDA GPU only
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_auto_resolves_to_the_gpu_and_bf16() -> None:
+    device = dev.resolve_device("auto")
+    assert device.type == "cuda"
+    assert dev.autocast_dtype("auto", device) is torch.bfloat16
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("impl", ["full", "chunked", "linear"])
+def test_float32_logits_under_cuda_bf16_autocast(impl: str) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    pred, table, ids = (t.cuda() for t in _extreme(K=256, D=64, V=512))
+    ref = cwt_loss_from_ids(pred.double(), ids, table.double())
+    ce_ref = F.cross_entropy(F.linear(pred.double(), table.double()), ids)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        cwt = cwt_loss_from_ids(pred, ids, table)
+        ce = cross_entropy_head(pred, table, None, ids, impl=impl, chunk_size=64)
+    assert cwt.dtype == ce.dtype == torch.float32
+    assert abs(cwt.item() - ref.item()) < 1e-3 * max(1.0, abs(ref.item()))
+    assert abs(ce.item() - ce_ref.item()) < 1e-3 * max(1.0, abs(ce_ref.item()))
