@@ -25,7 +25,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -36,17 +36,30 @@ START_TIMEOUT_S = 180.0
 
 
 @contextmanager
-def tracking_server(log_file: Path, *, timeout_s: float = START_TIMEOUT_S) -> Iterator[str]:
-    """The tracking URI the sweep's trials use; starts and stops a local server if needed."""
+def tracking_server(
+    log_file: Path,
+    *,
+    timeout_s: float = START_TIMEOUT_S,
+    while_starting: Callable[[], None] | None = None,
+) -> Iterator[str]:
+    """The tracking URI the sweep's trials use; starts and stops a local server if needed.
+
+    `while_starting` runs after the server process is spawned and before it is waited for
+    (Ray start-up, data preparation): its 10-45 s of start-up then overlap other work."""
     uri = default_tracking_uri()
     db = sqlite_path(uri)
     if uri.startswith(("http://", "https://")) or db is None:
+        if while_starting is not None:
+            while_starting()
         yield uri
         return
     # The artifact folder `MlflowTracker` gives experiments it creates on a sqlite store.
     server = LocalServer(db, db.resolve().parent / "mlartifacts", log_file)
-    server.start(timeout_s)
     try:
+        server.spawn()
+        if while_starting is not None:
+            while_starting()
+        server.wait_ready(timeout_s)
         yield server.uri
     finally:
         server.stop()
@@ -62,6 +75,7 @@ class LocalServer:
         self.port = free_port()
         self.uri = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
+        self._spawned = time.monotonic()
 
     def command(self) -> list[str]:
         return [
@@ -87,6 +101,11 @@ class LocalServer:
         ]
 
     def start(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        self.spawn()
+        self.wait_ready(timeout_s)
+
+    def spawn(self) -> None:
+        """Start the server process; `wait_ready` waits for its health check."""
         self.db.parent.mkdir(parents=True, exist_ok=True)
         self.artifacts.mkdir(parents=True, exist_ok=True)
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
@@ -98,7 +117,10 @@ class LocalServer:
         log.close()
         atexit.register(self.stop)
         print(f"MLflow: starting a local tracking server at {self.uri} (store {self.db})")
-        start = time.monotonic()
+        self._spawned = time.monotonic()
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        start = self._spawned
         while not self._healthy():
             if self.process.poll() is not None:
                 raise HLMError(
@@ -114,7 +136,7 @@ class LocalServer:
                     "to a running server"
                 )
             time.sleep(0.5)
-        print(f"MLflow: server ready in {time.monotonic() - start:.0f} s")
+        print(f"MLflow: server ready {time.monotonic() - start:.0f} s after its start")
 
     def _healthy(self) -> bool:
         try:

@@ -169,17 +169,23 @@ def run_sweep(
     state = check_resume(folder, spec, search)
     if spec.axis.check is not None:
         spec.axis.check(spec)
-    connect()
-    import ray
-
     num_trials = spec.search_samples if search else len(spec.cells())
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    concurrency = plan_concurrency(spec, num_trials, nodes)
-    real_vocab = prepare_inputs(spec, spec.values[:1] if search else None)
+    ready: dict[str, Any] = {}
+
+    def while_mlflow_starts() -> None:
+        # Ray's start-up and the data preparation overlap the tracking server's start-up.
+        connect()
+        import ray
+
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        ready["concurrency"] = plan_concurrency(spec, num_trials, nodes)
+        ready["real_vocab"] = prepare_inputs(spec, spec.values[:1] if search else None)
 
     from hlm_ray.tracking.server import tracking_server
 
-    with tracking_server(folder / "mlflow_server.log") as uri:
+    log_file = folder / "mlflow_server.log"
+    with tracking_server(log_file, while_starting=while_mlflow_starts) as uri:
+        concurrency, real_vocab = ready["concurrency"], ready["real_vocab"]
         parent = _open_parent(spec, name, uri, state, search, concurrency, real_vocab)
         from hlm_ray import plan as plan_mod
 
@@ -319,6 +325,8 @@ def _tuner(spec, folder, runtime, search, concurrency, verbose):
             max_concurrent_trials=concurrency,
             scheduler=scheduler,
             search_alg=search_alg,
+            # A finished trial's actor runs the next trial: no new process and imports.
+            reuse_actors=True,
         ),
         run_config=tune.RunConfig(
             name=TUNE_DIR,

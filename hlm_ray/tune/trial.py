@@ -98,19 +98,22 @@ def trial_times(
         out["trial/worker_setup_s"] = float(worker["setup"])
         out["trial/checkpoint_s"] = float(worker["checkpoint"])
         out["trial/trainer_s"] = pretrain - float(worker["worker"])
+    for key in ("before_fit", "ray_start", "ray_end"):  # launch's split of trainer_s
+        if key in worker:
+            out[f"trial/{key}_s"] = float(worker[key])
     return out
 
 
 def _log_times(runtime: TrialRuntime, out_dir: Path, metrics: dict[str, float]) -> None:
     """The time accounting on the trial's own MLflow run too (the child run is closed)."""
-    id_file = out_dir / RUN_ID_FILE
-    if not id_file.is_file():
+    ref = read_run_ref(out_dir)
+    if ref is None:
         return
     from hlm_ray.tracking import MlflowTracker
 
     times = {k: v for k, v in metrics.items() if k.startswith("trial/")}
-    run_id = json.loads(id_file.read_text())["run_id"]
-    tracker = MlflowTracker(runtime.experiment, run_id=run_id)  # reopened: set back to RUNNING
+    # Reopened (set back to RUNNING) to log, then closed again.
+    tracker = MlflowTracker(runtime.experiment, run_id=ref["run_id"])
     tracker.log_metrics(times, step=0)
     tracker.finish("FINISHED")
 
