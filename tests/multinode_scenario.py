@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 CHECKPOINT_STEP = 8
+MAX_STEPS = 48  # long enough after the first checkpoint to remove the node mid-run
 
 
 def _free_port() -> int:
@@ -46,9 +47,10 @@ def main(out: Path) -> dict:
         initialize_head=True,
         head_node_args={
             "num_cpus": 1,
-            "port": _free_port(),
+            "gcs_server_port": _free_port(),
             "include_dashboard": True,  # Train V2 cleans placement groups through it
             "dashboard_port": _free_port(),
+            "dashboard_agent_listen_port": _free_port(),
         },
     )
     second = cluster.add_node(num_cpus=1)
@@ -59,7 +61,9 @@ def main(out: Path) -> dict:
     report["cluster_start_s"] = time.perf_counter() - started
 
     run_dir = out / "run"
-    cfg = cfg_for(run_dir, **{"optim.max_steps": 16, "run.checkpoint_every": CHECKPOINT_STEP})
+    cfg = cfg_for(
+        run_dir, **{"optim.max_steps": MAX_STEPS, "run.checkpoint_every": CHECKPOINT_STEP}
+    )
     outcome: dict = {}
 
     def train():
@@ -77,10 +81,10 @@ def main(out: Path) -> dict:
 
     thread = threading.Thread(target=train)
     thread.start()
-    # Which nodes the workers run on: read from Ray while the run is alive.
+    # Which nodes the workers run on: read from Ray's state API while the run is alive.
     deadline = time.monotonic() + 240
     nodes_seen: set[str] = set()
-    while time.monotonic() < deadline and thread.is_alive():
+    while time.monotonic() < deadline and thread.is_alive() and len(nodes_seen) < 2:
         try:
             from ray.util.state import list_actors
 
@@ -89,11 +93,13 @@ def main(out: Path) -> dict:
                     nodes_seen.add(actor.node_id)
         except Exception:
             pass
-        steps = [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(run_dir)]
-        if CHECKPOINT_STEP in steps:
-            time.sleep(1.0)  # Ray registers the checkpoint once it is copied
+        time.sleep(0.2)
+    # Then the first checkpoint, watched closely: the node goes right after it.
+    while time.monotonic() < deadline and thread.is_alive():
+        if CHECKPOINT_STEP in [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(run_dir)]:
+            time.sleep(0.5)  # Ray registers the checkpoint once it is copied
             break
-        time.sleep(0.5)
+        time.sleep(0.05)
     report["worker_nodes"] = len(nodes_seen)
     report["removed_at_checkpoints"] = [
         ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(run_dir)
@@ -105,6 +111,12 @@ def main(out: Path) -> dict:
     report["finished"] = not thread.is_alive()
     report["error"] = outcome.get("error")
     report["steps"] = (outcome.get("summary") or {}).get("steps")
+    from ray.util.state import list_actors
+
+    # Every RayTrainWorker this cluster ever ran: 2, plus 2 for each restart of the group.
+    report["train_workers_started"] = sum(
+        "RayTrainWorker" in a.class_name for a in list_actors(limit=1000)
+    )
     report["seconds"] = time.perf_counter() - started
     ray.shutdown()
     cluster.shutdown()

@@ -39,18 +39,20 @@ def test_a_run_survives_losing_a_node(tmp_path, mlflow_store, _hlm_cache_dir):
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["nodes_at_start"] == 2
     assert report["worker_nodes"] == 2, report  # one worker per node: they had to spread
-    assert report["removed_at_checkpoints"] == [8], report  # the node went mid-run
-    assert report["finished"] and report["error"] is None and report["steps"] == 16, report
+    kept = report["removed_at_checkpoints"]
+    assert kept[0] == 8 and kept[-1] < 48, report  # the node went mid-run
+    assert report["finished"] and report["error"] is None and report["steps"] == 48, report
+    assert report["train_workers_started"] >= 4, report  # the group was started again
 
     # The losses after the restart equal an uninterrupted (single-process) run's, step by step.
-    reference = cfg_for(tmp_path / "bare", **{"optim.max_steps": 16, "run.checkpoint_every": 8})
+    reference = cfg_for(tmp_path / "bare", **{"optim.max_steps": 48, "run.checkpoint_every": 8})
     train_worker(reference.to_dict(), progress=False)
     expected = {
         r["step"]: r["train/loss"] for r in read_metrics(tmp_path / "bare") if "train/loss" in r
     }
     got = {r["step"]: r["train/loss"] for r in read_metrics(tmp_path / "run") if "train/loss" in r}
-    assert sorted(got) == list(range(1, 17))
-    for step in range(1, 17):
+    assert sorted(got) == list(range(1, 49))
+    for step in range(1, 49):
         assert got[step] == pytest.approx(expected[step], rel=1e-4), step
 
     # One MLflow run, continued by the restarted worker group.
@@ -59,4 +61,4 @@ def test_a_run_survives_losing_a_node(tmp_path, mlflow_store, _hlm_cache_dir):
     (run,) = client.search_runs([experiment.experiment_id])
     assert run.info.status == "FINISHED" and run.data.tags["world_size"] == "2"
     history = client.get_metric_history(run.info.run_id, "train/loss")
-    assert sorted({m.step for m in history}) == list(range(1, 17))
+    assert sorted({m.step for m in history}) == list(range(1, 49))

@@ -172,20 +172,26 @@ def run_sweep(
     num_trials = spec.search_samples if search else len(spec.cells())
     ready: dict[str, Any] = {}
 
+    phases: dict[str, float] = {}  # where the sweep's own time goes (seconds)
+
     def while_mlflow_starts() -> None:
         # Ray's start-up and the data preparation overlap the tracking server's start-up.
+        t0 = time.perf_counter()
         connect()
+        phases["ray_start"] = time.perf_counter() - t0
         import ray
 
         nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
         ready["concurrency"] = plan_concurrency(spec, num_trials, nodes)
         ready["real_vocab"] = prepare_inputs(spec, spec.values[:1] if search else None)
+        phases["ray_and_inputs"] = time.perf_counter() - t0
 
     from hlm_ray.tracking.server import tracking_server
 
     log_file = folder / "mlflow_server.log"
     with tracking_server(log_file, while_starting=while_mlflow_starts) as uri:
         concurrency, real_vocab = ready["concurrency"], ready["real_vocab"]
+        phases["until_mlflow_ready"] = time.perf_counter() - started
         parent = _open_parent(spec, name, uri, state, search, concurrency, real_vocab)
         from hlm_ray import plan as plan_mod
 
@@ -215,11 +221,13 @@ def run_sweep(
             f"sweep {name}: {'resuming' if resumed else 'starting'} {num_trials} trial(s), "
             f"{concurrency} at a time, in {folder}"
         )
+        phases["before_trials"] = time.perf_counter() - started
         try:
             results = _tuner(spec, folder, runtime, search, concurrency, verbose).fit()
         except BaseException:
             parent.finish("KILLED")
             raise
+        phases["trials"] = time.perf_counter() - started - phases["before_trials"]
         rows = _rows(results, spec, runtime, search)
         _close_orphans(rows, spec, runtime)
         files = summary_mod.write_summary(rows, folder, axis=spec.axis, figures=not search)
@@ -228,8 +236,13 @@ def run_sweep(
         counts = {s: sum(r["status"] == s for r in rows) for s in ("FINISHED", "FAILED")}
         parent.log_metrics({f"trials_{k.lower()}": v for k, v in counts.items()}, step=0)
         seconds = time.perf_counter() - started
+        phases["after_trials"] = seconds - phases["before_trials"] - phases["trials"]
         parent.log_metrics(plan_mod.measured_metrics(rows, seconds), step=0)
+        parent.log_metrics({f"sweep/{k}_s": v for k, v in phases.items()}, step=0)
         parent.finish("FINISHED")
+        stopping = time.perf_counter()
+    phases["mlflow_stop"] = time.perf_counter() - stopping
+    print("sweep time (s): " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
     table = summary_mod.markdown_table(rows, spec.axis)
     return SweepOutcome(
         name=name,
