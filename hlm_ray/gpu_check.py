@@ -68,7 +68,7 @@ def check_tests(out: Path) -> Row:
 
 def check_train(out: Path) -> Row:
     """bf16 autocast training: the loss must fall and stay finite, for each family × objective."""
-    from hlm_ray.config import load_config
+    from hlm_ray.presets import load_config
     from hlm_ray.tracking import read_metrics
     from hlm_ray.train.loop import train_worker
 

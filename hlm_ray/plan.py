@@ -24,6 +24,7 @@ import dataclasses
 import heapq
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -134,10 +135,15 @@ def trial_plan(
     )
 
 
-def sweep_plan(spec, assumptions: Assumptions, *, name: str | None = None) -> Plan:
-    """The plan of a `SweepSpec`'s grid (one trial per cell)."""
-    from hlm_ray.tune.sweep import plan_concurrency
-
+def sweep_plan(
+    spec,
+    assumptions: Assumptions,
+    *,
+    fit: Callable[[list[dict[str, float]]], int],
+    name: str | None = None,
+) -> Plan:
+    """The plan of a `SweepSpec`'s grid (one trial per cell); `fit(nodes)` is how many trials
+    run side by side on those nodes (`hlm_ray.tune.sweep.plan_concurrency`)."""
     trials = [
         trial_plan(
             spec.cell_config(c["value"], c["objective"], c["seed"]),
@@ -149,8 +155,7 @@ def sweep_plan(spec, assumptions: Assumptions, *, name: str | None = None) -> Pl
         for c in spec.cells()
     ]
     cluster, notes = _cluster(assumptions, spec.gpus_per_worker > 0)
-    concurrency = plan_concurrency(spec, len(trials), [cluster])
-    return Plan(name or spec.kind, trials, assumptions, concurrency, cluster, notes)
+    return Plan(name or spec.kind, trials, assumptions, fit([cluster]), cluster, notes)
 
 
 def train_plan(
@@ -237,8 +242,7 @@ def log_sweep_plan(parent, spec, name, assumptions, concurrency, folder, search)
     `plan/...` metrics and `plan.txt`; the measured figures follow at the end."""
     if search:  # random samples of one cell: the grid's plan does not describe it
         return None
-    plan = sweep_plan(spec, assumptions or Assumptions(), name=name)
-    plan = dataclasses.replace(plan, concurrency=concurrency)
+    plan = sweep_plan(spec, assumptions or Assumptions(), fit=lambda _: concurrency, name=name)
     path = folder / "plan.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(format_plan(plan) + "\n")

@@ -78,7 +78,11 @@ def sweep_main(axis: Axis, presets: dict[str, SweepSpec], argv: list[str] | None
 
         assumptions = assumptions_from(args)
         if args.dry_run:
-            print(format_plan(sweep_plan(spec, assumptions, name=name)))
+            from hlm_ray.tune.sweep import plan_concurrency
+
+            trials = len(spec.cells())
+            fit = lambda nodes: plan_concurrency(spec, trials, nodes)  # noqa: E731
+            print(format_plan(sweep_plan(spec, assumptions, fit=fit, name=name)))
             return 0
         if args.search:
             print(
