@@ -111,8 +111,13 @@ class LocalServer:
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
         log = self.log_file.open("ab")
         # Its own process group: stopping it also stops the server's worker processes.
+        # MLflow 3.x starts a job runner and 7 huey consumer processes beside every server (for
+        # GenAI jobs a sweep never submits): 8 more Python processes importing mlflow, tens of
+        # CPU-seconds of start-up on 2 cores and polling after. Off unless the user set it.
+        env = {**os.environ}
+        env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
         self.process = subprocess.Popen(
-            self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            self.command(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env
         )
         log.close()
         atexit.register(self.stop)
