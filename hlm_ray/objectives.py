@@ -118,8 +118,7 @@ def _cwt_rows(
     log(count_u) is added to its logit; the positive still counts once. Returns the loss (K,)
     and, when col_ids_U is given, whether each row's top-scoring column has its own id (K,).
     """
-    # Scaling the K×D side is cheaper than dividing the K×U logits. Autocast off: the inputs are
-    # float32 and so are the logits, even inside a bf16 autocast region.
+    # Scaling the K×D side is cheaper than dividing the K×U logits; float32 even under autocast.
     with float32_region(pred_KD.device.type):
         logits_KU = (pred_KD / temperature) @ cols_UD.T
     correct_K = None
@@ -361,9 +360,8 @@ def cross_entropy_head(
     if impl not in CE_IMPLS:
         raise ValueError(f"impl={impl!r}; use one of {', '.join(CE_IMPLS)}")
     if impl == "linear":
-        return _fused_linear_cross_entropy(
-            hidden, weight, bias, labels, ignore_index, reduction, chunk_size
-        )
+        args = (ignore_index, reduction, chunk_size)
+        return _fused_linear_cross_entropy(hidden, weight, bias, labels, *args)
     hidden, weight = _upcast(hidden), _upcast(weight)
     bias = None if bias is None else _upcast(bias)
     N = hidden.shape[0]
@@ -402,30 +400,17 @@ def _fused_linear_cross_entropy(
     reduction: str,
     chunk_size: int,
 ) -> Tensor:
-    if not hasattr(F, "linear_cross_entropy"):
-        raise RuntimeError(
-            f"impl='linear' needs torch.nn.functional.linear_cross_entropy, which torch "
-            f"{torch.__version__} lacks; use impl='chunked' or a newer torch"
-        )
-    # The op needs one dtype; under autocast the hidden states are often bf16 and the weight
-    # float32. Promote rather than truncate the weight, and keep autocast from rounding the
-    # float32 chunks back to bf16 inside the op.
+    # One dtype for the op: promote (bf16 hidden states under autocast, float32 weight), and
+    # keep autocast from rounding the float32 chunks back to bf16 inside it. Explicit rows per
+    # chunk (as impl="chunked"); options=None would be the unfused reference (full logits).
     dtype = torch.promote_types(hidden_ND.dtype, weight_VD.dtype)
-    # Explicit rows per chunk (the same as impl="chunked"), not torch's per-device heuristic.
-    options = torch.nn.LinearCrossEntropyOptions(
-        batch_chunk_size=max(1, min(chunk_size, hidden_ND.shape[0])), chunking_method=None
-    )
+    rows = max(1, min(chunk_size, hidden_ND.shape[0]))
+    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=rows, chunking_method=None)
+    kwargs = dict(ignore_index=ignore_index, reduction=reduction, options=options)
+    bias = None if bias_V is None else bias_V.to(dtype)  # (V,): supported natively
     with float32_region(hidden_ND.device.type):
         loss = F.linear_cross_entropy(
-            hidden_ND.to(dtype),
-            weight_VD.to(dtype),
-            labels_N,
-            # The chunked path supports a (V,) bias natively, so nothing needs folding in.
-            linear_bias=None if bias_V is None else bias_V.to(dtype),
-            ignore_index=ignore_index,
-            reduction=reduction,
-            # options=None would be the unfused reference (full logits); this enables chunking.
-            options=options,
+            hidden_ND.to(dtype), weight_VD.to(dtype), labels_N, linear_bias=bias, **kwargs
         )
     return _upcast(loss)
 

@@ -147,7 +147,7 @@ def sweep_plan(
     trials = [
         trial_plan(
             spec.cell_config(c["value"], c["objective"], c["seed"]),
-            f"{c['objective']} {spec.kind}={c['value']} seed {c['seed']}",
+            f"{c['objective']} {spec.axis.name}={c['value']} seed {c['seed']}",
             workers=spec.workers_per_trial,
             gpus_per_worker=spec.gpus_per_worker,
             cpus_per_worker=spec.cpus_per_worker,
@@ -155,7 +155,7 @@ def sweep_plan(
         for c in spec.cells()
     ]
     cluster, notes = _cluster(assumptions, spec.gpus_per_worker > 0)
-    return Plan(name or spec.kind, trials, assumptions, fit([cluster]), cluster, notes)
+    return Plan(name or spec.axis.name, trials, assumptions, fit([cluster]), cluster, notes)
 
 
 def train_plan(

@@ -10,17 +10,21 @@ from hlm_ray.errors import HLMError
 from hlm_ray.flops import PEAK_FLOPS, config_step_flops
 from hlm_ray.plan import Assumptions, format_plan, plan_metrics, sweep_plan, train_plan
 from hlm_ray.presets import get_preset
-from hlm_ray.tune.presets import get_sweep
+from hlm_ray.tune.spec import get_sweep
 from hlm_ray.tune.sweep import plan_concurrency
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _main(kind: str):
+def _script(kind: str):
     spec = importlib.util.spec_from_file_location(f"plan_{kind}", ROOT / "sweeps" / f"{kind}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.main
+    return module
+
+
+def _main(kind: str):
+    return _script(kind).main
 
 
 def test_paper_vocab_dry_run_prints_the_plan_and_starts_nothing(tmp_path, monkeypatch, capsys):
@@ -38,7 +42,7 @@ def test_paper_vocab_dry_run_prints_the_plan_and_starts_nothing(tmp_path, monkey
 
 
 def test_plan_figures_come_from_the_flop_model():
-    spec = get_sweep("vocab", "paper", [])
+    spec = get_sweep(_script("vocab").PRESETS, "paper", [])
     a = Assumptions(gpu="A100", mfu=0.5, cluster_gpus=2, cluster_cpus=64, overhead_s=0)
     plan = sweep_plan(spec, a, fit=lambda nodes: plan_concurrency(spec, 12, nodes))
     assert len(plan.trials) == len(spec.cells()) and plan.concurrency == 2
