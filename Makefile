@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test setup setup-dev lint compare
+.PHONY: demo test setup setup-dev lint compare gpu-check
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,3 +28,8 @@ test: setup-dev
 lint: setup-dev
 	$(BIN)/ruff check hlm_ray tests sweeps
 	$(BIN)/ruff format --check hlm_ray tests sweeps
+
+# On a CUDA machine: gpu tests, bf16 training, xformers vs sdpa, the GPU benchmark, a GPU sweep and
+# hlm serve on the GPU; one PASS/MISS table. Without a GPU it says so and exits 0.
+gpu-check: setup-dev
+	$(BIN)/python -m hlm_ray.gpu_check

@@ -56,7 +56,22 @@ def _launch_args(p: argparse.ArgumentParser) -> None:
         "--max-failures", type=int, help="worker-group restarts from the last checkpoint (2)"
     )
     p.add_argument("--storage-path", help="Ray storage (default: the output folder's parent)")
+    _device_arg(p)
     p.add_argument("--experiment", help="MLflow experiment name (default hlm_ray)")
+
+
+def _device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),  # hlm_ray.device.DEVICES (not imported: no torch here)
+        default="auto",
+        help="auto (default): the GPU when this process or Ray worker sees one, else the CPU",
+    )
+
+
+def _device_overrides(args) -> list[str]:
+    """--device as a config override; an explicit --set run.device=... still wins."""
+    return [] if args.device == "auto" else [f"run.device={args.device}"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a run folder (its newest valid checkpoint) or a checkpoint folder to continue, "
         "with the run's own config and launch settings",
     )
+    from hlm_ray.plan import add_arguments as plan_arguments
+
+    plan_arguments(train)
 
     sync = sub.add_parser("sync", help="send a run's metrics that MLflow missed (an outage)")
     sync.add_argument("run", help="the run folder (an `hlm train --output`)")
@@ -121,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--task", required=True, help="comma-separated: lambada,bpb,synonyms,...")
     ev.add_argument("--limit", type=int, help="examples per task (default: all)")
     ev.add_argument("--batch-size", type=int, default=32)
-    ev.add_argument("--device", default="cpu")
+    _device_arg(ev)
     ev.add_argument("--output", help="folder for the JSON results (default <model>/eval)")
     ev.add_argument("--experiment", default="hlm_ray", help="MLflow experiment name")
 
@@ -136,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _load(args, output: str | None, objective: str | None):
     from hlm_ray.presets import load_config
 
-    overrides = list(args.set)
+    overrides = [*_device_overrides(args), *args.set]
     if output:
         overrides.append(f"run.output_dir={resolve_output(output)}")
     return load_config(
@@ -193,7 +211,7 @@ def cmd_train(args) -> int:
         args.output = args.output or str(resume.parent)
         _launch_settings(args, resume.parent)
         output = args.output
-        overrides = [*args.set, f"run.output_dir={resolve_output(output)}"]
+        overrides = [*_device_overrides(args), *args.set, f"run.output_dir={resolve_output(output)}"]
         cfg = resumed_config(
             resume,
             preset=args.preset,
@@ -206,6 +224,20 @@ def cmd_train(args) -> int:
         objective = args.objective or "headless"
         output = args.output or f"runs/{args.preset or 'tiny-decoder'}-{objective}"
         cfg = _load(args, output, args.objective)
+    if args.dry_run:
+        from hlm_ray.plan import assumptions_from, format_plan, train_plan
+
+        # A GPU-denominated plan: one GPU per worker, whether or not --gpu is given.
+        plan = train_plan(
+            cfg,
+            assumptions_from(args),
+            workers=args.num_workers,
+            gpus_per_worker=1.0,
+            cpus_per_worker=args.cpus_per_worker,
+        )
+        print(format_plan(plan))
+        return 0
+    if resume is None:
         refuse_existing(cfg.run.output_dir)
     if not args.local:
         check_workers(args.num_workers)
@@ -303,7 +335,7 @@ def cmd_finetune(args) -> int:
             output_dir=output,
             recipe=args.recipe,
             probe=args.probe,
-            overrides=args.set,
+            overrides=[*_device_overrides(args), *args.set],
             train=train,
             eval_limit=args.eval_limit or None,
             register=args.register,
@@ -332,6 +364,7 @@ def cmd_finetune(args) -> int:
                 settings[key] = getattr(args, key)
         if args.eval_file:
             settings["eval_file"] = args.eval_file
+        settings["device"] = args.device
         print(f"fine-tuning {args.model} on {args.task} ({args.recipe}) -> {output}")
         result = downstream.finetune_encoder(
             args.model,

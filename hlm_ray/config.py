@@ -105,6 +105,8 @@ class ObjectiveConfig:
     so cwt_variant dedup or plain; a different objective). None: every in-batch target."""
     ce_impl: Literal["full", "chunked", "linear"] = "full"
     """Vanilla head: full logits, row-chunked, or torch's fused linear cross-entropy."""
+    ce_chunk_size: int = 4096
+    """Rows per chunk of the chunked and linear vanilla heads (chunk_size × V logits at once)."""
     mlm_full_logits: bool = False
     """Vanilla MLM: apply the head at every position (the paper's baseline) instead of masked
     positions only (the stronger baseline)."""

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from hlm_ray.config import Config
+from hlm_ray.device import device_name
 from hlm_ray.errors import HLMError
 from hlm_ray.pretrained import load_pretrained, model_info, resolve_model_dir
 from hlm_ray.tracking import MlflowTracker, Tracker, default_tracking_uri, read_run_ref
@@ -66,7 +67,7 @@ def evaluate(
     output_dir: str | Path,
     limit: int | None = None,
     batch_size: int = 32,
-    device: str = "cpu",
+    device: str = "auto",
     tracker: Tracker | None = None,
     progress: bool = True,
 ) -> list[dict[str, Any]]:
@@ -75,6 +76,7 @@ def evaluate(
     from hlm_ray.evaluate import get_task, write_result
 
     runners = [get_task(name) for name in tasks]  # unknown names fail before any loading
+    device = device_name(device)
     pre = load_pretrained(model_ref, device=device)
     out = Path(output_dir)
     tracker = tracker or Tracker()
@@ -257,9 +259,7 @@ def run_downstream(
     info = model_info(model_dir)
     output_dir = Path(output_dir)
     metrics: dict[str, float] = {}
-    import torch
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # the trial's GPU, when it has one
+    device = device_name("auto")  # the trial's GPU, when it reserved one (CUDA_VISIBLE_DEVICES)
     if info["family"] == "decoder":
         scored = model_dir
         if info["objective"] == "headless" and not info["finetuned"]:
@@ -297,6 +297,7 @@ def run_downstream(
                 task,
                 output_dir=output_dir / task.replace(":", "-"),
                 recipe=plan["classify"],
+                settings={"device": device},
                 tracker=Tracker(),
                 progress=progress,
             )

@@ -130,9 +130,11 @@ def step_flops(
 ) -> StepFlops:
     """FLOPs of one forward + backward over `micro_batch` sequences of `seq_len` tokens.
 
-    unique_columns: U, the CWT columns (default K: the plain loss, and an upper bound for the
-    dedup loss, whose U is the number of distinct target ids). world_size_negatives: workers
-    whose targets each worker scores against (cross-worker negatives), multiplying the columns.
+    unique_columns: U, the CWT columns each worker scores against, all workers' negatives
+    included (default W·K: the plain loss, and an upper bound for the dedup loss, whose U is the
+    number of distinct ids among the negatives, at most min(W·K, V); a run logs it measured as
+    `train/U`). world_size_negatives: W, the workers whose targets each worker scores against
+    (cross-worker negatives).
     causal_attention_factor: 1.0 counts the full L×L attention square, 0.5 a causal kernel that
     skips the masked half (decoders only).
     """
@@ -165,11 +167,15 @@ def step_flops(
                 head_rows = tokens  # the paper's baseline: the head at every position
         head_fwd += head_rows * per_row
     if objective in ("headless", "mixed"):
-        cols = rows if unique_columns is None else unique_columns
-        if cols < 0 or cols > rows:
-            raise HLMError(f"unique_columns={unique_columns} must be in [0, K={rows}]")
-        # O (K×D) · Eᵀ (D×U·W); E's rows are gathered from the table: no matmul for them.
-        head_fwd += 2 * rows * cols * world_size_negatives * d
+        negatives = rows * world_size_negatives
+        cols = negatives if unique_columns is None else unique_columns
+        if cols < 0 or cols > negatives:
+            raise HLMError(
+                f"unique_columns={unique_columns} must be in [0, W·K={negatives}] "
+                f"(W={world_size_negatives} workers' negatives, K={rows})"
+            )
+        # O (K×D) · Eᵀ (D×U); E's rows are gathered from the table: no matmul for them.
+        head_fwd += 2 * rows * cols * d
 
     return StepFlops(
         body=STEP_MULTIPLIER * body_fwd,
@@ -189,18 +195,24 @@ def config_step_flops(
 ) -> StepFlops:
     """`step_flops` for one micro-batch of a run's config.
 
-    The dedup CWT variant scores U ≤ min(K, V) distinct ids; without a measured
-    `unique_columns` that bound is used (an upper bound on its FLOPs). `world_size` counts only
-    when objective.cross_worker_negatives is set.
+    The dedup and mask_same CWT variants score U distinct ids: pass the measured U (`train/U`,
+    all workers' negatives included); without it the bound U = min(W·K, V) is used (an upper
+    bound on the FLOPs: real text repeats tokens). A measured U is capped at that bound.
+    `world_size` counts only when objective.cross_worker_negatives is set.
     """
     o = cfg.objective
     rows = rows_per_loss(
         cfg.model.family, cfg.optim.micro_batch_size, cfg.data.seq_len, cfg.data.mlm_probability
     )
-    if unique_columns is None and o.num_negatives is not None:
-        unique_columns = min(rows, o.num_negatives + 1)  # the sampled set and the positive
-    elif unique_columns is None and o.cwt_variant == "dedup":
-        unique_columns = min(rows, vocab_size)
+    workers = world_size if o.cross_worker_negatives else 1
+    if o.num_negatives is not None:
+        # A sampled set of negatives and the positive: a measured U does not apply.
+        unique_columns = min(rows, o.num_negatives + 1)
+    elif o.cwt_variant == "plain":
+        unique_columns = None  # every negative is a column, repeats included
+    else:
+        bound = unique_columns_bound(rows, vocab_size, workers)
+        unique_columns = bound if unique_columns is None else min(int(unique_columns), bound)
     return step_flops(
         cfg.model,
         vocab_size=vocab_size,
@@ -210,9 +222,14 @@ def config_step_flops(
         mlm_probability=cfg.data.mlm_probability,
         mlm_full_logits=o.mlm_full_logits,
         unique_columns=unique_columns,
-        world_size_negatives=world_size if o.cross_worker_negatives else 1,
+        world_size_negatives=workers,
         causal_attention_factor=causal_attention_factor,
     )
+
+
+def unique_columns_bound(rows: int, vocab_size: int, workers: int = 1) -> int:
+    """The most distinct ids W workers' K targets each can hold: min(W·K, V)."""
+    return min(rows * workers, vocab_size)
 
 
 def predicted_speedup(vanilla: StepFlops, headless: StepFlops) -> float:
@@ -302,4 +319,5 @@ __all__ = [
     "predicted_speedup",
     "rows_per_loss",
     "step_flops",
+    "unique_columns_bound",
 ]

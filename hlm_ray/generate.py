@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from hlm_ray.device import device_name
 from hlm_ray.errors import HLMError
 from hlm_ray.models import max_input_positions
 from hlm_ray.pretrained import REGISTRY_SCHEME, load_pretrained, model_info, resolve_model_dir
@@ -280,8 +281,7 @@ class Generator:
     ) -> Generator:
         """Load a decoder for generation from a run, checkpoint or model folder or a `models:/`
         URI; refuses encoders and un-fine-tuned headless decoders (see module docstring)."""
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = device_name(device)
         folder = resolve_model_dir(ref)  # downloads a registry model once
         info = model_info(folder)
         check_generation_ready(info, ref, allow_raw_head=allow_raw_head)

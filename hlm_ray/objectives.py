@@ -45,6 +45,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from hlm_ray.device import float32_region
+
 IGNORE_INDEX = -100
 CWT_VARIANTS = ("plain", "dedup", "mask_same")
 CE_IMPLS = ("full", "chunked", "linear")
@@ -116,8 +118,9 @@ def _cwt_rows(
     log(count_u) is added to its logit; the positive still counts once. Returns the loss (K,)
     and, when col_ids_U is given, whether each row's top-scoring column has its own id (K,).
     """
-    # Scaling the K×D side is cheaper than dividing the K×U logits.
-    logits_KU = (pred_KD / temperature) @ cols_UD.T
+    # Scaling the K×D side is cheaper than dividing the K×U logits; float32 even under autocast.
+    with float32_region(pred_KD.device.type):
+        logits_KU = (pred_KD / temperature) @ cols_UD.T
     correct_K = None
     if col_ids_U is not None:
         with torch.no_grad():
@@ -329,7 +332,8 @@ def cwt_loss_sampled(
 def _ce_rows(
     hidden_ND: Tensor, weight_VD: Tensor, bias_V: Tensor | None, labels_N: Tensor, ignore: int
 ) -> Tensor:
-    logits_NV = F.linear(hidden_ND, weight_VD, bias_V)
+    with float32_region(hidden_ND.device.type):  # float32 logits, also under autocast
+        logits_NV = F.linear(hidden_ND, weight_VD, bias_V)
     return F.cross_entropy(logits_NV, labels_N, ignore_index=ignore, reduction="none")
 
 
@@ -348,20 +352,22 @@ def cross_entropy_head(
 
     ``impl``: ``"full"`` materialises the N×V float32 logits; ``"chunked"`` holds only
     chunk_size×V logits at a time (row chunks with activation checkpointing, same result);
-    ``"linear"`` calls torch's fused ``F.linear_cross_entropy`` with its chunked path, which
-    picks its own chunk size per device and dtype (``chunk_size`` is not used there) and
-    accumulates half-precision inputs in float32, but returns the loss rounded to the input
-    dtype (bf16: ~3 significant digits). "mean" averages over non-ignored rows.
+    ``"linear"`` calls torch's fused ``F.linear_cross_entropy`` with the same ``chunk_size``
+    rows per chunk (``LinearCrossEntropyOptions(batch_chunk_size=...)``: torch's own heuristic
+    picks 1-2 rows a chunk on CPU, an unfairly slow baseline). All three compute float32 logits,
+    also under autocast. "mean" averages over non-ignored rows.
     """
     if impl not in CE_IMPLS:
         raise ValueError(f"impl={impl!r}; use one of {', '.join(CE_IMPLS)}")
     if impl == "linear":
-        return _fused_linear_cross_entropy(hidden, weight, bias, labels, ignore_index, reduction)
+        args = (ignore_index, reduction, chunk_size)
+        return _fused_linear_cross_entropy(hidden, weight, bias, labels, *args)
     hidden, weight = _upcast(hidden), _upcast(weight)
     bias = None if bias is None else _upcast(bias)
     N = hidden.shape[0]
     if impl == "full" or chunk_size >= N:
-        logits_NV = F.linear(hidden, weight, bias)
+        with float32_region(hidden.device.type):  # float32 logits, also under autocast
+            logits_NV = F.linear(hidden, weight, bias)
         return F.cross_entropy(logits_NV, labels, ignore_index=ignore_index, reduction=reduction)
     # Chunked: the (upcast) weight is an input of every chunk, saved once by reference.
     loss_N = torch.cat(
@@ -392,27 +398,21 @@ def _fused_linear_cross_entropy(
     labels_N: Tensor,
     ignore_index: int,
     reduction: str,
+    chunk_size: int,
 ) -> Tensor:
-    if not hasattr(F, "linear_cross_entropy"):
-        raise RuntimeError(
-            f"impl='linear' needs torch.nn.functional.linear_cross_entropy, which torch "
-            f"{torch.__version__} lacks; use impl='chunked' or a newer torch"
-        )
-    # The op needs one dtype; under autocast the hidden states are often bf16 and the weight
-    # float32. Promote rather than truncate the weight.
+    # One dtype for the op: promote (bf16 hidden states under autocast, float32 weight), and
+    # keep autocast from rounding the float32 chunks back to bf16 inside it. Explicit rows per
+    # chunk (as impl="chunked"); options=None would be the unfused reference (full logits).
     dtype = torch.promote_types(hidden_ND.dtype, weight_VD.dtype)
-    loss = F.linear_cross_entropy(
-        hidden_ND.to(dtype),
-        weight_VD.to(dtype),
-        labels_N,
-        # The chunked path supports a (V,) bias natively, so nothing needs folding in.
-        linear_bias=None if bias_V is None else bias_V.to(dtype),
-        ignore_index=ignore_index,
-        reduction=reduction,
-        # options=None would be the unfused reference (full logits); this enables chunking.
-        options=torch.nn.LinearCrossEntropyOptions(),
-    )
-    return _upcast(loss)  # float32 like the other impls (the value is already bf16-rounded)
+    rows = max(1, min(chunk_size, hidden_ND.shape[0]))
+    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=rows, chunking_method=None)
+    kwargs = dict(ignore_index=ignore_index, reduction=reduction, options=options)
+    bias = None if bias_V is None else bias_V.to(dtype)  # (V,): supported natively
+    with float32_region(hidden_ND.device.type):
+        loss = F.linear_cross_entropy(
+            hidden_ND.to(dtype), weight_VD.to(dtype), labels_N, linear_bias=bias, **kwargs
+        )
+    return _upcast(loss)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -183,8 +183,13 @@ def test_dedup_and_cross_worker_negatives() -> None:
     assert dedup.head == pytest.approx(plain.head / 4) and dedup.body == plain.body
     four = step_flops(PYTHIA_70M, world_size_negatives=4, **kw)
     assert four.head == pytest.approx(4 * plain.head)
+    # With cross-worker negatives U counts the distinct ids among all W·K negatives.
+    four_dedup = step_flops(PYTHIA_70M, world_size_negatives=4, unique_columns=2 * K, **kw)
+    assert four_dedup.head == pytest.approx(2 * plain.head)
     with pytest.raises(HLMError, match="unique_columns"):
         step_flops(PYTHIA_70M, unique_columns=K + 1, **kw)
+    with pytest.raises(HLMError, match="unique_columns"):
+        step_flops(PYTHIA_70M, world_size_negatives=4, unique_columns=4 * K + 1, **kw)
 
 
 def test_cwt_costs_more_than_the_vocab_head_when_k_exceeds_v() -> None:
@@ -252,6 +257,40 @@ def test_config_step_flops() -> None:
         seq_len=64,
         mlm_full_logits=True,
     )
+
+
+def test_measured_unique_columns_are_capped() -> None:
+    """A run's measured U (train/U) replaces the min(W·K, V) bound, and is capped by it."""
+    base = dict(
+        model=ModelConfig(arch="gpt_neox", hidden_size=64, num_layers=2, num_heads=2),
+        data=DataConfig(seq_len=64),
+        optim=OptimConfig(micro_batch_size=8, global_batch_size=16),
+    )
+    dedup = Config(**base, objective=ObjectiveConfig(name="headless", cwt_variant="dedup"))
+    K = 8 * 63
+    kw = dict(vocab_size=5_000, objective="headless", micro_batch=8, seq_len=64)
+    measured = config_step_flops(dedup, 5_000, unique_columns=120)
+    assert measured == step_flops(dedup.model, unique_columns=120, **kw)
+    assert config_step_flops(dedup, 5_000) == step_flops(dedup.model, unique_columns=K, **kw)
+    assert config_step_flops(dedup, 100, unique_columns=120).head == pytest.approx(
+        step_flops(dedup.model, **{**kw, "vocab_size": 100}, unique_columns=100).head
+    )
+    xw = Config(
+        **base,
+        objective=ObjectiveConfig(
+            name="headless", cwt_variant="dedup", cross_worker_negatives=True
+        ),
+    )
+    # Two workers: up to 2K distinct negatives; a measured U above that bound is capped.
+    assert config_step_flops(xw, 5_000, world_size=2, unique_columns=10 * K) == step_flops(
+        xw.model, world_size_negatives=2, unique_columns=2 * K, **kw
+    )
+    assert config_step_flops(xw, 5_000, world_size=2, unique_columns=700).head == pytest.approx(
+        step_flops(xw.model, unique_columns=700, world_size_negatives=2, **kw).head
+    )
+    # The plain loss scores every negative, repeats included: U does not apply.
+    plain = Config(**base, objective=ObjectiveConfig(name="headless", cwt_variant="plain"))
+    assert config_step_flops(plain, 5_000, unique_columns=10) == config_step_flops(plain, 5_000)
 
 
 def test_describe_and_errors() -> None:

@@ -324,12 +324,25 @@ def test_vocab_sweep_end_to_end_then_resumes_without_retraining(
         "summary.md",
         "fig7a_score_vs_vocab.png",
         "fig7b_tokens_per_s_vs_vocab.png",
+        "plan.txt",
     }
+    # The plan before the trials, the measured figures beside it at the end.
+    assert {"plan/flops", "plan/gpu_hours", "plan/wall_s", "measured/wall_s"} <= set(
+        parent.data.metrics
+    )
+    assert parent.data.metrics["measured/mean_overhead_s"] > 0
     assert len(children) == 4
     for child in children:
         assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
         assert child.info.status == "FINISHED"
         assert "downstream/score" in child.data.metrics and "train/loss" in child.data.metrics
+        # Where the trial's time went, and the measured U of the FLOP model.
+        times = child.data.metrics
+        assert 0 < times["trial/train_s"] < times["trial/wall_s"]
+        assert times["trial/overhead_s"] == pytest.approx(
+            times["trial/wall_s"] - times["trial/train_s"]
+        )
+        assert 1 < times["train/U"] <= times["train/K"]
         assert child.data.params["objective.name"] == child.data.tags["objective"]
         assert {"model", "config.yaml", "loss_curve.png"} <= {
             a.path for a in client.list_artifacts(child.info.run_id)

@@ -8,6 +8,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
 from hlm_ray.cli import main
 from hlm_ray.data import BlockSampler
+from hlm_ray.flops import config_step_flops
 from hlm_ray.paths import data_dir
 from hlm_ray.presets import load_config
 from hlm_ray.tokenizer import token_byte_lengths
@@ -66,6 +67,11 @@ def test_tiny_run_lowers_its_loss_and_saves_a_plain_transformers_model(preset, o
     assert len(losses) == steps // 5
     assert sum(losses[-2:]) / 2 < losses[0] - 0.15, losses
     assert summary["steps"] == steps and summary["tokens"] == steps * 32 * 64
+    # Measured U: distinct target ids of a micro-batch, at most min(K, V), in the FLOP model.
+    m = summary["metrics"]
+    assert 1 < m["train/U"] <= min(m["train/K"], summary["vocab_size"])
+    measured = config_step_flops(cfg, summary["vocab_size"], unique_columns=int(m["train/U"]))
+    assert m["train/flops_per_token"] == pytest.approx(measured.per_token)
     # The newest run.keep_checkpoints are kept, and a copy of the best (lowest val loss).
     kept = [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(tmp_path / "run")]
     assert kept == [steps - 20, steps]
@@ -225,3 +231,14 @@ def test_empty_corpus_and_existing_output_are_refused(tmp_path, capsys):
     (done / ckpt.MARKER).write_text('{"step": 10}')
     assert main(["train", "--local", "--output", str(tmp_path / "o")]) == 2
     assert "already holds checkpoints" in capsys.readouterr().err
+
+
+def test_measured_u_counts_distinct_ids_among_all_workers_negatives():
+    from hlm_ray.train.loop import measured_unique_columns
+
+    ids_BL = torch.tensor([[5, 1, 1, 2], [5, 2, 2, 2]])  # targets 1 1 2 2 2 2: U = 2
+    assert measured_unique_columns(ids_BL, None, None) == 2
+    labels_BL = torch.tensor([[-100, 7, -100, 7], [3, -100, -100, -100]])
+    assert measured_unique_columns(ids_BL, labels_BL, None) == 2
+    gathered = torch.tensor([1, 1, 2, 2, 2, 2, 9, 1, 4, 4, 2, 2])  # two workers' targets
+    assert measured_unique_columns(ids_BL, None, gathered) == 4

@@ -55,11 +55,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
 
-    from hlm_ray.bench.common import resolve_device
     from hlm_ray.bench.presets import get_bench_preset
     from hlm_ray.bench.suite import log_to_mlflow, parse_only, run_bench
+    from hlm_ray.device import resolve_device
     from hlm_ray.paths import resolve_output
 
     if args.only == "serve":
@@ -68,9 +67,7 @@ def run(args: argparse.Namespace) -> int:
         return serve_bench.main(["--output", args.output or "runs/bench/serve"])
     preset = get_bench_preset(args.preset, repeats=args.repeats)
     only = parse_only(args.only)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise HLMError("--device cuda but no CUDA GPU is visible; use --device cpu")
-    device = resolve_device(args.device)
+    device = resolve_device(args.device, option="--device")
     out = resolve_output(args.output or f"runs/bench/{preset.name}")
     headline = resolve_output(args.headline) if args.headline else None
     progress = not args.no_progress and sys.stderr.isatty()

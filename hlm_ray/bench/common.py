@@ -143,12 +143,6 @@ def tensor_bytes(tensors) -> int:
     return total
 
 
-def resolve_device(name: str = "auto") -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def environment(device: torch.device) -> dict[str, Any]:
     """Where and with what the numbers were taken (recorded with every result)."""
     import transformers
@@ -198,9 +192,3 @@ def compiled_cross_entropy() -> Callable:
     if "ce" not in _COMPILED:
         _COMPILED["ce"] = torch.compile(plain_cross_entropy, dynamic=True)
     return _COMPILED["ce"]
-
-
-def autocast(device: torch.device, dtype: torch.dtype | None):
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)

@@ -11,7 +11,7 @@ loss and the gradients of O and W (`torch.autograd.grad`):
     cwt_chunked   cwt_dedup in row chunks (`chunk_rows` × U logits at once; recomputed backward)
     ce_full       cross-entropy over full K×V logits                           6·K·V·D
     ce_chunked    the same in row chunks (`chunk_rows` × V logits at once)
-    ce_linear     torch's fused `F.linear_cross_entropy` (its default chunking heuristic)
+    ce_linear     torch's fused `F.linear_cross_entropy` in `chunk_rows` rows a chunk
     ce_compiled   `torch.compile`d linear + cross-entropy (dynamic shapes: compiled once)
 
 CWT reads W through `F.embedding(..., sparse=True)`: its table gradient holds U rows (the lazy
@@ -53,7 +53,9 @@ def _method(name: str, chunk_rows: int, compiled: Callable | None) -> Callable:
             o, w, None, y, impl="chunked", chunk_size=chunk_rows
         )
     if name == "ce_linear":
-        return lambda o, w, y: cross_entropy_head(o, w, None, y, impl="linear")
+        return lambda o, w, y: cross_entropy_head(
+            o, w, None, y, impl="linear", chunk_size=chunk_rows
+        )
     if name == "ce_compiled":
         assert compiled is not None
         return compiled

@@ -252,7 +252,8 @@ GPU = BenchPreset(
                     arch="gpt2", hidden_size=768, num_layers=12, num_heads=12, max_positions=1024
                 ),
                 1024,
-                ((50304, 8),),
+                # The issue-13 targets: MFU, and headless vs the strongest vanilla at 32k / 131k.
+                ((32768, 8), (50304, 8), (131072, 8)),
             ),
             StepModel(
                 "pythia-70m",

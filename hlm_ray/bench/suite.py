@@ -24,6 +24,7 @@ import torch
 from hlm_ray.bench import report
 from hlm_ray.bench.common import environment
 from hlm_ray.bench.presets import BenchPreset
+from hlm_ray.device import resolve_device
 from hlm_ray.errors import HLMError
 
 BENCHMARKS = ("loss_head", "train_step", "ray_overhead")
@@ -67,7 +68,7 @@ def run_bench(
     headline: Path | None = None,
     log=print,
 ) -> BenchResult:
-    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = device or resolve_device("auto")
     if preset.needs_cuda and device.type != "cuda":
         raise HLMError(
             f"bench preset {preset.name} needs a CUDA GPU and none is visible; "

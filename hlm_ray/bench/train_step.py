@@ -33,7 +33,6 @@ import torch
 from tqdm.auto import tqdm
 
 from hlm_ray.bench.common import (
-    autocast,
     compiled_cross_entropy,
     peak_bytes,
     spread,
@@ -43,6 +42,7 @@ from hlm_ray.bench.common import (
 from hlm_ray.bench.presets import StepModel, TrainStepSpec
 from hlm_ray.config import ModelConfig, ObjectiveConfig, OptimConfig
 from hlm_ray.data import mask_tokens
+from hlm_ray.device import autocast
 from hlm_ray.errors import one_line
 from hlm_ray.flops import device_peak_flops, mfu, rows_per_loss, step_flops
 from hlm_ray.models import body, build_model, lm_head

@@ -48,6 +48,7 @@ from hlm_ray.classify.loss import LOSSES, regression_mse
 from hlm_ray.classify.metrics import task_metrics
 from hlm_ray.classify.tasks import GLUE_EVAL, Example, TaskSpec, get_task, load_task
 from hlm_ray.config import ClassifyConfig
+from hlm_ray.device import resolve_device
 from hlm_ray.errors import HLMError, one_line
 from hlm_ray.models import max_input_positions
 from hlm_ray.pretrained import model_info, resolve_model_dir
@@ -218,14 +219,6 @@ def load_classifier(
             "the checkpoint; pass an encoder saved by hlm_ray or save_pretrained"
         )
     return model.to(device), sorted(info["missing_keys"])
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise HLMError(f"device={name!r} but no CUDA GPU is visible; use device='cpu'")
-    return torch.device(name)
 
 
 def _param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -427,7 +420,7 @@ def finetune_classifier(
     eval_file: str | Path | None = None,
     eval_fraction: float = 0.2,
     split_seed: int = 0,
-    device: str = "cpu",
+    device: str = "auto",
     tracker: Tracker | None = None,
     progress: bool = True,
     save_best_model: bool = False,
@@ -469,7 +462,7 @@ def finetune_classifier(
         eval_languages=eval_languages,
     )
     tracker = tracker if tracker is not None else Tracker()
-    device_t = _resolve_device(device)
+    device_t = resolve_device(device)
 
     tokenizer = load_tokenizer(folder)
     positions = max_input_positions(json.loads((folder / "config.json").read_text())) or 512

@@ -23,6 +23,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,15 @@ from hlm_ray.errors import HLMError
 from hlm_ray.paths import CACHE_ENV
 from hlm_ray.train import checkpoint as ckpt
 from hlm_ray.train.inputs import build_corpus, build_tokenizer
+
+# Ray Train settings for short runs, unless the user set them: the controller polls its workers
+# every 2 s by default, which every report, the start and the end of a fit wait on (seconds per
+# trial in a sweep); the preemption watcher (observability only) is one more actor process per
+# fit. Ray passes both on from the driver (or trial) to the controller.
+RAY_TRAIN_ENV = {
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+}
 
 
 class RayReporter:
@@ -311,6 +321,9 @@ def launch(
     checkpoint folder to continue from instead (later ones are removed). A sweep trial (Train
     inside Tune) passes `parent_run_id` (its MLflow run nests under the sweep's), `tags`, and
     `callbacks=[TuneReportCallback()]` (reports reach Tune)."""
+    launched_at = time.time()
+    for key, value in RAY_TRAIN_ENV.items():
+        os.environ.setdefault(key, value)
     import ray.train
 
     from hlm_ray.tracking.sync import sync_quietly
@@ -369,6 +382,7 @@ def launch(
             callbacks=callbacks,
         ),
     )
+    fit_at = time.time()
     try:
         with restore_sigint():
             result = trainer.fit()
@@ -391,12 +405,21 @@ def launch(
     except BaseException:
         finish(tracker, out_dir, "FAILED")
         raise
+    fit_s = time.time() - fit_at
     finish(tracker, out_dir, "FINISHED")
     if tracker.run_id is not None:
         note = sync_quietly(out_dir)  # what the workers could not send (a tracking outage)
         if note:
             print(note, file=sys.stderr)
     summary_file = out_dir / "summary.json"
-    if summary_file.exists():
-        return json.loads(summary_file.read_text())
-    return {"metrics": result.metrics or {}, "model_dir": str(out_dir / "model")}
+    if not summary_file.exists():
+        return {"metrics": result.metrics or {}, "model_dir": str(out_dir / "model")}
+    summary = json.loads(summary_file.read_text())
+    worker = summary.get("seconds") or {}
+    if "entered_at" in worker:
+        # Ray Train's share of the fit: controller and worker processes starting, placement,
+        # process group, and after the loop: the last report, polling and teardown.
+        start = worker["entered_at"] - fit_at
+        worker.update(fit=fit_s, ray_start=start, ray_end=fit_s - start - worker["worker"])
+        worker.update(before_fit=fit_at - launched_at)
+    return summary

@@ -96,13 +96,20 @@ class LMObjective(nn.Module):
     def _ce(self, hidden_BLD, input_ids_BL, labels_BL):
         head = lm_head(self.model)
         if self.causal:
-            return vanilla_causal_loss(hidden_BLD, input_ids_BL, head, impl=self.cfg.ce_impl)
+            return vanilla_causal_loss(
+                hidden_BLD,
+                input_ids_BL,
+                head,
+                impl=self.cfg.ce_impl,
+                chunk_size=self.cfg.ce_chunk_size,
+            )
         return vanilla_masked_loss(
             hidden_BLD,
             labels_BL,
             head,
             full_logits=self.cfg.mlm_full_logits,
             impl=self.cfg.ce_impl,
+            chunk_size=self.cfg.ce_chunk_size,
         )
 
     @staticmethod

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 
 from hlm_ray.config import Config
 from hlm_ray.data import BlockSampler, mask_tokens
+from hlm_ray.device import autocast, autocast_dtype, resolve_device
 from hlm_ray.flops import config_step_flops, describe, device_peak_flops, mfu
 from hlm_ray.models import build_model, init_from_pretrained, num_parameters
 from hlm_ray.tokenizer import token_byte_lengths
@@ -67,23 +68,6 @@ class LocalReporter:
         return self.root / f"{ckpt.PREFIX}{step:08d}"
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        from hlm_ray.errors import HLMError
-
-        raise HLMError("run.device=cuda but no CUDA GPU is visible; use run.device=cpu")
-    return torch.device(name)
-
-
-def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    if precision == "auto":
-        ok = device.type == "cuda" and torch.cuda.is_bf16_supported()
-        return torch.bfloat16 if ok else None
-    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-
-
 @dataclass
 class _Run:
     """What one worker holds while it trains: built by `_setup`, advanced by `_step`, read by
@@ -119,6 +103,12 @@ class _Run:
     grad_norm: float = math.nan
     num_rows: float = math.nan
     """K of the last micro-batch (rows scored by the loss)."""
+    setup_s: float = 0.0
+    checkpoint_s: float = 0.0
+    entered: float = 0.0
+    entered_at: float = 0.0
+    last_batch: tuple | None = None
+    """(input_ids, labels, negatives) of the last micro-batch."""
     best_val: float = math.inf
     last: dict[str, float] = field(default_factory=dict)
 
@@ -140,9 +130,11 @@ def train_worker(
 
     `tracking` ({"uri": ..., "run_id": ...}) makes rank 0 log to that MLflow run as well as to
     `<output_dir>/metrics.jsonl`; the caller opened the run and closes it."""
+    entered, entered_at = time.perf_counter(), time.time()  # for summary["seconds"]
     cfg = Config.from_dict(config)
     _quiet_library_progress_bars()
     run = _setup(cfg, env, reporter, tracking, resume_from)
+    run.entered, run.entered_at = entered, entered_at
     bar = tqdm(
         total=cfg.optim.max_steps,
         initial=run.start,
@@ -154,6 +146,7 @@ def train_worker(
     )
     run.model.train()
     run.window_start = time.perf_counter()
+    run.setup_s = run.window_start - entered
     for step in range(run.start, cfg.optim.max_steps):
         if cfg.run.fail_at_step == step and run.env.rank == run.env.world_size - 1:
             _inject_failure(run.out_dir, step)
@@ -175,7 +168,7 @@ def train_worker(
 def _setup(cfg, env, reporter, tracking, resume_from) -> _Run:
     """Tokenizer, corpus, model, objective, optimizer; restored from `resume_from` if given;
     parameters and tags logged on a fresh start."""
-    env = env or WorkerEnv(device=resolve_device(cfg.run.device))
+    env = env or WorkerEnv(device=resolve_device(cfg.run.device, option="run.device"))
     out_dir = Path(cfg.run.output_dir)
     reporter = reporter or LocalReporter(out_dir, cfg.run.keep_checkpoints)
     tracker = (
@@ -257,7 +250,7 @@ def _step(run: _Run, step: int) -> None:
             negatives = gather_negative_ids(LMObjective.target_ids(input_ids, labels))
         sync = i == len(micro_batches) - 1 or env.world_size == 1
         seed = _stream(cfg.run.seed, step, env.rank, i)
-        with _no_sync(run.module, sync), _autocast(env.device, run.amp):
+        with _no_sync(run.module, sync), autocast(env.device, run.amp):
             out = run.module(input_ids, labels, negative_ids=negatives, negative_seed=seed)["loss"]
         run.scaler.scale(out.loss / run.accum).backward()
         run.loss_sum += out.loss.detach() / run.accum
@@ -269,6 +262,7 @@ def _step(run: _Run, step: int) -> None:
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.num_rows = out.num_rows
+    run.last_batch = (input_ids, labels, negatives)  # for the measured U at log steps
     run.train_time += time.perf_counter() - step_start
     run.window_steps += 1
 
@@ -287,12 +281,29 @@ def _log_window(run: _Run, done: int) -> None:
         "train/K": float(run.num_rows),
         **_peak_memory(run.env.device),
     }
-    utilisation = mfu(run.step_cost.per_token * run.last["train/tokens_per_s"], run.peak_flops)
+    # Measured U: distinct ids among the last micro-batch's negatives (all workers' with
+    # cross-worker negatives); the FLOP model and MFU use it, not the bound min(W·K, V).
+    U = measured_unique_columns(*run.last_batch)
+    cost = config_step_flops(
+        run.cfg, len(run.tokenizer), world_size=run.env.world_size, unique_columns=U
+    )
+    run.last["train/U"] = float(U)
+    run.last["train/flops_per_token"] = cost.per_token
+    utilisation = mfu(cost.per_token * run.last["train/tokens_per_s"], run.peak_flops)
     if utilisation is not None:
         run.last["train/mfu"] = utilisation / run.env.world_size  # peak is per device
     run.tracker.log_metrics(run.last, step=done)
     run.loss_sum.zero_()
     run.window_steps, run.window_start = 0, time.perf_counter()
+
+
+def measured_unique_columns(
+    input_ids: torch.Tensor, labels: torch.Tensor | None, negatives: torch.Tensor | None
+) -> int:
+    """U of one micro-batch: distinct target ids, or distinct ids among all workers' negatives
+    when they were gathered (one host sync; called at log steps only)."""
+    ids = negatives if negatives is not None else LMObjective.target_ids(input_ids, labels)
+    return int(torch.unique(ids).numel())
 
 
 def _evaluate_now(run: _Run, done: int) -> None:
@@ -307,6 +318,7 @@ def _evaluate_now(run: _Run, done: int) -> None:
 def _checkpoint(run: _Run, done: int) -> None:
     """Write the step's checkpoint (rank 0), keep the final model and the best checkpoint
     beside it, and report to Ray (every rank)."""
+    saving = time.perf_counter()
     folder = _save(
         run.reporter.checkpoint_folder(done),
         run.model,
@@ -326,6 +338,7 @@ def _checkpoint(run: _Run, done: int) -> None:
         _copy_tree(folder, run.out_dir / BEST)
     run.reporter.report({**run.last, "step": done}, folder)
     run.window_start = time.perf_counter()
+    run.checkpoint_s += run.window_start - saving  # saving, copying, Ray's report
 
 
 def _finish(run: _Run) -> dict[str, Any]:
@@ -346,6 +359,16 @@ def _finish(run: _Run) -> dict[str, Any]:
         "parameters": num_parameters(run.model),
         "metrics": run.last,
         "model_dir": str(out_dir / "model"),
+        # Where the worker's time went (rank 0): building model and data, the optimizer steps
+        # (train), checkpoints with their reports, everything (worker); entered_at is the wall
+        # clock the launcher compares with its own.
+        "seconds": {
+            "setup": run.setup_s,
+            "train": run.train_time,
+            "checkpoint": run.checkpoint_s,
+            "worker": time.perf_counter() - run.entered,
+            "entered_at": run.entered_at,
+        },
     }
     if run.env.is_main:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
@@ -399,7 +422,7 @@ def evaluate(module, val_blocks, cfg: Config, env: WorkerEnv, masking, token_byt
     for b in range(min(cfg.run.eval_batches, math.ceil(len(val_blocks) / mb))):
         idx = torch.arange(b * mb, min((b + 1) * mb, len(val_blocks)))
         input_ids, labels = _batch(val_blocks, idx, env, masking, cfg.run.seed, -1, b)
-        with _autocast(env.device, amp):
+        with autocast(env.device, amp):
             seed = _stream(cfg.run.seed, -1, env.rank, b)
             parts = inner(input_ids, labels, negative_seed=seed, return_accuracy=True)
         out = parts["loss"]
@@ -537,12 +560,6 @@ def _peak_memory(device: torch.device) -> dict[str, float]:
 
     # CPU: the process's peak resident set (KiB on Linux), the closest thing to device memory.
     return {"train/peak_mem_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-
-
-def _autocast(device: torch.device, dtype: torch.dtype | None):
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def _no_sync(module, sync: bool):

@@ -4,6 +4,7 @@
     python sweeps/vocab.py --preset tiny --set optim.max_steps=20 --set sweep.values=[512,768]
     python sweeps/batch_size.py --preset paper --workers-per-trial 2 --gpus-per-worker 1
     python sweeps/vocab.py --preset tiny --search --set sweep.search_samples=8
+    python sweeps/vocab.py --preset paper --dry-run --gpu-type A100 --mfu 0.35   # the plan only
 
 Exit status: 0 when every trial finished, 1 when some failed (they are in the summary), 2 on
 bad input (one line, ``error: ...``), 130 after Ctrl-C (trials stopped, their runs and the
@@ -51,6 +52,9 @@ def build_parser(axis: Axis, presets: dict[str, SweepSpec]) -> argparse.Argument
         help="random search over lr and warm-up with ASHA early stopping (for one grid cell) "
         "instead of the grid",
     )
+    from hlm_ray.plan import add_arguments
+
+    add_arguments(p)
     return p
 
 
@@ -82,6 +86,16 @@ def sweep_main(axis: Axis, presets: dict[str, SweepSpec], argv: list[str] | None
         from hlm_ray.tune.sweep import run_sweep
 
         spec = get_sweep(presets, args.preset, overrides)
+        from hlm_ray.plan import assumptions_from, format_plan, sweep_plan
+
+        assumptions = assumptions_from(args)
+        if args.dry_run:
+            from hlm_ray.tune.sweep import plan_concurrency
+
+            trials = len(spec.cells())
+            fit = lambda nodes: plan_concurrency(spec, trials, nodes)  # noqa: E731
+            print(format_plan(sweep_plan(spec, assumptions, fit=fit, name=name)))
+            return 0
         if args.search:
             print(
                 f"--search: random lr / warm-up samples with ASHA for objective="
@@ -89,7 +103,7 @@ def sweep_main(axis: Axis, presets: dict[str, SweepSpec], argv: list[str] | None
                 "not comparable across objectives or vocabularies); pick the cell with "
                 "--set sweep.objectives=[...] --set sweep.values=[...]"
             )
-        outcome = run_sweep(spec, name=name, search=args.search)
+        outcome = run_sweep(spec, name=name, search=args.search, assumptions=assumptions)
     except HLMError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -162,6 +162,7 @@ def run_sweep(
     search: bool = False,
     root: str | Path = SWEEPS_DIR,
     verbose: int = 1,
+    assumptions=None,
 ) -> SweepOutcome:
     from hlm_ray.train.launch import connect
 
@@ -170,18 +171,33 @@ def run_sweep(
     state = check_resume(folder, spec, search)
     if spec.axis.check is not None:
         spec.axis.check(spec)
-    connect()
-    import ray
-
     num_trials = spec.search_samples if search else len(spec.cells())
-    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
-    concurrency = plan_concurrency(spec, num_trials, nodes)
-    real_vocab = prepare_inputs(spec, spec.values[:1] if search else None)
+    ready: dict[str, Any] = {}
+
+    phases: dict[str, float] = {}  # where the sweep's own time goes (seconds)
+
+    def while_mlflow_starts() -> None:
+        # Ray's start-up and the data preparation overlap the tracking server's start-up.
+        t0 = time.perf_counter()
+        connect()
+        phases["ray_start"] = time.perf_counter() - t0
+        import ray
+
+        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        ready["concurrency"] = plan_concurrency(spec, num_trials, nodes)
+        ready["real_vocab"] = prepare_inputs(spec, spec.values[:1] if search else None)
+        phases["ray_and_inputs"] = time.perf_counter() - t0
 
     from hlm_ray.tracking.server import tracking_server
 
-    with tracking_server(folder / "mlflow_server.log") as uri:
+    log_file = folder / "mlflow_server.log"
+    with tracking_server(log_file, while_starting=while_mlflow_starts) as uri:
+        concurrency, real_vocab = ready["concurrency"], ready["real_vocab"]
+        phases["until_mlflow_ready"] = time.perf_counter() - started
         parent = _open_parent(spec, name, uri, state, search, concurrency, real_vocab)
+        from hlm_ray import plan as plan_mod
+
+        plan_mod.log_sweep_plan(parent, spec, name, assumptions, concurrency, folder, search)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / STATE_FILE).write_text(
             json.dumps(
@@ -209,12 +225,14 @@ def run_sweep(
         )
         from hlm_ray.train.interrupt import tune_interrupt
 
+        phases["before_trials"] = time.perf_counter() - started
         try:
             with tune_interrupt() as stop:
                 results = _tuner(spec, folder, runtime, search, concurrency, verbose).fit()
         except BaseException:
             parent.finish("KILLED")
             raise
+        phases["trials"] = time.perf_counter() - started - phases["before_trials"]
         rows = _rows(results, spec, runtime, search, interrupted=stop.interrupted)
         _close_orphans(rows, spec, runtime)
         files = summary_mod.write_summary(rows, folder, axis=spec.axis, figures=not search)
@@ -222,7 +240,14 @@ def run_sweep(
             parent.log_artifact(path)
         counts = {s: sum(r["status"] == s for r in rows) for s in ("FINISHED", "FAILED")}
         parent.log_metrics({f"trials_{k.lower()}": v for k, v in counts.items()}, step=0)
+        seconds = time.perf_counter() - started
+        phases["after_trials"] = seconds - phases["before_trials"] - phases["trials"]
+        parent.log_metrics(plan_mod.measured_metrics(rows, seconds), step=0)
+        parent.log_metrics({f"sweep/{k}_s": v for k, v in phases.items()}, step=0)
         parent.finish("KILLED" if stop.interrupted else "FINISHED")
+        stopping = time.perf_counter()
+    phases["mlflow_stop"] = time.perf_counter() - stopping
+    print("sweep time (s): " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
     table = summary_mod.markdown_table(rows, spec.axis)
     return SweepOutcome(
         name=name,
@@ -319,6 +344,8 @@ def _tuner(spec, folder, runtime, search, concurrency, verbose):
             max_concurrent_trials=concurrency,
             scheduler=scheduler,
             search_alg=search_alg,
+            # A finished trial's actor runs the next trial: no new process and imports.
+            reuse_actors=True,
         ),
         run_config=tune.RunConfig(
             name=TUNE_DIR,

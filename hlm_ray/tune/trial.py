@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ def run_name(objective: str, short: str, value: Any, seed: int, trial_id: str) -
 
 
 def run_trial(params: dict[str, Any], runtime: TrialRuntime) -> None:
+    started = time.perf_counter()
     cfg = Config.from_dict(params["config"])
     import ray.tune
 
@@ -67,8 +69,53 @@ def run_trial(params: dict[str, Any], runtime: TrialRuntime) -> None:
     out_dir = Path(runtime.trials_dir) / name
     cfg = apply_overrides(cfg, {"run.output_dir": str(out_dir)})
     summary = _pretrain(cfg, runtime, out_dir, trial_id)
+    pretrained = time.perf_counter()
     scores = _downstream(runtime, out_dir, Path(summary["model_dir"]))
-    ray.tune.report(final_metrics(cfg, summary, scores, runtime.workers))
+    finished = time.perf_counter()
+    metrics = final_metrics(cfg, summary, scores, runtime.workers)
+    metrics.update(trial_times(summary, started, pretrained, finished))
+    _log_times(runtime, out_dir, metrics)
+    ray.tune.report(metrics)
+
+
+def trial_times(
+    summary: dict[str, Any], started: float, pretrained: float, finished: float
+) -> dict[str, float]:
+    """Where a trial's wall time went (seconds). `trial/overhead_s` is all but the optimizer
+    steps: Ray Train start-up and teardown (`trainer`), the worker's model and data set-up,
+    checkpoints with their reports, and the downstream step."""
+    worker = summary.get("seconds") or {}
+    train = float(worker.get("train", 0.0))
+    pretrain = pretrained - started
+    out = {
+        "trial/wall_s": finished - started,
+        "trial/pretrain_s": pretrain,
+        "trial/train_s": train,
+        "trial/downstream_s": finished - pretrained,
+        "trial/overhead_s": finished - started - train,
+    }
+    if worker:  # absent for a trial whose training finished in an earlier attempt
+        out["trial/worker_setup_s"] = float(worker["setup"])
+        out["trial/checkpoint_s"] = float(worker["checkpoint"])
+        out["trial/trainer_s"] = pretrain - float(worker["worker"])
+    for key in ("before_fit", "ray_start", "ray_end"):  # launch's split of trainer_s
+        if key in worker:
+            out[f"trial/{key}_s"] = float(worker[key])
+    return out
+
+
+def _log_times(runtime: TrialRuntime, out_dir: Path, metrics: dict[str, float]) -> None:
+    """The time accounting on the trial's own MLflow run too (the child run is closed)."""
+    ref = read_run_ref(out_dir)
+    if ref is None:
+        return
+    from hlm_ray.tracking import MlflowTracker
+
+    times = {k: v for k, v in metrics.items() if k.startswith("trial/")}
+    # Reopened (set back to RUNNING) to log, then closed again.
+    tracker = MlflowTracker(runtime.experiment, run_id=ref["run_id"])
+    tracker.log_metrics(times, step=0)
+    tracker.finish("FINISHED")
 
 
 def _pretrain(cfg: Config, runtime: TrialRuntime, out_dir: Path, trial_id: str) -> dict[str, Any]:
@@ -182,7 +229,10 @@ def final_metrics(
     the objective's loss, tokens/s, peak memory, the head's FLOP share, K, V and K/V."""
     metrics = summary.get("metrics") or {}
     vocab = int(summary["vocab_size"])
-    step = config_step_flops(cfg, vocab, world_size=workers)
+    U = metrics.get("train/U")  # measured; None: the min(W·K, V) bound
+    step = config_step_flops(
+        cfg, vocab, world_size=workers, unique_columns=None if U is None else int(U)
+    )
     rows = float(metrics.get("train/K", step.target_rows))
     # Two different quantities, kept apart. text_bpb: held-out text scored by a model with a
     # head (decoders: the fine-tuned generator). token_bpb: pretraining validation of a
