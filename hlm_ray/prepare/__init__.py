@@ -24,9 +24,16 @@ from hlm_ray.prepare.pipeline import (
 from hlm_ray.prepare.reader import TokenBlocks, open_prepared
 
 
-def ensure_prepared(cfg, *, progress: bool = True, allow_smaller_vocab: bool = False) -> Prepared:
+def ensure_prepared(
+    cfg, *, progress: bool | None = None, allow_smaller_vocab: bool = False
+) -> Prepared:
     """`data.prepared` when set; else the cache's prepared folder for the config's sources and
-    tokenizer settings (prepared now when missing or unfinished)."""
+    tokenizer settings (prepared now when missing or unfinished). Progress goes to stderr when
+    it is a terminal (None) or `progress`, else to the log."""
+    if progress is None:
+        import sys
+
+        progress = sys.stderr.isatty()
     if cfg.data.prepared:
         return open_prepared(cfg.data.prepared)
     return prepare(

@@ -22,6 +22,7 @@ import contextlib
 import fcntl
 import hashlib
 import json
+import logging
 import random
 import shutil
 import sys
@@ -39,6 +40,7 @@ from hlm_ray.paths import cache_dir
 from hlm_ray.prepare.sources import Piece, SourceFiles, make_pieces, read_documents, resolve_sources
 from hlm_ray.prepare.store import MANIFEST, STATE, TOKENIZER_DIR, ShardWriter, Store
 
+log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 SPLITS = ("train", "val")
 ENCODE_BATCH = 1024  # documents per encode_batch call
@@ -117,8 +119,11 @@ class Prepared:
 
 
 def _say(progress: bool, message: str) -> None:
+    """Progress: on stderr when asked (the `hlm data` command, a terminal), else logged."""
     if progress:
         print(f"[prepare] {message}", file=sys.stderr, flush=True)
+    else:
+        log.info(message)
 
 
 # ----------------------------------------------------------------------------- the split
@@ -337,6 +342,10 @@ def prepare(
     process unless Ray is already running (then on Ray Data with one actor per CPU); 0 in
     process; N on Ray Data with N tokenizer actors."""
     started = time.perf_counter()
+    if request.tokenizer_kind == "bpe":  # before reading anything
+        from hlm_ray.tokenizer import _check_vocab_size, special_tokens_for
+
+        _check_vocab_size(request.vocab_size, special_tokens_for(request.family))
     files = resolve_sources(request.sources, text_field=request.text_field)
     key = request.key(files)
     store = Store.open(

@@ -19,7 +19,7 @@ from hlm_ray.prepare import Prepared, TokenBlocks, ensure_prepared
 from hlm_ray.tokenizer import special_tokens_for
 
 
-def build_prepared(cfg: Config, *, progress: bool = True) -> Prepared:
+def build_prepared(cfg: Config, *, progress: bool | None = None) -> Prepared:
     return ensure_prepared(cfg, progress=progress)
 
 

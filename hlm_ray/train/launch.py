@@ -185,6 +185,7 @@ def train_local(
     one MLflow run, marked FAILED if training raises."""
     from hlm_ray.train.loop import train_worker
 
+    build_corpus(cfg, build_tokenizer(cfg))  # bad data fails before a run is opened
     tracker, tracking = open_mlflow_run(
         cfg, Path(cfg.run.output_dir), experiment=experiment, resume=resume_from is not None
     )
