@@ -99,8 +99,8 @@ def run_bench(args) -> int:
 
     import ray
 
-    from hlm_ray.config import load_config
     from hlm_ray.prepare import PrepareRequest, prepare
+    from hlm_ray.presets import load_config
 
     work = Path(args.workdir)
     out_dir = Path(args.output)

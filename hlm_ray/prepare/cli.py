@@ -47,8 +47,8 @@ def run(args: argparse.Namespace) -> int:
         from hlm_ray.prepare.bench import run_bench
 
         return run_bench(args)
-    from hlm_ray.config import load_config
     from hlm_ray.prepare import PrepareRequest, prepare
+    from hlm_ray.presets import load_config
 
     cfg = load_config(args.preset, yaml_file=args.config, overrides=list(args.set))
     workers = args.workers

@@ -230,7 +230,7 @@ def _tokenized(pieces, fn_args: dict, workers: int | None) -> Iterator[tuple[int
         for table in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=4):
             yield from _rows(table, fn_args["dtype"])
     except Exception as err:
-        raise _as_hlm_error(err) from err
+        raise as_hlm_error(err) from err
 
 
 def _rows(table: pa.Table, dtype: str):
@@ -240,7 +240,7 @@ def _rows(table: pa.Table, dtype: str):
         yield index, splits, cols["bytes"][i]
 
 
-def _as_hlm_error(err: BaseException) -> BaseException:
+def as_hlm_error(err: BaseException) -> BaseException:
     """A worker's HLMError (bad UTF-8, unreadable file) surfaces as that one clear error."""
     seen = err
     while seen is not None:
@@ -343,9 +343,14 @@ def prepare(
     process; N on Ray Data with N tokenizer actors."""
     started = time.perf_counter()
     if request.tokenizer_kind == "bpe":  # before reading anything
-        from hlm_ray.tokenizer import _check_vocab_size, special_tokens_for
+        from hlm_ray.tokenizer import BYTE_ALPHABET, special_tokens_for
 
-        _check_vocab_size(request.vocab_size, special_tokens_for(request.family))
+        minimum = BYTE_ALPHABET + len(special_tokens_for(request.family))
+        if request.vocab_size < minimum:
+            raise HLMError(
+                f"tokenizer.vocab_size={request.vocab_size} is below the {BYTE_ALPHABET} "
+                f"byte-level + {minimum - BYTE_ALPHABET} special tokens; use at least {minimum}"
+            )
     files = resolve_sources(request.sources, text_field=request.text_field)
     key = request.key(files)
     store = Store.open(

@@ -32,9 +32,9 @@ def prepare_many(cfgs: list, progress: bool = True) -> list[Prepared]:
         try:
             done = ray.get([task.remote(r) for r in distinct])
         except ray.exceptions.RayTaskError as err:
-            from hlm_ray.prepare.pipeline import _as_hlm_error
+            from hlm_ray.prepare.pipeline import as_hlm_error
 
-            raise _as_hlm_error(err) from err
+            raise as_hlm_error(err) from err
     else:
         done = [_prepare_one(r) for r in distinct]
     by_request = dict(zip(distinct, done, strict=True))
