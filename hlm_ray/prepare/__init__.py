@@ -36,8 +36,13 @@ def ensure_prepared(
         progress = sys.stderr.isatty()
     if cfg.data.prepared:
         return open_prepared(cfg.data.prepared)
+    # In process: this runs inside drivers and Ray workers alike, where an actor pool could wait
+    # for CPUs the trainer holds. Large corpora are prepared by `hlm data prepare` on Ray Data.
     return prepare(
-        PrepareRequest.from_config(cfg), progress=progress, allow_smaller_vocab=allow_smaller_vocab
+        PrepareRequest.from_config(cfg),
+        workers=0,
+        progress=progress,
+        allow_smaller_vocab=allow_smaller_vocab,
     )
 
 
