@@ -12,6 +12,7 @@
     hlm eval --model runs/tiny-headless-clm --task lambada,bpb             # scores, to MLflow
     hlm serve --model models:/hlm-tiny-generator/1                # OpenAI-style HTTP endpoint
     hlm bench --preset cpu                                           # headless vs vanilla speed
+    hlm data prepare --preset tiny-decoder --set data.sources=[DIR] --output OUT  # token shards
 
 Bad input prints one line, ``error: ...``, and exits with status 2; Ctrl-C stops the run
 (its MLflow run marked KILLED), prints the command that continues it and exits with 130.
@@ -144,10 +145,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--experiment", default="hlm_ray", help="MLflow experiment name")
 
     from hlm_ray.bench import cli as bench_cli
+    from hlm_ray.prepare import cli as data_cli
     from hlm_ray.serve import cli as serve_cli
 
     serve_cli.add_parser(sub).set_defaults(handler=serve_cli.run)
     bench_cli.add_parser(sub).set_defaults(handler=bench_cli.run)
+    data_cli.add_parser(sub).set_defaults(handler=data_cli.run)
     return parser
 
 

@@ -63,21 +63,32 @@ class TokenizerConfig:
     path: str | None = None
     """kind=file: a tokenizer.json, a folder, a data-folder path (tokenizers/gpt2) or hub name."""
     min_frequency: int = 2
-    max_train_bytes: int | None = None
-    """Cap on the corpus bytes used to train the BPE (None: all of it)."""
+    train_sample_bytes: int | None = 100_000_000
+    """kind=bpe: the BPE trains on a seeded sample of this many bytes of *training* documents
+    (never validation ones); None: all of them."""
 
 
 @dataclass(frozen=True)
 class DataConfig:
     sources: tuple[str, ...] = ("corpus/en",)
     """Local text/JSONL/parquet files or folders, data-folder paths, or hub dataset names."""
+    prepared: str | None = None
+    """A folder written by `hlm data prepare` (it then replaces sources and the tokenizer
+    settings); None: the cache's prepared folder for `sources` (prepared when missing)."""
     text_field: str = "text"
     seq_len: int = 64
     """Tokens per packed block."""
     val_fraction: float = 0.02
-    """Share of blocks held out (every k-th block) for validation."""
+    """Share of documents held out for validation (by a seeded hash of each document)."""
+    split_seed: int = 0
+    """Seed of the document-level train/validation split (and of the BPE's sample)."""
     max_tokens: int | None = None
-    """Truncate the tokenized corpus (None: use it all)."""
+    """Use only the first max_tokens training tokens (None: all of them)."""
+    shard_tokens: int = 1 << 24
+    """Tokens per shard of a prepared folder."""
+    invalid_utf8: Literal["refuse", "replace"] = "refuse"
+    """A text file that is not valid UTF-8: refuse it (an error naming it) or replace the bad
+    bytes with U+FFFD."""
     mlm_probability: float = 0.15
 
 
@@ -346,6 +357,13 @@ def validate(cfg: Config) -> Config:
         d.seq_len,
         f"must not exceed model.max_positions={m.max_positions}; lower the sequence length "
         "or raise model.max_positions",
+    )
+    _check(d.shard_tokens > 0, "data.shard_tokens", d.shard_tokens, "must be > 0")
+    _check(
+        t.train_sample_bytes is None or t.train_sample_bytes > 0,
+        "tokenizer.train_sample_bytes",
+        t.train_sample_bytes,
+        "must be > 0 (or none for all the training text)",
     )
     _check(0 < d.val_fraction < 0.5, "data.val_fraction", d.val_fraction, "must be in (0, 0.5)")
     _check(0 < d.mlm_probability < 1, "data.mlm_probability", d.mlm_probability, "in (0, 1)")

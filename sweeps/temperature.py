@@ -43,7 +43,7 @@ PRESETS = {
         base="bert-small",
         values=(0.05, 0.1, 0.2, 0.5, 1.0, 2.0),
         objectives=("headless",),
-        overrides=(CC_NEWS, "tokenizer.max_train_bytes=1000000000"),
+        overrides=(CC_NEWS, "tokenizer.train_sample_bytes=1000000000"),
         recipe="paper",
         cpus_per_worker=4,
         gpus_per_worker=1,

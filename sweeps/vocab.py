@@ -89,7 +89,7 @@ PRESETS = {
         values=(16_384, 32_768, 50_000, 65_536, 85_000, 100_000),
         # BPE training reads the first GB of the corpus (all of it at once would need tens of
         # GB of memory); pretraining reads all of it.
-        overrides=(CC_NEWS, "tokenizer.max_train_bytes=1000000000"),
+        overrides=(CC_NEWS, "tokenizer.train_sample_bytes=1000000000"),
         recipe="paper",
         cpus_per_worker=4,
         gpus_per_worker=1,

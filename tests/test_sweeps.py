@@ -30,7 +30,7 @@ FAST = [
     "run.checkpoint_every=8",
     "run.eval_every=8",
     "run.log_every=4",
-    "tokenizer.max_train_bytes=300000",
+    "tokenizer.train_sample_bytes=300000",
 ]
 
 

@@ -360,6 +360,11 @@ def launch(
             "data.sources": [
                 str(Path(s).resolve()) if Path(s).exists() else s for s in cfg.data.sources
             ],
+            **(
+                {"data.prepared": str(Path(cfg.data.prepared).resolve())}
+                if cfg.data.prepared
+                else {}
+            ),
         },
     )
     tracker, tracking = open_mlflow_run(

@@ -33,7 +33,7 @@ from hlm_ray.tokenizer import token_byte_lengths
 from hlm_ray.tracking import JsonlTracker, MultiTracker, Tracker, read_metrics
 from hlm_ray.train import checkpoint as ckpt
 from hlm_ray.train.distributed import gather_negative_ids, global_mean
-from hlm_ray.train.inputs import build_corpus, build_tokenizer, special_ids
+from hlm_ray.train.inputs import build_corpus, build_tokenizer, data_tags, special_ids
 from hlm_ray.train.lm_objective import LMObjective
 from hlm_ray.train.optim import build_optimizer, build_scheduler, clip_grad_norm
 
@@ -206,7 +206,7 @@ def _setup(cfg, env, reporter, tracking, resume_from) -> _Run:
     step_cost = config_step_flops(cfg, len(tokenizer), world_size=env.world_size)
     if env.is_main and start == 0:
         tracker.log_params(cfg.to_dict())
-        tracker.set_tags(_tags(cfg, tokenizer, env, model, step_cost))
+        tracker.set_tags({**_tags(cfg, tokenizer, env, model, step_cost), **data_tags(cfg)})
         tracker.log_metrics(describe(step_cost), step=0)
     elif env.is_main:  # resumed: values changed by overrides are kept as param_changed.* tags
         tracker.log_params(cfg.to_dict())

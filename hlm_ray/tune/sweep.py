@@ -23,7 +23,7 @@ import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -106,29 +106,19 @@ def plan_concurrency(spec: SweepSpec, num_trials: int, nodes: list[dict[str, flo
 def prepare_inputs(
     spec: SweepSpec, values: tuple[int, ...] | None = None, *, progress: bool = True
 ) -> dict[int, int]:
-    """Train each distinct tokenizer and tokenize the corpus with it, once, before any trial
-    (both cached by their inputs under HLM_CACHE_DIR). Returns {requested size: real size},
-    after the axis's `prepared` hook has seen it (it may refuse a size, or warn)."""
-    from hlm_ray.train.inputs import build_corpus, build_tokenizer
+    """Prepare each distinct (tokenizer, data) setting once, before any trial: in parallel as
+    Ray tasks, into the cache (`hlm_ray.prepare`), where every trial finds its folder. Returns
+    {requested size: real size}, after the axis's `prepared` hook has seen it (it may refuse a
+    size, or warn)."""
+    from hlm_ray.prepare.tasks import prepare_many
 
     if spec.axis.check is not None:
         spec.axis.check(spec)
-    real: dict[int, int] = {}
-    built: dict[str, int] = {}  # tokenizer + data settings -> real vocabulary size
-    for value in values or spec.values:
-        cfg = spec.cell_config(value, spec.objectives[0], 0)
-        key = json.dumps([asdict(cfg.tokenizer), asdict(cfg.data), cfg.model.family])
-        if key not in built:
-            started = time.perf_counter()
-            tokenizer = build_tokenizer(cfg)
-            build_corpus(cfg, tokenizer)
-            built[key] = len(tokenizer)
-            if progress:
-                print(
-                    f"prepared a {len(tokenizer)}-token tokenizer and its tokenized corpus "
-                    f"({time.perf_counter() - started:.1f} s)"
-                )
-        real[cfg.tokenizer.vocab_size] = built[key]
+    cfgs = [spec.cell_config(v, spec.objectives[0], 0) for v in values or spec.values]
+    real = {
+        cfg.tokenizer.vocab_size: prepared.manifest["tokenizer"]["vocab_size"]
+        for cfg, prepared in zip(cfgs, prepare_many(cfgs, progress), strict=True)
+    }
     if spec.axis.prepared is not None:
         spec.axis.prepared(spec, real)
     return real

@@ -1,0 +1,59 @@
+"""Data preparation, its own stage: sources -> tokenizer + token shards + manifest, on Ray Data.
+
+    hlm data prepare --preset tiny-decoder --set data.sources=[DIR] --output OUT
+    hlm train --preset tiny-decoder --objective headless --local --set data.prepared=OUT
+
+    from hlm_ray.prepare import ensure_prepared, open_prepared, prepare, PrepareRequest
+    prepared = ensure_prepared(cfg)     # data.prepared, or the cache folder for data.sources
+    train = TokenBlocks.open(prepared, "train", seq_len=cfg.data.seq_len)
+
+See `pipeline` (preparing), `sources` (files, pieces, documents), `store` (atomic files,
+shards) and `reader` (memory-mapped blocks).
+"""
+
+from __future__ import annotations
+
+from hlm_ray.prepare.pipeline import (
+    FORMAT_VERSION,
+    Prepared,
+    PrepareRequest,
+    is_validation,
+    prepare,
+    training_sample,
+)
+from hlm_ray.prepare.reader import TokenBlocks, open_prepared
+
+
+def ensure_prepared(
+    cfg, *, progress: bool | None = None, allow_smaller_vocab: bool = False
+) -> Prepared:
+    """`data.prepared` when set; else the cache's prepared folder for the config's sources and
+    tokenizer settings (prepared now when missing or unfinished). Progress goes to stderr when
+    it is a terminal (None) or `progress`, else to the log."""
+    if progress is None:
+        import sys
+
+        progress = sys.stderr.isatty()
+    if cfg.data.prepared:
+        return open_prepared(cfg.data.prepared)
+    # In process: this runs inside drivers and Ray workers alike, where an actor pool could wait
+    # for CPUs the trainer holds. Large corpora are prepared by `hlm data prepare` on Ray Data.
+    return prepare(
+        PrepareRequest.from_config(cfg),
+        workers=0,
+        progress=progress,
+        allow_smaller_vocab=allow_smaller_vocab,
+    )
+
+
+__all__ = [
+    "FORMAT_VERSION",
+    "PrepareRequest",
+    "Prepared",
+    "TokenBlocks",
+    "ensure_prepared",
+    "is_validation",
+    "open_prepared",
+    "prepare",
+    "training_sample",
+]

@@ -1,0 +1,69 @@
+"""`hlm data prepare` and `hlm data bench`: thin over `hlm_ray.prepare`.
+
+    hlm data prepare --preset tiny-decoder --set data.sources=[DIR] --output OUT
+    hlm data prepare --preset tiny-decoder --set data.sources=[openwebtext] --workers 16
+    hlm data prepare --set tokenizer.kind=file --set tokenizer.path=tokenizers/gpt2 --output s3://b/x
+    hlm data bench --size-mb 300                  # prep throughput, Ray Data overhead, train RSS
+
+Without --output the folder goes to the cache (HLM_CACHE_DIR/prepared/<settings key>), where
+training finds it from `data.sources` alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "prepare a corpus (tokenizer, token shards, manifest) once, for training to read"
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("data", help=HELP, description=HELP)
+    sub = p.add_subparsers(dest="data_command", required=True)
+    prep = sub.add_parser("prepare", help="tokenize sources into a prepared folder")
+    prep.add_argument("--preset", default="tiny-decoder", help="named preset (hlm presets)")
+    prep.add_argument("--config", help="YAML file of overrides (nested sections)")
+    prep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    prep.add_argument("--output", help="folder or pyarrow URI (default: the cache)")
+    prep.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        help="Ray Data tokenizer actors (default: every CPU of the Ray cluster; 0: in process)",
+    )
+    prep.add_argument(
+        "--piece-mb", type=float, default=8.0, help="MB of text per unit of work (default 8)"
+    )
+    prep.add_argument("--address", help="Ray cluster to join (default: a local one)")
+    bench = sub.add_parser("bench", help="data preparation and memory-mapped reading benchmark")
+    bench.add_argument("--size-mb", type=int, default=300, help="synthetic corpus size")
+    bench.add_argument("--workdir", default="/tmp/hlm_data_bench", help="corpora and outputs")
+    bench.add_argument("--output", default="runs/bench/data", help="results (JSON, Markdown)")
+    bench.add_argument("--skip-rss", action="store_true", help="skip the training RSS part")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.data_command == "bench":
+        from hlm_ray.prepare.bench import run_bench
+
+        return run_bench(args)
+    from hlm_ray.prepare import PrepareRequest, prepare
+    from hlm_ray.presets import load_config
+
+    cfg = load_config(args.preset, yaml_file=args.config, overrides=list(args.set))
+    workers = args.workers
+    if workers != 0:
+        import os
+
+        import ray
+
+        if not ray.is_initialized():
+            os.environ.setdefault("RAY_DATA_DISABLE_PROGRESS_BARS", "1")
+            ray.init(address=args.address, log_to_driver=False, include_dashboard=False)
+    from dataclasses import replace
+
+    request = replace(PrepareRequest.from_config(cfg), piece_bytes=int(args.piece_mb * 2**20))
+    prepared = prepare(request, args.output, workers=workers)
+    print(f"prepared: {prepared.uri}  (fingerprint {prepared.fingerprint[:16]})")
+    print(f"train with: --set data.prepared={prepared.uri}")
+    return 0

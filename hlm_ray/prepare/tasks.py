@@ -1,0 +1,55 @@
+"""Prepare several configs' corpora at once, as Ray tasks across the cluster (sweeps).
+
+    prepared = prepare_many([cfg_v1024, cfg_v4096, cfg_v16384])   # one task per distinct request
+
+Each task prepares in its own process into the cache (HLM_CACHE_DIR: shared between nodes on a
+cluster), where the trials' `ensure_prepared(cfg)` then finds the folder. Without Ray running
+the requests are prepared one after another in this process.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from hlm_ray.errors import HLMError
+from hlm_ray.prepare.pipeline import Prepared, PrepareRequest, prepare
+
+
+def _prepare_one(request: PrepareRequest) -> Prepared:
+    return prepare(request, workers=0, allow_smaller_vocab=True, progress=False)
+
+
+def prepare_many(cfgs: list, progress: bool = True) -> list[Prepared]:
+    """One `Prepared` per config, in order; each distinct request is prepared once."""
+    requests = [PrepareRequest.from_config(c) for c in cfgs]
+    distinct = list(dict.fromkeys(requests))
+    started = time.perf_counter()
+    import ray
+
+    if ray.is_initialized():
+        task = ray.remote(num_cpus=1, max_retries=0)(_prepare_one)
+        try:
+            done = ray.get([task.remote(r) for r in distinct])
+        except ray.exceptions.RayTaskError as err:
+            from hlm_ray.prepare.pipeline import as_hlm_error
+
+            raise as_hlm_error(err) from err
+    else:
+        done = [_prepare_one(r) for r in distinct]
+    by_request = dict(zip(distinct, done, strict=True))
+    if progress:
+        for r in distinct:
+            p = by_request[r]
+            print(
+                f"prepared {r.tokenizer_kind} {p.manifest['tokenizer']['vocab_size']} tokens: "
+                f"{p.uri} (fingerprint {p.fingerprint[:12]})",
+                file=sys.stderr,
+            )
+        print(
+            f"prepared {len(distinct)} corpora in parallel in {time.perf_counter() - started:.1f} s",
+            file=sys.stderr,
+        )
+    if not done:
+        raise HLMError("nothing to prepare")
+    return [by_request[r] for r in requests]
