@@ -214,7 +214,11 @@ def cmd_train(args) -> int:
         args.output = args.output or str(resume.parent)
         _launch_settings(args, resume.parent)
         output = args.output
-        overrides = [*_device_overrides(args), *args.set, f"run.output_dir={resolve_output(output)}"]
+        overrides = [
+            *_device_overrides(args),
+            *args.set,
+            f"run.output_dir={resolve_output(output)}",
+        ]
         cfg = resumed_config(
             resume,
             preset=args.preset,

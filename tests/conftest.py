@@ -40,6 +40,9 @@ def ray_cluster(tmp_path_factory):
 
     cache = tmp_path_factory.mktemp("ray_worker_cache")
     ray.init(
+        # A new local cluster even where another Ray runs on this machine (ray.init() would join
+        # the one named in /tmp/ray/ray_current_cluster, e.g. left by a multi-node test).
+        address="local",
         num_cpus=2,
         include_dashboard=True,  # Train V2 cleans placement groups through the State API
         runtime_env={"env_vars": {"HLM_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1"}},
