@@ -143,8 +143,8 @@ def test_resume_uses_the_runs_own_config_and_refuses_another_model(tmp_path, cap
         (["--local", "--output", "FILE"], "is a file, not a folder"),
         (["--local", "--output", "FILE/run"], "is a file, not a folder"),
         (["--local", "--output", "UNWRITABLE"], "is not writable"),
-        (["--local", "--set", "data.sources=[LATIN]"], "latin.txt is not UTF-8 text (byte 0xe9"),
-        (["--local", "--set", "data.sources=[BINARY]"], "binary.txt is not UTF-8 text (a NUL"),
+        (["--local", "--set", "data.sources=[LATIN]"], "latin.txt is not valid UTF-8 (byte"),
+        (["--local", "--set", "data.sources=[BINARY]"], "binary.txt looks binary (it holds NUL bytes)"),
     ],
 )
 def test_bad_input_gives_one_line_and_no_running_run(args, message, tmp_path, capsys, mlflow_store):
@@ -254,7 +254,7 @@ def _vocab_script():
 def test_an_interrupted_sweep_exits_130_with_the_command_to_continue(monkeypatch, capsys):
     import hlm_ray.tune.sweep as sweep
 
-    def interrupted(spec, *, name, search):
+    def interrupted(spec, *, name, search, assumptions=None):
         rows = [{"status": "FINISHED"}, {"status": "KILLED"}, {"status": "KILLED"}]
         return sweep.SweepOutcome(name, None, rows, "", [], None, False, 1.0, interrupted=True)
 

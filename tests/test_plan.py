@@ -32,12 +32,14 @@ def test_paper_vocab_dry_run_prints_the_plan_and_starts_nothing(tmp_path, monkey
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    started = []  # (the session's shared cluster may be up already: watch ray.init instead)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: started.append((a, k)))
     assert _main("vocab")(["--preset", "paper", "--dry-run", "--cluster-gpus", "8"]) == 0
     out = capsys.readouterr().out
     assert "12 trial(s), nothing started" in out
     assert "H100 bf16, peak 989 TFLOP/s, at 40% MFU" in out
     assert "8 trial(s) at a time" in out
-    assert not ray.is_initialized()
+    assert not started
     assert not (tmp_path / "runs").exists() and not (tmp_path / "mlflow.db").exists()
 
 
