@@ -144,7 +144,10 @@ def test_resume_uses_the_runs_own_config_and_refuses_another_model(tmp_path, cap
         (["--local", "--output", "FILE/run"], "is a file, not a folder"),
         (["--local", "--output", "UNWRITABLE"], "is not writable"),
         (["--local", "--set", "data.sources=[LATIN]"], "latin.txt is not valid UTF-8 (byte"),
-        (["--local", "--set", "data.sources=[BINARY]"], "binary.txt looks binary (it holds NUL bytes)"),
+        (
+            ["--local", "--set", "data.sources=[BINARY]"],
+            "binary.txt looks binary (it holds NUL bytes)",
+        ),
     ],
 )
 def test_bad_input_gives_one_line_and_no_running_run(args, message, tmp_path, capsys, mlflow_store):
