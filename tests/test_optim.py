@@ -201,6 +201,7 @@ def ddp_worker(rank: int, port: int, out) -> None:
         opt.zero_grad(set_to_none=True)
     if rank == 0:
         out.put(model.emb.weight.detach().tolist())  # plain data: no shared-memory handle
+    dist.barrier()  # both ranks done before either tears gloo down (an abort at exit otherwise)
     dist.destroy_process_group()
 
 
