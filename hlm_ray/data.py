@@ -30,7 +30,7 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from hlm_ray.errors import HLMError, one_line
-from hlm_ray.paths import HUB_FALLBACKS, HubDataset, cache_dir, data_dir, has_shared
+from hlm_ray.paths import HUB_FALLBACKS, HubDataset, cache_dir, data_dir, has_shared, hub_specs
 from hlm_ray.tokenizer import tokenizer_fingerprint
 
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -139,16 +139,6 @@ def _load_hub(hub: HubDataset) -> datasets.Dataset:
     return _only_text(ds, hub.text_field, hub.name)
 
 
-def _hub_specs(source: str, text_field: str) -> tuple[HubDataset, ...]:
-    fallback = HUB_FALLBACKS.get(source)
-    if isinstance(fallback, HubDataset):
-        return (fallback,)
-    if isinstance(fallback, tuple):
-        return fallback
-    name, _, config = source.partition(":")
-    return (HubDataset(name, config or None, "train", text_field),)
-
-
 def _looks_like_path(source: str) -> bool:
     return source.startswith(("/", "./", "../", "~")) or Path(source).suffix in BUILDERS
 
@@ -162,7 +152,7 @@ def _load_source(source: str, text_field: str, sample_by: str) -> list[datasets.
     local = f"{source} (nor {data_dir() / source})"
     if _looks_like_path(source) and source not in HUB_FALLBACKS:
         raise HLMError(f"no file or folder {local}; pass an existing path or a hub dataset name")
-    specs = _hub_specs(source, text_field)
+    specs = hub_specs(source, text_field)
     names = ", ".join(f"{h.name}:{h.config}" if h.config else h.name for h in specs)
     try:
         return [_load_hub(hub) for hub in specs]

@@ -138,3 +138,14 @@ def git_commit(folder: str | Path | None = None) -> str | None:
         return None
     sha = out.stdout.strip()
     return sha if out.returncode == 0 and sha else None
+
+
+def hub_specs(source: str, text_field: str) -> tuple[HubDataset, ...]:
+    """The hub datasets a source name stands for: its known fallback(s), else `name[:config]`."""
+    fallback = HUB_FALLBACKS.get(source)
+    if isinstance(fallback, HubDataset):
+        return (fallback,)
+    if isinstance(fallback, tuple):
+        return fallback
+    name, _, config = source.partition(":")
+    return (HubDataset(name, config or None, "train", text_field),)

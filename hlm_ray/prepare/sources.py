@@ -27,7 +27,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from hlm_ray.errors import HLMError
-from hlm_ray.paths import HUB_FALLBACKS, HubDataset, cache_dir, data_dir, has_shared
+from hlm_ray.paths import HubDataset, cache_dir, data_dir, has_shared, hub_specs
 
 SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 _BLANK = re.compile(rb"\n[ \t\r\f\v]*\n")
@@ -117,16 +117,6 @@ def _check_file(path: str) -> None:
 # ----------------------------------------------------------------------------- hub datasets
 
 
-def _hub_specs(source: str, text_field: str) -> tuple[HubDataset, ...]:
-    fallback = HUB_FALLBACKS.get(source)
-    if isinstance(fallback, HubDataset):
-        return (fallback,)
-    if isinstance(fallback, tuple):
-        return fallback
-    name, _, config = source.partition(":")
-    return (HubDataset(name, config or None, "train", text_field),)
-
-
 def _check_hub_reachable(source: str) -> None:
     """Fail in seconds, not after the hub client's retries, when the hub cannot be reached."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
@@ -147,7 +137,7 @@ def _check_hub_reachable(source: str) -> None:
 
 def stage_hub(source: str, text_field: str, *, docs_per_file: int = 100_000) -> list[str]:
     """Stream a hub dataset once into JSON-lines files in the cache; returns their paths."""
-    specs = _hub_specs(source, text_field)
+    specs = hub_specs(source, text_field)
     files: list[str] = []
     for hub in specs:
         tag = hashlib.sha256(json.dumps(asdict(hub)).encode()).hexdigest()[:16]
