@@ -392,8 +392,9 @@ def cmd_finetune(args) -> int:
 def cmd_eval(args) -> int:
     from hlm_ray import downstream
     from hlm_ray.evaluate import format_results
+    from hlm_ray.evaluate.harness import split_tasks
 
-    tasks = [t.strip() for t in args.task.split(",") if t.strip()]
+    tasks = split_tasks(args.task)
     output = args.output or str(Path(downstream.resolve_model_dir(args.model)).parent / "eval")
     if args.model.startswith("models:/"):
         output = args.output or _default_output(args.model, "eval")

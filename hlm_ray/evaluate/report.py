@@ -173,8 +173,15 @@ EVAL_TASKS: dict[str, EvalTask] = {
 
 
 def get_task(name: str) -> EvalTask:
+    if name.startswith("harness:"):  # lm-evaluation-harness tasks (evaluate/harness.py)
+        from hlm_ray.evaluate.harness import harness_task
+
+        return harness_task(name)
     if name not in EVAL_TASKS:
-        raise HLMError(f"unknown evaluation task {name!r}; the tasks are {', '.join(EVAL_TASKS)}")
+        raise HLMError(
+            f"unknown evaluation task {name!r}; the tasks are {', '.join(EVAL_TASKS)}, "
+            "and harness:<lm-eval task>[,...]"
+        )
     return EVAL_TASKS[name]
 
 
