@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -262,10 +263,10 @@ class _CountTruncations(logging.Filter):
         return True
 
 
-def harness_task(item: str):
-    """The `EvalTask` `hlm eval` runs for one ``harness:a,b`` item (see evaluate/report.py)."""
+def harness_task(item: str) -> tuple[str, str, Callable[..., dict]]:
+    """(name, description, function) of the `EvalTask` `hlm eval` runs for one ``harness:a,b``
+    item (evaluate/report.py builds it; the function is called like the other tasks')."""
     from hlm_ray.evaluate.common import CONTEXT_METRIC, context_length_of
-    from hlm_ray.evaluate.report import EvalTask
 
     names = harness_names(item)
 
@@ -291,9 +292,7 @@ def harness_task(item: str):
             "protocol": f"lm-evaluation-harness {_version()} HFLM, 0-shot",
         }
 
-    return EvalTask(
-        "harness-" + "-".join(names), f"lm-evaluation-harness: {', '.join(names)}", True, run
-    )
+    return "harness-" + "-".join(names), f"lm-evaluation-harness: {', '.join(names)}", run
 
 
 def _version() -> str:

@@ -176,7 +176,8 @@ def get_task(name: str) -> EvalTask:
     if name.startswith("harness:"):  # lm-evaluation-harness tasks (evaluate/harness.py)
         from hlm_ray.evaluate.harness import harness_task
 
-        return harness_task(name)
+        task_name, description, fn = harness_task(name)
+        return EvalTask(task_name, description, True, fn)
     if name not in EVAL_TASKS:
         raise HLMError(
             f"unknown evaluation task {name!r}; the tasks are {', '.join(EVAL_TASKS)}, "
