@@ -176,6 +176,7 @@ def test_lm_eval_local_completions_scores_like_hflm(serve_app, serve_model_dir, 
     gives HFLM's LAMBADA perplexity and accuracy on the folder. Windows match: HFLM with
     max_length=126 scores the last 127 tokens, as local-completions does with max_length=128
     (it keeps max_length - 1 tokens, plus the one token it asks for: the model's 128)."""
+    pytest.importorskip("tenacity", reason="lm-eval's API models need lm-eval[api] (tenacity)")
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 

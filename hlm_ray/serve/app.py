@@ -1,4 +1,5 @@
-"""The Ray Serve application: an OpenAI-compatible completions endpoint over `hlm_ray.generate`.
+"""The Ray Serve application: OpenAI-compatible completions and chat endpoints over
+`hlm_ray.generate`.
 
     serve run deploy/serve.yaml                  # import_path: hlm_ray.serve.app:build_app
     hlm serve --model models:/hlm-tiny-generator/1 --port 8000
@@ -7,17 +8,22 @@
          -d '{"prompt": "The cat", "max_tokens": 16, "temperature": 0}'
     client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
     client.completions.create(model="hlm-tiny-generator/1", prompt="The cat", max_tokens=16)
+    client.completions.create(model=..., prompt="The cat", max_tokens=0, echo=True, logprobs=1)
+    client.chat.completions.create(model=..., messages=[{"role": "user", "content": "Hi"}])
 
-Routes: `POST /v1/completions` (JSON, or server-sent events with `stream: true`),
-`GET /v1/models` (the served model and its source / MLflow URI), `GET /healthz` (with batching
-counters). Every response carries the model's id (`model` in the body, `x-hlm-model` header).
+Routes: `POST /v1/completions` (JSON, or server-sent events with `stream: true`; echo, logprobs,
+token-id prompts: `hlm_ray.serve.protocol`), `POST /v1/chat/completions` (the same over a simple
+documented template, streamed as `chat.completion.chunk`s), `GET /v1/models` and
+`GET /v1/models/{id}` (the served model and its source / MLflow URI, the chat template),
+`GET /healthz` (with batching counters). Every response carries the model's id (`model` in the
+body, `x-hlm-model` header).
 
 Bad input is answered before any decoding, in OpenAI's error shape
 (`{"error": {"message", "type", "param", "code"}}`, the message naming the field): 400 for
 invalid JSON and for limits that depend on the model or the server (`max_tokens`, `n`, prompt
-length in tokens against the model's positions), 404 for another model's id, 413 for a body
-over `max_body_bytes`, 422 for unknown fields, wrong types and out-of-range values. Over
-`max_queued_requests` Serve itself answers 503.
+length in tokens against the model's positions, token ids against the vocabulary), 404
+`model_not_found` for another model's id, 413 for a body over `max_body_bytes`, 422 for unknown
+fields, wrong types and out-of-range values. Over `max_queued_requests` Serve itself answers 503.
 
 Non-streaming requests are batched on the replica (`serve.batch`, counted in rows: prompts x n),
 each row decoding with its own settings and seed; a streamed request decodes alone. All decoding
@@ -88,7 +94,7 @@ from hlm_ray.serve.schemas import (
 )
 
 log = logging.getLogger("ray.serve")
-api = FastAPI(title="hlm_ray completions", version="1")
+api = FastAPI(title="hlm_ray completions", version="1")  # completions and chat
 
 
 def _body_doc(model) -> dict[str, Any]:
