@@ -36,6 +36,7 @@ from hlm_ray.train.distributed import gather_negative_ids, global_mean
 from hlm_ray.train.inputs import build_corpus, build_tokenizer, data_tags, special_ids
 from hlm_ray.train.lm_objective import LMObjective
 from hlm_ray.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from hlm_ray.train.validate import evaluate
 
 BEST = "best_checkpoint"  # a copy of the checkpoint with the lowest validation loss
 
@@ -409,42 +410,6 @@ def _batch(blocks, idx, env, masking, seed, step, micro):
         input_ids, labels = masking(input_ids, _stream(seed, step, env.rank, micro))
         labels = labels.to(env.device, non_blocking=True)
     return input_ids.to(env.device, non_blocking=True), labels
-
-
-@torch.no_grad()
-def evaluate(module, val_blocks, cfg: Config, env: WorkerEnv, masking, token_bytes, amp):
-    """Validation on the first `run.eval_batches` micro-batches of the held-out slice.
-    Vanilla: loss, perplexity, bits per byte. Headless: CWT loss and in-batch top-1 accuracy."""
-    inner = module.module if hasattr(module, "module") else module
-    inner.eval()
-    mb = cfg.optim.micro_batch_size
-    sums = {"loss": 0.0, "rows": 0, "acc": 0.0, "nats": 0.0, "bytes": 0}
-    for b in range(min(cfg.run.eval_batches, math.ceil(len(val_blocks) / mb))):
-        idx = torch.arange(b * mb, min((b + 1) * mb, len(val_blocks)))
-        input_ids, labels = _batch(val_blocks, idx, env, masking, cfg.run.seed, -1, b)
-        with autocast(env.device, amp):
-            seed = _stream(cfg.run.seed, -1, env.rank, b)
-            parts = inner(input_ids, labels, negative_seed=seed, return_accuracy=True)
-        out = parts["loss"]
-        rows = int(out.num_rows)
-        sums["loss"] += out.loss.item() * rows
-        sums["rows"] += rows
-        if "cwt" in parts and parts["cwt"].accuracy is not None:
-            sums["acc"] += parts["cwt"].accuracy.item() * rows
-        if "ce" in parts:
-            targets = LMObjective.target_ids(input_ids, labels)
-            sums["nats"] += parts["ce"].loss.item() * rows
-            sums["bytes"] += int(token_bytes[targets].sum())
-    inner.train()
-    rows = max(sums["rows"], 1)
-    metrics = {"val/loss": sums["loss"] / rows}
-    if cfg.objective.name in ("headless", "mixed"):
-        metrics["val/accuracy"] = sums["acc"] / rows
-    if cfg.objective.name in ("vanilla", "mixed"):
-        metrics["val/ce"] = sums["nats"] / rows
-        metrics["val/perplexity"] = math.exp(min(sums["nats"] / rows, 50.0))
-        metrics["val/token_bpb"] = sums["nats"] / math.log(2) / max(sums["bytes"], 1)
-    return metrics
 
 
 def _save(folder, model, tokenizer, cfg, optimizer, scheduler, step, metrics, env):
