@@ -17,8 +17,10 @@ import math
 import torch
 
 from hlm_ray.config import Config
+from hlm_ray.device import autocast
 from hlm_ray.models import hidden_states, lm_head
 from hlm_ray.objectives import IGNORE_INDEX, vanilla_causal_loss, vanilla_masked_loss
+from hlm_ray.train.inputs import load_batch, stream_seed
 from hlm_ray.train.lm_objective import LMObjective
 
 
@@ -26,18 +28,15 @@ from hlm_ray.train.lm_objective import LMObjective
 def evaluate(module, val_blocks, cfg: Config, env, masking, token_bytes, amp) -> dict:
     """Validation on the first `run.eval_batches` micro-batches of the held-out slice.
     Vanilla: loss, perplexity, bits per byte. Headless: CWT loss and in-batch top-1 accuracy."""
-    from hlm_ray.device import autocast
-    from hlm_ray.train.loop import _batch, _stream
-
     inner = module.module if hasattr(module, "module") else module
     inner.eval()
     mb = cfg.optim.micro_batch_size
     sums = {"loss": 0.0, "rows": 0, "acc": 0.0, "nats": 0.0, "bytes": 0}
     for b in range(min(cfg.run.eval_batches, math.ceil(len(val_blocks) / mb))):
         idx = torch.arange(b * mb, min((b + 1) * mb, len(val_blocks)))
-        input_ids, labels = _batch(val_blocks, idx, env, masking, cfg.run.seed, -1, b)
+        input_ids, labels = load_batch(val_blocks, idx, env, masking, cfg.run.seed, -1, b)
         with autocast(env.device, amp):
-            seed = _stream(cfg.run.seed, -1, env.rank, b)
+            seed = stream_seed(cfg.run.seed, -1, env.rank, b)
             parts = inner(input_ids, labels, negative_seed=seed, return_accuracy=True)
             if "ce" in parts:
                 nats, num_bytes = text_nats_and_bytes(inner, input_ids, labels, token_bytes)
