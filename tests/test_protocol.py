@@ -190,3 +190,50 @@ def test_a_wall_time_budget_stops_a_run_with_a_checkpoint(objective, tmp_path):
     # Resumed, the spent budget carries over: no further steps.
     again = train_worker(cfg.to_dict(), resume_from=tmp_path, progress=False)
     assert again["steps"] == done
+
+
+# ----------------------------------------------------------------------------- clm recipes
+
+
+def test_clm_recipes_are_the_papers():
+    from hlm_ray.finetune.clm import RECIPES
+
+    table_14 = {
+        "optim.lr": 1e-5,
+        "optim.weight_decay": 0.0,
+        "optim.schedule": "constant",
+        "optim.warmup_steps": 2000,
+        "optim.global_batch_size": 256,
+        "optim.max_steps": 10_000,
+    }
+    assert {k: RECIPES["appendix"][k] for k in table_14} == table_14
+    # §4.2: lr 1e-4, constant with 2000 warm-up steps, batch 256, 10k steps; the rest as in
+    # pretraining (Table 7: AdamW (0.9, 0.95), weight decay 0.1).
+    text = RECIPES["text"]
+    assert (text["optim.lr"], text["optim.schedule"], text["optim.warmup_steps"]) == (
+        1e-4,
+        "constant",
+        2000,
+    )
+    assert (text["optim.betas"], text["optim.weight_decay"]) == ((0.9, 0.95), 0.1)
+    assert RECIPES["code"]["optim.schedule"] == "cosine" and RECIPES["code"]["optim.lr"] == 1e-4
+
+
+def test_clm_config_keeps_the_pretraining_optimizer_except_what_table_14_sets(tmp_path):
+    from hlm_ray.finetune.clm import clm_config
+
+    base = apply_overrides(
+        Config(),
+        {"optim.betas": [0.8, 0.9], "optim.weight_decay": 0.05, "optim.grad_clip": 0.5},
+    )
+    model = build_model(base.model, vocab_size=64, objective="headless", special_ids={})
+    model.save_pretrained(tmp_path / "run" / "model")
+    base.save(tmp_path / "run" / "config.yaml")
+    for recipe, decay in (("text", 0.05), ("code", 0.05), ("appendix", 0.0)):
+        cfg, _ = clm_config(tmp_path / "run", recipe=recipe, output_dir=tmp_path / recipe)
+        assert cfg.optim.betas == (0.8, 0.9) and cfg.optim.grad_clip == 0.5, recipe
+        assert cfg.optim.weight_decay == decay, recipe
+    # Without its run config: Table 7's values.
+    (tmp_path / "run" / "config.yaml").unlink()
+    cfg, _ = clm_config(tmp_path / "run", recipe="text", output_dir=tmp_path / "bare")
+    assert (cfg.optim.betas, cfg.optim.weight_decay) == ((0.9, 0.95), 0.1)
