@@ -237,3 +237,77 @@ def test_clm_config_keeps_the_pretraining_optimizer_except_what_table_14_sets(tm
     (tmp_path / "run" / "config.yaml").unlink()
     cfg, _ = clm_config(tmp_path / "run", recipe="text", output_dir=tmp_path / "bare")
     assert (cfg.optim.betas, cfg.optim.weight_decay) == ((0.9, 0.95), 0.1)
+
+
+# ----------------------------------------------------------------------------- encoder blocks
+
+
+@pytest.fixture(scope="module")
+def encoder_corpus(tmp_path_factory):
+    from hlm_ray.train.inputs import build_corpus, build_tokenizer, special_ids
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HLM_CACHE_DIR", str(tmp_path_factory.mktemp("cache")))
+        cfg = tiny_run_cfg("headless", tmp_path_factory.mktemp("enc"))
+        cfg = apply_overrides(
+            cfg,
+            {
+                "model.arch": "bert",
+                "data.seq_len": 16,
+                "tokenizer.vocab_size": 512,
+                "optim.weight_decay": 0.0,
+            },
+        )
+        tokenizer = build_tokenizer(cfg)
+        return cfg, tokenizer, build_corpus(cfg, tokenizer), special_ids(tokenizer)
+
+
+def test_encoder_blocks_are_cls_text_sep_and_cover_the_stream(encoder_corpus):
+    cfg, tokenizer, corpus, ids = encoder_corpus
+    assert (ids["cls_token"], ids["sep_token"]) == (
+        tokenizer.convert_tokens_to_ids("<|cls|>"),
+        tokenizer.convert_tokens_to_ids("<|sep|>"),
+    )
+    blocks_BL = corpus.train[torch.arange(3)]
+    assert blocks_BL.shape == (3, 16)
+    assert (blocks_BL[:, 0] == ids["cls_token"]).all() and (
+        blocks_BL[:, -1] == ids["sep_token"]
+    ).all()
+    # The text between is the stream, 14 tokens per block, in order, nothing skipped.
+    stream = corpus.train.blocks.read_all()[: 3 * 14]
+    assert blocks_BL[:, 1:-1].reshape(-1).tolist() == stream.tolist()
+    assert corpus.val[0].shape == (16,) and corpus.val[0][0] == ids["cls_token"]
+
+
+@pytest.mark.parametrize("objective", ["headless", "vanilla"])
+def test_cls_is_never_a_target_but_its_embedding_row_is_trained(encoder_corpus, objective):
+    from hlm_ray.models import input_embedding_weight
+    from hlm_ray.train.inputs import Masking, stream_seed
+
+    cfg, tokenizer, corpus, ids = encoder_corpus
+    cfg = apply_overrides(cfg, {"objective.name": objective})
+    masking = Masking(cfg, tokenizer, ids)
+    torch.manual_seed(0)
+    model = build_model(cfg.model, vocab_size=len(tokenizer), objective=objective, special_ids=ids)
+    module = LMObjective(model, cfg.objective)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    weight_VD = input_embedding_weight(model)
+    cls_before = weight_VD[ids["cls_token"]].detach().clone()
+    for step in range(3):
+        inputs_BL, labels_BL = masking(
+            corpus.train[torch.arange(16) + 16 * step], stream_seed(0, step, 0, 0)
+        )
+        targets = labels_BL[labels_BL != -100]
+        assert not torch.isin(targets, torch.tensor([ids["cls_token"], ids["sep_token"]])).any()
+        assert (inputs_BL[:, 0] == ids["cls_token"]).all()  # never masked or replaced
+        optimizer.zero_grad()
+        module(inputs_BL, labels_BL)["loss"].loss.backward()
+        assert weight_VD.grad[ids["cls_token"]].abs().sum() > 0  # through attention
+        optimizer.step()
+    assert not torch.allclose(weight_VD[ids["cls_token"]], cls_before)  # weight decay is 0
+    # The old layout (no [CLS] in the input): the headless loss gives its row no gradient.
+    if objective == "headless":
+        optimizer.zero_grad()
+        inputs_BL, labels_BL = masking(corpus.train[torch.arange(16)][:, 1:-1], 7)
+        module(inputs_BL, labels_BL)["loss"].loss.backward()
+        assert weight_VD.grad[ids["cls_token"]].abs().sum() == 0

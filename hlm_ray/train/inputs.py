@@ -3,11 +3,21 @@
     prepared = build_prepared(cfg)              # data.prepared, or the cache's folder (made once)
     tokenizer = build_tokenizer(cfg)            # the prepared folder's tokenizer
     corpus = build_corpus(cfg, tokenizer)       # PackedCorpus(train (N, L), val (M, L)), mmap
+                                                # encoders: every block [CLS] ... [SEP]
     ids = special_ids(tokenizer)                # {"eos_token": 0, "pad_token": 1, ...}
     masking = Masking(cfg, tokenizer, ids)      # encoders: masking(blocks_BL, seed) -> (in, labels)
     input_ids, labels = load_batch(corpus.train, idx, env, masking, seed, step, micro)
 
 Sweeps and launchers prepare in the driver before trials start, so workers only read.
+
+Encoder blocks are framed as BERT's are: ``[CLS] t_1 ... t_{L-2} [SEP]`` (`FramedBlocks`), for
+both objectives, so the token every classifier reads is in every pretraining input. The masking
+rule never picks a special token, so [CLS] and [SEP] are never targets; what trains [CLS] is
+attention: every masked position's output attends to position 0, so each loss (cross-entropy or
+CWT) sends gradient through the keys and values computed from [CLS]'s input embedding (its row
+of the table, shape (D,)) in every layer. Without the frame the headless MLM never reads that
+row (the CWT only gathers the rows of *target* tokens) and it stayed at its random
+initialisation. Decoders keep plain packed blocks (EOS between documents).
 """
 
 from __future__ import annotations
@@ -46,13 +56,43 @@ def special_ids(tokenizer: PreTrainedTokenizerFast) -> dict[str, int]:
 
 
 def build_corpus(cfg: Config, tokenizer: PreTrainedTokenizerFast | None = None) -> PackedCorpus:
-    """Memory-mapped train and validation blocks (`tokenizer` is kept for the old signature)."""
+    """Memory-mapped train and validation blocks of `data.seq_len` tokens; an encoder's are
+    framed ``[CLS] ... [SEP]`` around `seq_len - 2` tokens of the stream."""
     prepared = build_prepared(cfg, progress=False)
-    train = TokenBlocks.open(
-        prepared, "train", seq_len=cfg.data.seq_len, max_tokens=cfg.data.max_tokens
-    )
-    val = TokenBlocks.open(prepared, "val", seq_len=cfg.data.seq_len)
-    return PackedCorpus(train=train, val=val, num_tokens=train.num_blocks * cfg.data.seq_len)
+    framed = cfg.model.family == "encoder"
+    if framed and cfg.data.seq_len < 3:
+        raise HLMError(
+            f"data.seq_len={cfg.data.seq_len} leaves no text in an encoder block "
+            "([CLS] ... [SEP] take 2 positions); use data.seq_len >= 3"
+        )
+    text_len = cfg.data.seq_len - 2 if framed else cfg.data.seq_len
+    train = TokenBlocks.open(prepared, "train", seq_len=text_len, max_tokens=cfg.data.max_tokens)
+    val = TokenBlocks.open(prepared, "val", seq_len=text_len)
+    num_tokens = train.num_blocks * text_len
+    if framed:
+        ids = special_ids(tokenizer if tokenizer is not None else build_tokenizer(cfg))
+        train, val = (FramedBlocks(b, ids["cls_token"], ids["sep_token"]) for b in (train, val))
+    return PackedCorpus(train=train, val=val, num_tokens=num_tokens)
+
+
+class FramedBlocks:
+    """`blocks` (N, L - 2) of a token stream as (N, L) encoder inputs ``[CLS] ... [SEP]``."""
+
+    def __init__(self, blocks: TokenBlocks, cls_id: int, sep_id: int):
+        self.blocks = blocks
+        self.cls_id, self.sep_id = cls_id, sep_id
+        self.seq_len = blocks.seq_len + 2
+        self.num_blocks = blocks.num_blocks
+
+    def __len__(self) -> int:
+        return self.num_blocks
+
+    def __getitem__(self, idx) -> torch.Tensor:
+        """Rows `idx` as int64 (B, seq_len) (an int: (seq_len,)), framed."""
+        text_BT = self.blocks[idx]
+        cls = torch.full((*text_BT.shape[:-1], 1), self.cls_id, dtype=text_BT.dtype)
+        sep = torch.full_like(cls, self.sep_id)
+        return torch.cat([cls, text_BT, sep], dim=-1)
 
 
 def data_tags(cfg: Config) -> dict[str, str]:
