@@ -311,3 +311,23 @@ def test_cls_is_never_a_target_but_its_embedding_row_is_trained(encoder_corpus, 
         inputs_BL, labels_BL = masking(corpus.train[torch.arange(16)][:, 1:-1], 7)
         module(inputs_BL, labels_BL)["loss"].loss.backward()
         assert weight_VD.grad[ids["cls_token"]].abs().sum() == 0
+
+
+def test_a_retried_sweep_trial_reuses_a_finished_budgeted_run(tmp_path):
+    """A trial retried after a downstream failure must not retrain a run whose budget (not
+    optim.max_steps) decided its steps."""
+    import json
+
+    from hlm_ray.tune.trial import _finished_summary
+
+    (tmp_path / "model").mkdir()
+    summary = {"steps": 37, "tokens_per_s": 100.0}
+    write = lambda s: (tmp_path / "summary.json").write_text(json.dumps(s))  # noqa: E731
+    write(summary)
+    assert _finished_summary(tmp_path, 150) is None  # an unbudgeted run stopped at 37 of 150
+    write({**summary, "budget": {"budget/kind": "flops", "budget/steps": 37}})
+    assert _finished_summary(tmp_path, 150)["steps"] == 37
+    write({**summary, "budget": {"budget/kind": "flops", "budget/steps": 40}})
+    assert _finished_summary(tmp_path, 150) is None  # stopped short of its budget
+    write({**summary, "budget": {"budget/kind": "seconds", "budget/steps": 150}})
+    assert _finished_summary(tmp_path, 150)["steps"] == 37  # stopped at its deadline
