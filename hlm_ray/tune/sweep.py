@@ -207,6 +207,7 @@ def run_sweep(
             gpus_per_worker=spec.gpus_per_worker,
             env=_trial_env(uri),
             short=spec.axis.short,
+            max_failures=spec.max_failures,
         )
         resumed = _tuner_exists(folder)
         print(
