@@ -58,8 +58,9 @@ class SweepSpec:
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
     max_failures: int = 1
-    """Retries of a failed trial (it resumes from its last checkpoint) before it counts as
-    failed."""
+    """Restarts of a trial's failed Train worker group (a worker or its node lost), and retries
+    of a failed trial (its process lost, a downstream error); both resume from the trial's last
+    checkpoint. A trial that still fails counts as failed."""
     allow_smaller_vocab: bool = False
     """When BPE training stops below a requested size (the corpus has too few merges): run at
     the real size (recorded in the summary) instead of stopping with an error."""
