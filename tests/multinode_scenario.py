@@ -47,8 +47,9 @@ SWEEP_SETTINGS = [
     "tokenizer.train_sample_bytes=300000",
 ]
 # `sweep`: the worker nodes declare less memory than a trial's function asks for
-# (`tune.trial.TRIAL_RESOURCES`), so the trial and its Train controller stay on the head and the
-# lost node is a worker node, as in `train` (a lost head ends any run).
+# (`tune.trial.TRIAL_RESOURCES`), so the trial and its Train controller (Ray puts it on the
+# trial's node) run on the head and the lost node holds only a Train worker, as in `train`. (A
+# trial whose own node is lost is retried by Tune instead: not this scenario.)
 WORKER_NODE = {"train": {"num_cpus": 1}, "sweep": {"num_cpus": 1, "memory": 16 * 2**20}}
 HERE = Path(__file__).resolve().parent
 
@@ -190,6 +191,16 @@ def main(out: Path, mode: str) -> dict:
             "dashboard_agent_listen_port": _free_port(),
         },
     )
+    try:
+        return run(cluster, out, mode, started)
+    finally:  # this cluster only, whatever happened: no Ray process outlives the scenario
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def run(cluster, out: Path, mode: str, started: float) -> dict:
+    import ray
+
     second = cluster.add_node(**WORKER_NODE[mode])
     os.environ["RAY_ADDRESS"] = cluster.address  # `launch` and the sweep join this cluster
     env = {"env_vars": {"OMP_NUM_THREADS": "1", "HLM_CACHE_DIR": os.environ["HLM_CACHE_DIR"]}}
@@ -205,16 +216,18 @@ def main(out: Path, mode: str) -> dict:
     else:
         sweep = start_sweep(out)
         running, run_dir = (lambda: sweep.poll() is None), (lambda: sweep_run_dir(out))
-    remove_second_node(cluster, second, WORKER_NODE[mode], run_dir, report, running)
-    limit = time.monotonic() + WAIT_S
-    while running() and time.monotonic() < limit:
-        time.sleep(0.2)
-    report["finished"] = not running()
+    try:
+        remove_second_node(cluster, second, WORKER_NODE[mode], run_dir, report, running)
+        limit = time.monotonic() + WAIT_S
+        while running() and time.monotonic() < limit:
+            time.sleep(0.2)
+    finally:
+        report["finished"] = not running()
+        if mode == "sweep" and sweep.poll() is None:
+            sweep.kill()  # its watchdog stops its tracking server
     if mode == "train":
         report.update(outcome)
     else:
-        if sweep.poll() is None:
-            sweep.kill()  # its watchdog stops its tracking server
         report["sweep_exit"] = sweep.wait()
         report["error"] = None if report["sweep_exit"] == 0 else "sweep exit status != 0"
     # Every RayTrainWorker this cluster ever ran: 2, plus 2 for each start of the group; every
@@ -223,8 +236,6 @@ def main(out: Path, mode: str) -> dict:
     report["train_controllers_started"] = _count("TrainController")
     report["seconds"] = time.perf_counter() - started
     del report["_started"]
-    ray.shutdown()
-    cluster.shutdown()
     return report
 
 
