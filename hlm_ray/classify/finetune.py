@@ -47,9 +47,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from hlm_ray.classify.loss import LOSSES, regression_mse
 from hlm_ray.classify.metrics import task_metrics
 from hlm_ray.classify.tasks import GLUE_EVAL, Example, TaskSpec, get_task, load_task
+from hlm_ray.classify.template import adds_special_tokens, special_ids, with_classifier_template
 from hlm_ray.config import ClassifyConfig
 from hlm_ray.device import resolve_device
 from hlm_ray.errors import HLMError, one_line
+from hlm_ray.model_card import write_model_card
 from hlm_ray.models import max_input_positions
 from hlm_ray.pretrained import model_info, resolve_model_dir
 from hlm_ray.tokenizer import load_tokenizer
@@ -77,12 +79,6 @@ def recipe(name: str, task: str) -> ClassifyConfig:
 # ----------------------------------------------------------------------------- inputs
 
 
-def _adds_special_tokens(tokenizer: PreTrainedTokenizerFast) -> bool:
-    """Whether the tokenizer's own post-processor wraps inputs (hub BERT does, hlm_ray's not)."""
-    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
-    return tokenizer("a")["input_ids"] != plain
-
-
 def _truncate_pair(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
     """Longest-first truncation: trim the longer text, then both alternately (a first)."""
     excess = len_a + len_b - budget
@@ -97,10 +93,6 @@ def _truncate_pair(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
     return len_a - (excess + 1) // 2, len_b - excess // 2
 
 
-def _first_id(*ids: int | None) -> int | None:
-    return next((i for i in ids if i is not None), None)
-
-
 class PairEncoder:
     """Token ids ``[cls] a [sep] (b [sep])`` of examples, at most `max_len` long."""
 
@@ -108,13 +100,12 @@ class PairEncoder:
         if max_len < 8:
             raise HLMError(f"max_length={max_len} is too short for a classifier input; use >= 8")
         self.tokenizer, self.max_len = tokenizer, max_len
-        self.own_specials = _adds_special_tokens(tokenizer)
+        self.own_specials = adds_special_tokens(tokenizer)
         # A tokenizer without cls / sep (a decoder's) falls back to bos / eos, then to none.
-        cls = _first_id(tokenizer.cls_token_id, tokenizer.bos_token_id)
-        sep = _first_id(tokenizer.sep_token_id, tokenizer.eos_token_id)
+        cls, sep = special_ids(tokenizer)
         self.prefix = [cls] if cls is not None else []
         self.sep = [sep] if sep is not None else []
-        self.pad_id = _first_id(tokenizer.pad_token_id, sep, 0)
+        self.pad_id = next(i for i in (tokenizer.pad_token_id, sep, 0) if i is not None)
 
     def __call__(self, examples: Sequence[Example]) -> list[list[int]]:
         texts_a = [e.text_a for e in examples]
@@ -388,7 +379,14 @@ def _save_model(model: PreTrainedModel, run: _Run, seed: int, epoch: int) -> Non
     model.config.hlm_classify = {"seed": seed, "epoch": epoch, run.main_key: run.best_main}
     with _quiet_transformers():
         model.save_pretrained(str(run.best_dir))
-        run.tokenizer.save_pretrained(str(run.best_dir))
+        # The saved tokenizer adds [cls]/[sep] itself, as PairEncoder did: a transformers
+        # pipeline on the folder feeds the model what it was trained on.
+        tokenizer = with_classifier_template(run.tokenizer, max_length=run.settings["max_length"])
+        tokenizer.save_pretrained(str(run.best_dir))
+    write_model_card(
+        run.best_dir,
+        notes=[f"Fine-tuned from `{run.folder}` on {run.spec.name} (seed {seed}, epoch {epoch})."],
+    )
 
 
 def _summary(seeds: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
