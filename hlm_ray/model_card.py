@@ -146,6 +146,7 @@ def model_card_text(
     *,
     scores: dict[str, Any] | None = None,
     notes: list[str] | None = None,
+    base: str | Path | None = None,
 ) -> str:
     """The README.md text of the model folder `folder` (which holds its `config.json`)."""
     folder = Path(folder)
@@ -184,6 +185,8 @@ def model_card_text(
         labels = ", ".join(f"{k}: {v}" for k, v in config["id2label"].items())
         front.append(f"| labels | {labels} |")
     front += [f"| {k} | {v} |" for k, v in _run_facts(folder)]
+    if base is not None:  # the pretrained model it was fine-tuned from
+        front += [f"| base model: {k} | {v} |" for k, v in _run_facts(Path(base))]
     if scores:
         front += ["", "## Scores", "", "| metric | value |", "|---|---|"]
         front += [f"| {k} | {_format(v)} |" for k, v in sorted(scores.items())]
@@ -198,8 +201,10 @@ def write_model_card(
     *,
     scores: dict[str, Any] | None = None,
     notes: list[str] | None = None,
+    base: str | Path | None = None,
 ) -> Path:
-    """Write ``<folder>/README.md`` (replacing an older card); returns its path."""
+    """Write ``<folder>/README.md`` (replacing an older card); returns its path. `base`: the
+    model folder it was fine-tuned from, whose run facts (corpus, steps, tokens) are added."""
     path = Path(folder) / CARD_FILE
-    path.write_text(model_card_text(folder, scores=scores, notes=notes))
+    path.write_text(model_card_text(folder, scores=scores, notes=notes, base=base))
     return path

@@ -383,10 +383,6 @@ def _save_model(model: PreTrainedModel, run: _Run, seed: int, epoch: int) -> Non
         # pipeline on the folder feeds the model what it was trained on.
         tokenizer = with_classifier_template(run.tokenizer, max_length=run.settings["max_length"])
         tokenizer.save_pretrained(str(run.best_dir))
-    write_model_card(
-        run.best_dir,
-        notes=[f"Fine-tuned from `{run.folder}` on {run.spec.name} (seed {seed}, epoch {epoch})."],
-    )
 
 
 def _summary(seeds: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -520,6 +516,14 @@ def finetune_classifier(
     }
     path = output_dir / f"classify_{slug}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
+    if run.best_dir is not None:
+        note = (
+            f"Fine-tuned from `{model_ref}` on {task} ({data.note}). Scores: the mean over "
+            f"seeds {list(seeds)} at each seed's best epoch; the saved weights are the best "
+            "(seed, epoch) in `config.json`'s `hlm_classify`."
+        )
+        scores = {k: v["mean"] for k, v in summary.items()}
+        write_model_card(run.best_dir, scores=scores, notes=[note], base=folder)
     best = {f"best/{k}": v["mean"] for k, v in summary.items()}
     best |= {f"best/{k}_std": v["std"] for k, v in summary.items()}
     tracker.log_metrics(best, step=epochs)
