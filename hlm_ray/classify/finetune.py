@@ -80,17 +80,20 @@ def recipe(name: str, task: str) -> ClassifyConfig:
 
 
 def _truncate_pair(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
-    """Longest-first truncation: trim the longer text, then both alternately (a first)."""
-    excess = len_a + len_b - budget
-    if excess <= 0:
+    """Longest-first truncation exactly as the `tokenizers` library does it (so a saved
+    tokenizer called with ``truncation=True`` builds the same inputs): a text no longer than
+    half the budget is kept whole and the other gets the rest; otherwise the shorter gets
+    budget // 2 and the longer the rest (the second text, when both are equally long)."""
+    if len_a + len_b <= budget:
         return len_a, len_b
-    if len_a >= len_b:
-        cut = min(excess, len_a - len_b)
-        len_a, excess = len_a - cut, excess - cut
+    short = min(len_a, len_b)
+    if short <= budget // 2:
+        keep_short, keep_long = short, budget - short
     else:
-        cut = min(excess, len_b - len_a)
-        len_b, excess = len_b - cut, excess - cut
-    return len_a - (excess + 1) // 2, len_b - excess // 2
+        keep_short, keep_long = budget // 2, budget - budget // 2
+    if len_a > len_b:
+        return min(len_a, keep_long), min(len_b, keep_short)
+    return min(len_a, keep_short), min(len_b, keep_long)
 
 
 class PairEncoder:
@@ -234,6 +237,28 @@ def constant_with_warmup(
 
 
 @torch.no_grad()
+def predict(
+    model: PreTrainedModel,
+    split: EncodedSplit,
+    spec: TaskSpec,
+    *,
+    batch_size: int,
+    pad_id: int,
+    device: torch.device,
+) -> np.ndarray:
+    """(N,) predicted class ids (scores for regression) of an encoded split, in its order."""
+    model.eval()
+    order = np.argsort([len(ids) for ids in split.ids], kind="stable")  # less padding
+    preds = []
+    for ids_BL, mask_BL, _ in _batches(split, order, batch_size, pad_id, device):
+        logits_BC = model(input_ids=ids_BL, attention_mask=mask_BL).logits.float()
+        preds.append(logits_BC.squeeze(-1) if spec.regression else logits_BC.argmax(-1))
+    preds_sorted = torch.cat(preds).cpu().numpy()
+    preds_N = np.empty_like(preds_sorted)
+    preds_N[order] = preds_sorted
+    return preds_N
+
+
 def evaluate(
     model: PreTrainedModel,
     split: EncodedSplit,
@@ -244,15 +269,7 @@ def evaluate(
     device: torch.device,
 ) -> dict[str, float]:
     """The task's metrics on one encoded split (eval mode, no gradients)."""
-    model.eval()
-    order = np.argsort([len(ids) for ids in split.ids], kind="stable")  # less padding
-    preds = []
-    for ids_BL, mask_BL, _ in _batches(split, order, batch_size, pad_id, device):
-        logits_BC = model(input_ids=ids_BL, attention_mask=mask_BL).logits.float()
-        preds.append(logits_BC.squeeze(-1) if spec.regression else logits_BC.argmax(-1))
-    preds_sorted = torch.cat(preds).cpu().numpy()
-    preds_N = np.empty_like(preds_sorted)
-    preds_N[order] = preds_sorted
+    preds_N = predict(model, split, spec, batch_size=batch_size, pad_id=pad_id, device=device)
     return task_metrics(spec, preds_N, split.labels.numpy())
 
 
