@@ -174,11 +174,11 @@ def test_cli_finetune_clm_then_eval_from_the_registry(headless_run, tmp_path, ca
 
     out = tmp_path / "gen"
     argv = ["finetune", "--task", "clm", "--model", str(headless_run), "--local"]
-    argv += ["--output", str(out), "--register", "cli-gen", "--alias", "latest"]
+    argv += ["--output", str(out), "--register", "cli-gen", "--alias", "candidate"]
     assert main([*argv, "--eval-limit", "50"]) == 0
     printed = capsys.readouterr().out
     assert "registered cli-gen version" in printed and "lambada" in printed
-    assert "models:/cli-gen@latest" in printed
+    assert "models:/cli-gen@candidate" in printed
     card = (out / "model" / "README.md").read_text()
     assert "pipeline_tag: text-generation" in card and "lambada/accuracy" in card
     assert "fine-tuned from" in card and "must be fine-tuned" not in card
@@ -192,11 +192,10 @@ def test_cli_finetune_clm_then_eval_from_the_registry(headless_run, tmp_path, ca
     (version,) = mlflow.MlflowClient().search_model_versions("name='cli-gen'")
     assert version.run_id == run_id
 
-    assert (
-        "lambada/accuracy"
-        in mlflow.MlflowClient().get_logged_model(version.model_id).metrics[0].key
-    )
-    assert load_pretrained("models:/cli-gen@latest").finetuned == "clm"
+    model_id = version.source.removeprefix("models:/")  # the logged model the version is
+    logged = mlflow.MlflowClient().get_logged_model(model_id)
+    assert {"eval/lambada/accuracy", "metrics.lambada/accuracy"} <= {m.key for m in logged.metrics}
+    assert load_pretrained("models:/cli-gen@candidate").finetuned == "clm"
     uri = f"models:/cli-gen/{version.version}"
     argv = ["eval", "--model", uri, "--task", "lambada", "--limit", "20"]
     assert main([*argv, "--output", str(tmp_path / "eval")]) == 0
