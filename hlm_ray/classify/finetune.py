@@ -19,7 +19,8 @@ encoder weights of a bare `BertModel` (headless) or a `*ForMaskedLM` (vanilla) f
 new pooler + classifier (seeded per run); the load is checked so that no encoder weight is left
 randomly initialised. Inputs are ``[cls] a [sep]`` or ``[cls] a [sep] b [sep]`` built here, since
 hlm_ray's byte-level tokenizers add no special tokens themselves (a tokenizer that does, such
-as a hub BERT's, encodes the pair itself); pairs are truncated longest-first to
+as a hub BERT's, encodes the pair itself); pairs are truncated longest-first (as the
+`tokenizers` library does, so the saved tokenizer matches: `classify/template.py`) to
 min(max_length, model positions); batches are padded per batch with an attention mask, and
 segment ids stay 0 (hlm_ray pretraining never uses a second segment).
 
