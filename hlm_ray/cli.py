@@ -164,7 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="clm config override"
     )
     finetune.add_argument("--probe", action="store_true", help="clm: train only the new head")
-    finetune.add_argument("--register", metavar="NAME", help="clm: MLflow registered model name")
+    finetune.add_argument(
+        "--register",
+        metavar="NAME",
+        help="register the result in MLflow's model registry as NAME (clm: text-generation; "
+        "classifiers: text-classification); load it as models:/NAME/VERSION",
+    )
+    finetune.add_argument(
+        "--alias", metavar="A", help="with --register: point models:/NAME@A at the new version"
+    )
     finetune.add_argument(
         "--eval-limit", type=int, default=500, help="clm: LAMBADA passages scored (0 = all)"
     )
@@ -485,6 +493,8 @@ def _default_output(model: str, suffix: str) -> str:
 def cmd_finetune(args) -> int:
     from hlm_ray import downstream
 
+    if args.alias and not args.register:
+        raise HLMError("--alias names a version of a registered model: give --register NAME too")
     _launch_settings(args)
     suffix = args.task.replace(":", "-")
     output = str(resolve_output(args.output or _default_output(args.model, suffix)))
@@ -503,6 +513,7 @@ def cmd_finetune(args) -> int:
             train=train,
             eval_limit=args.eval_limit or None,
             register=args.register,
+            alias=args.alias,
             experiment=args.experiment,
         )
         from hlm_ray.evaluate import format_results
@@ -518,6 +529,8 @@ def cmd_finetune(args) -> int:
         if out["registered"]:
             reg = out["registered"]
             print(f"registered {reg['name']} version {reg['version']}: {reg['uri']}")
+            if args.alias:
+                print(f"alias: models:/{reg['name']}@{args.alias}")
         return 0
     if args.task.startswith(("glue:", "xnli:")):
         settings = {}
@@ -537,8 +550,15 @@ def cmd_finetune(args) -> int:
             recipe=args.recipe,
             settings=settings,
             experiment=args.experiment,
+            save_model=True,
+            register=args.register,
+            alias=args.alias,
         )
         print(downstream.format_classification(result))
+        print(f"best model: {result['best_model']}")
+        if result.get("registered"):
+            reg = result["registered"]
+            print(f"registered {reg['name']} version {reg['version']}: {reg['uri']}")
         return 0
     raise HLMError(
         f"unknown task {args.task!r}; choose clm, glue:sst2, glue:cola, glue:mrpc, glue:rte, "

@@ -23,8 +23,13 @@ from typing import Any
 from hlm_ray.config import Config
 from hlm_ray.device import device_name
 from hlm_ray.errors import HLMError
+from hlm_ray.model_card import write_model_card
 from hlm_ray.pretrained import load_pretrained, model_info, resolve_model_dir
 from hlm_ray.tracking import MlflowTracker, Tracker, default_tracking_uri, read_run_ref
+
+# Registered models' input examples (MLflow shows them and checks the signature with them).
+SINGLE_EXAMPLE = "a gripping, beautifully acted film"
+PAIR_EXAMPLE = {"text": "The cat sat on the mat.", "text_pair": "A cat was sitting on a mat."}
 
 # What a sweep trial runs downstream, per recipe. The paper's GLUE average leaves RTE out.
 DOWNSTREAM = {
@@ -111,12 +116,14 @@ def finetune_generator(
     train: Callable[[Config], dict[str, Any]] | None = None,
     eval_limit: int | None = 500,
     register: str | None = None,
+    alias: str | None = None,
     experiment: str = "hlm_ray",
     progress: bool = True,
 ) -> dict[str, Any]:
     """Fine-tune a headless decoder into a generator, score it on LAMBADA (and bits per byte),
-    and register it. `train` runs the config (the CLI passes Ray Train or the local loop; the
-    default is the local loop, with its own MLflow run)."""
+    write its model card, and register it (as MLflow's ``text-generation`` model `register`,
+    `alias` pointing at the new version). `train` runs the config (the CLI passes Ray Train or
+    the local loop; the default is the local loop, with its own MLflow run)."""
     from hlm_ray.finetune.clm import clm_config, write_facts
     from hlm_ray.train.checkpoint import refuse_existing
 
@@ -140,11 +147,21 @@ def finetune_generator(
         progress=progress,
     )
     tracker.log_artifact(out / "finetune.json")
+    metrics = {k: v for r in results for k, v in r["metrics"].items()}
+    write_model_card(out / "model", scores={k: v for k, v in metrics.items() if _finite(v)})
     registered = None
     if register:
-        metrics = {k: v for r in results for k, v in r["metrics"].items()}
-        run_id = getattr(tracker, "run_id", None)
-        registered = _register(out, register, run_id, experiment, metrics, facts)
+        registered = _register(
+            out / "model",
+            register,
+            task="text-generation",
+            run_id=getattr(tracker, "run_id", None),
+            experiment=experiment,
+            extra=[out / "config.yaml", out / "finetune.json"],
+            results={"metrics": metrics, "finetune": facts},
+            tags={"hlm.source_model": facts["source_model"], "hlm.recipe": facts["recipe"]},
+            alias=alias,
+        )
     tracker.finish("FINISHED")
     return {
         "summary": summary,
@@ -155,19 +172,11 @@ def finetune_generator(
     }
 
 
-def _register(out: Path, name: str, run_id, experiment: str, metrics, facts) -> dict[str, Any]:
+def _register(model_dir: Path, name: str, *, extra: list[Path], **kwargs) -> dict[str, Any]:
     from hlm_ray.tracking import register_model
 
-    extra = [out / "config.yaml"] if (out / "config.yaml").is_file() else []
-    name, version = register_model(
-        out / "model",
-        name,
-        run_id=run_id,
-        experiment=experiment,
-        extra_files=extra,
-        results={"metrics": metrics, "finetune": facts},
-        tags={"hlm.source_model": facts["source_model"], "hlm.recipe": facts["recipe"]},
-    )
+    extra_files = [path for path in extra if path.is_file()]
+    name, version = register_model(model_dir, name, extra_files=extra_files, **kwargs)
     return {"name": name, "version": version, "uri": f"models:/{name}/{version}"}
 
 
@@ -187,9 +196,15 @@ def finetune_encoder(
     experiment: str = "hlm_ray",
     tracker: Tracker | None = None,
     progress: bool = True,
+    save_model: bool = False,
+    register: str | None = None,
+    alias: str | None = None,
 ) -> dict[str, Any]:
     """Fine-tune an encoder into a classifier on `task` (GLUE / XNLI), seeds and best epoch as
-    in the paper; logged to its own MLflow run unless a tracker is given."""
+    in the paper; logged to its own MLflow run unless a tracker is given. `save_model` keeps
+    the best (seed, epoch) model in ``<output_dir>/classify_<task>_model/`` (with its card and
+    a tokenizer that adds [CLS]/[SEP]); `register` also registers it as MLflow's
+    ``text-classification`` model of that name (`alias` pointing at the new version)."""
     from hlm_ray.classify.finetune import finetune_classifier
     from hlm_ray.classify.finetune import recipe as classify_recipe
 
@@ -224,6 +239,7 @@ def finetune_encoder(
             output_dir=Path(output_dir),
             tracker=tracker,
             progress=progress,
+            save_best_model=save_model or bool(register),
             **data_options,
         )
     except BaseException:
@@ -232,6 +248,22 @@ def finetune_encoder(
         raise
     for path in Path(output_dir).glob("classify_*.json"):
         tracker.log_artifact(path, "classify")
+    if register:
+        from hlm_ray.classify import get_task
+
+        scores = {k: v["mean"] for k, v in result["summary"].items()}
+        result["registered"] = _register(
+            Path(result["best_model"]),
+            register,
+            task="text-classification",
+            input_example=PAIR_EXAMPLE if get_task(task).is_pair else SINGLE_EXAMPLE,
+            run_id=getattr(tracker, "run_id", None),
+            experiment=experiment,
+            extra=[],
+            results={"metrics": scores, "task": task, "settings": result["settings"]},
+            tags={"hlm.source_model": str(model_ref), "hlm.task": task, "hlm.recipe": recipe},
+            alias=alias,
+        )
     if own:
         tracker.finish("FINISHED")
     return result
@@ -287,6 +319,8 @@ def run_downstream(
                 progress=progress,
             )
             metrics.update(result["metrics"])
+        if scored != model_dir:  # the generator this trial made: say what it is
+            write_model_card(scored, scores={k: v for k, v in metrics.items() if _finite(v)})
         metrics["downstream/score"] = metrics["lambada/accuracy"]
         metrics["bpb"] = metrics["bpb/bits_per_byte"]
     else:
