@@ -60,10 +60,10 @@ def test_browse_hints_point_at_what_still_answers(tmp_path, monkeypatch):
     hint = browse_hint("sqlite:///sub/mlflow.db", "3", "abc")
     assert hint == (
         f"MLflow: mlflow ui --backend-store-uri sqlite:///{tmp_path.resolve()}/sub/mlflow.db\n"
-        "  then open http://127.0.0.1:5000/#/experiments/3/runs/abc"
+        "  then open http://127.0.0.1:5000/#/experiments/3/runs/abc?workflowType=machine_learning"
     )
     assert browse_hint("https://u:pw@mlflow.example:8443/", "3", "abc") == (
-        "MLflow: https://mlflow.example:8443/#/experiments/3/runs/abc"
+        "MLflow: https://mlflow.example:8443/#/experiments/3/runs/abc?workflowType=machine_learning"
     )
     assert browse_hint("postgresql://u:pw@db/mlflow") == (
         "MLflow: mlflow ui --backend-store-uri postgresql://db/mlflow\n"
@@ -90,12 +90,12 @@ def test_results_are_one_metric_per_score_and_arm_over_the_values():
     # Steps are the vocabulary sizes; the mean over seeds; failed trials count for nothing.
     assert summary.result_metrics(rows, axis) == {
         512: {
-            "results/downstream_score/headless": pytest.approx(0.7),
-            "results/downstream_score/vanilla": 0.5,
-            "results/tokens_per_s/headless": 200.0,
-            "results/tokens_per_s/vanilla": 50.0,
+            "ablation/downstream_score/headless": pytest.approx(0.7),
+            "ablation/downstream_score/vanilla": 0.5,
+            "ablation/tokens_per_s/headless": 200.0,
+            "ablation/tokens_per_s/vanilla": 50.0,
         },
-        1024: {"results/downstream_score/headless": 0.7, "results/tokens_per_s/headless": 90.0},
+        1024: {"ablation/downstream_score/headless": 0.7, "ablation/tokens_per_s/headless": 90.0},
     }
     note = summary.results_note(rows, axis, "vocab-tiny")
     assert "4 finished, 1 failed of 5 trials" in note and "× 2 seeds" in note
@@ -113,7 +113,7 @@ def test_category_and_fraction_axes_step_by_position():
     axis, _ = _axis("negatives")
     rows = [_row("headless", v, **{"lambada/accuracy": 0.1 * i}) for i, v in enumerate(["own", 64])]
     assert "step = position: 0 = own, 1 = 64" in summary.results_note(rows, axis, "n")
-    assert summary.result_metrics(rows, axis)[1] == {"results/lambada_accuracy/headless": 0.1}
+    assert summary.result_metrics(rows, axis)[1] == {"ablation/lambada_accuracy/headless": 0.1}
 
 
 def test_the_parent_run_gets_charts_and_a_description_once(client, tmp_path, request):
@@ -128,16 +128,21 @@ def test_the_parent_run_gets_charts_and_a_description_once(client, tmp_path, req
     def history(key):
         return [(m.step, m.value) for m in client.get_metric_history(parent.run_id, key)]
 
-    _log_results(parent, rows, presets["tiny"], "vocab-t", tmp_path)
-    assert history("results/downstream_score/headless") == [(512, 0.6), (1024, 0.7)]
-    assert history("results/downstream_score/vanilla") == [(512, 0.5)]
+    files = [tmp_path / "summary.md", tmp_path / "fig7a_score_vs_vocab.png"]  # as logged
+    _log_results(parent, rows, presets["tiny"], "vocab-t", tmp_path, files)
+    assert history("ablation/downstream_score/headless") == [(512, 0.6), (1024, 0.7)]
+    assert history("ablation/downstream_score/vanilla") == [(512, 0.5)]
     note = client.get_run(parent.run_id).data.tags[NOTE_TAG]
-    assert note == summary.results_note(rows, axis, "vocab-t")
+    # The table first (MLflow shows a description's first lines), then the logged figure.
+    assert note.splitlines()[2].startswith("| vocab (asked) | downstream score, headless |")
+    figure = f"get-artifact?path=fig7a_score_vs_vocab.png&run_uuid={parent.run_id}"
+    assert f"![downstream score]({figure})" in note.splitlines()
+    assert "fig7b" not in note  # not logged, not shown
     # Resumed with one more finished trial: only the new point is sent (no doubled steps).
     rows.append(_row("vanilla", 1024, **{"downstream/score": 0.4, "tokens_per_s": 10.0}))
     _log_results(parent, rows, presets["tiny"], "vocab-t", tmp_path)
-    assert history("results/downstream_score/headless") == [(512, 0.6), (1024, 0.7)]
-    assert history("results/downstream_score/vanilla") == [(512, 0.5), (1024, 0.4)]
+    assert history("ablation/downstream_score/headless") == [(512, 0.6), (1024, 0.7)]
+    assert history("ablation/downstream_score/vanilla") == [(512, 0.5), (1024, 0.4)]
     assert "| 1024 | 0.7000 | 0.4000 |" in client.get_run(parent.run_id).data.tags[NOTE_TAG]
 
 

@@ -138,6 +138,9 @@ def redact(uri: str) -> str:
 
 UI_URL = "http://127.0.0.1:5000"
 """Where ``mlflow ui`` serves by default."""
+# MLflow 3's UI opens on its GenAI pages unless the page says otherwise (its "Model training"
+# switch, remembered per browser): the links hlm prints say it.
+UI_QUERY = "?workflowType=machine_learning"
 
 
 def browse_hint(uri: str, experiment_id: str | None = None, run_id: str | None = None) -> str:
@@ -147,11 +150,19 @@ def browse_hint(uri: str, experiment_id: str | None = None, run_id: str | None =
     page = ""
     if experiment_id is not None:
         page = f"/#/experiments/{experiment_id}" + (f"/runs/{run_id}" if run_id else "")
+        page += UI_QUERY
     if uri.startswith(("http://", "https://")):
         return f"MLflow: {redact(uri).rstrip('/')}{page}"
     db = sqlite_path(uri)
     store = f"sqlite:///{db.resolve()}" if db is not None else redact(uri)
     return f"MLflow: mlflow ui --backend-store-uri {store}\n  then open {UI_URL}{page}"
+
+
+def artifact_url(run_id: str, path: str) -> str:
+    """A run's artifact as the MLflow UI serves it, relative to the UI's page: for Markdown
+    images in a run's description."""
+    query = urllib.parse.urlencode({"path": path, "run_uuid": run_id})
+    return f"get-artifact?{query}"
 
 
 def mlflow_user() -> str:

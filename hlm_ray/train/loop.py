@@ -103,8 +103,6 @@ class _Run:
     grad_norm: float = math.nan
     rows_sum: torch.Tensor | None = None
     """Loss rows (K) per micro-batch, summed over the window's steps (a mean per step)."""
-    k_tag: float | None = None
-    """The `K` tag last set on the run (the latest `train/K`)."""
     setup_s: float = 0.0
     checkpoint_s: float = 0.0
     entered: float = 0.0
@@ -277,7 +275,7 @@ def _log_window(run: _Run, done: int) -> None:
     steps = run.window_steps
     # The loss and K per micro-batch, averaged over workers and steps (one collective).
     loss_sum, rows_sum = global_mean(torch.stack([run.loss_sum, run.rows_sum])).tolist()
-    rows = rows_sum / steps
+    rows, before = rows_sum / steps, run.last.get("train/K")
     run.last = {
         "train/loss": loss_sum / steps,
         "train/lr": run.scheduler.get_last_lr()[0],
@@ -300,9 +298,8 @@ def _log_window(run: _Run, done: int) -> None:
     if utilisation is not None:
         run.last["train/mfu"] = utilisation / run.env.world_size  # peak is per device
     run.tracker.log_metrics(run.last, step=done)
-    if rows != run.k_tag:  # the tags say what the metric says (set from the FLOP model first)
+    if rows != before:  # the tags say what the metric says
         run.tracker.set_tags(_k_tags(rows, len(run.tokenizer)))
-        run.k_tag = rows
     run.loss_sum.zero_()
     run.rows_sum.zero_()
     run.window_steps, run.window_start = 0, time.perf_counter()
@@ -551,7 +548,6 @@ def _log_artifacts(tracker: Tracker, out_dir: Path, cfg: Config) -> None:
 
 def _tags(cfg: Config, tokenizer, env: WorkerEnv, model, step_cost) -> dict[str, Any]:
     return {
-        # The expected K until the first log window replaces it with the measured `train/K`.
         **_k_tags(step_cost.target_rows, len(tokenizer)),
         "head_flop_share": round(step_cost.head_share, 4),
         "cross_worker_negatives": cfg.objective.cross_worker_negatives,
@@ -565,7 +561,8 @@ def _tags(cfg: Config, tokenizer, env: WorkerEnv, model, step_cost) -> dict[str,
 
 
 def _k_tags(rows: float, vocab_size: int) -> dict[str, float]:
-    """The `K` and `K_over_V` tags: K (loss rows per micro-batch) as `train/K` logs it."""
+    """The `K` and `K_over_V` tags: K (loss rows per micro-batch) as `train/K` logs it; the FLOP
+    model's expected K until the first log window."""
     rows = round(float(rows), 2)
     return {"K": int(rows) if rows.is_integer() else rows, "K_over_V": round(rows / vocab_size, 4)}
 

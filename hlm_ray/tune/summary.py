@@ -3,7 +3,7 @@
     rows = [trial_row(trial_id=..., status="FINISHED", metrics=result.metrics, ...), ...]
     files = write_summary(rows, folder, axis=VOCAB)     # summary.csv, summary.md, figures
     print(markdown_table(rows, VOCAB))
-    steps = result_metrics(rows, VOCAB)   # {step: {"results/downstream_score/headless": ...}}
+    steps = result_metrics(rows, VOCAB)   # {step: {"ablation/downstream_score/headless": ...}}
     text = results_note(rows, VOCAB, "vocab-tiny")      # the parent run's MLflow description
 
 The swept value's column and the figures come from the sweep's `Axis` (each figure one summary
@@ -96,7 +96,8 @@ def markdown_table(rows: list[dict[str, Any]], axis: Axis) -> str:
     return "\n".join(lines)
 
 
-RESULTS_PREFIX = "results"
+RESULTS_PREFIX = "ablation"
+"""Sorts first among the sections of MLflow's chart views (they are in name order)."""
 
 
 def result_scores(axis: Axis) -> list[tuple[str, str]]:
@@ -118,9 +119,11 @@ def result_steps(values: list[Value]) -> dict[Value, int]:
 
 
 def result_key(column: str, objective: str) -> str:
-    """``results/<score>/<objective>``: one metric per (score, arm) on the sweep's parent run,
-    its steps the swept values; MLflow's chart view draws each as a line over the axis and
-    files the arms of one score side by side in its ``results`` section."""
+    """``ablation/<score>/<objective>``: one metric per (score, arm) on the sweep's parent run,
+    its steps the swept values. MLflow's chart views draw each as a line over the axis and file
+    the arms of one score side by side in one section (named by the key up to its last ``/``),
+    the first section of the parent run's "Model metrics" tab: a comparison with no clicks.
+    (One scalar per (score, arm, value) would be a chart of one bar each.)"""
     return f"{RESULTS_PREFIX}/{column.replace('/', '_')}/{objective}"
 
 
@@ -135,15 +138,21 @@ def result_metrics(rows: list[dict[str, Any]], axis: Axis) -> dict[int, dict[str
     return out
 
 
-def results_note(rows: list[dict[str, Any]], axis: Axis, name: str) -> str:
-    """The parent run's description (MLflow's ``mlflow.note.content``, Markdown): what was
-    swept, how many trials finished, and each score per value and arm (mean over seeds)."""
+def results_note(
+    rows: list[dict[str, Any]],
+    axis: Axis,
+    name: str,
+    images: list[tuple[str, str]] = (),
+) -> str:
+    """The parent run's description (MLflow's ``mlflow.note.content``, Markdown): a line on
+    what was swept, each score per value and arm (mean over seeds), then `images` ((label,
+    URL): the figures, each arm a line) and where the rest is. The table comes first: MLflow
+    shows the first few lines of a description until "Show more" is clicked."""
     values = list(dict.fromkeys(r["value"] for r in rows))
     objectives = list(dict.fromkeys(r["objective"] for r in rows))
     seeds = len({r["seed"] for r in rows})
-    counts = {
-        s: sum(r["status"] == s for r in rows) for s in dict.fromkeys(r["status"] for r in rows)
-    }
+    statuses = dict.fromkeys(r["status"] for r in rows)
+    counts = {s: sum(r["status"] == s for r in rows) for s in statuses}
     steps = result_steps(values)
     lines = [
         f"**Sweep `{name}`**: {axis.label} ∈ {{{', '.join(map(str, values))}}} × "
@@ -151,15 +160,8 @@ def results_note(rows: list[dict[str, Any]], axis: Axis, name: str) -> str:
         + (f" × {seeds} seeds" if seeds > 1 else "")
         + ". "
         + ", ".join(f"{n} {s.lower()}" for s, n in counts.items())
-        + f" of {len(rows)} trials.",
-        "",
-        f"Charts: the `{RESULTS_PREFIX}/<score>/<objective>` metrics, one point per value "
-        + (
-            f"(step = {axis.label})."
-            if all(steps[v] == v for v in values)
-            else "(step = position: " + ", ".join(f"{steps[v]} = {v}" for v in values) + ")."
-        )
-        + " Each trial is a child run of this one; `summary.md` (artifacts) has every trial.",
+        + f" of {len(rows)} trials"
+        + (" (mean over seeds)." if seeds > 1 else "."),
         "",
     ]
     scores = result_scores(axis)
@@ -173,6 +175,19 @@ def results_note(rows: list[dict[str, Any]], axis: Axis, name: str) -> str:
             fmt = next((f for key, _, f in COLUMNS if key == column), "{:.4g}")
             cells += [_format(means[column].get((o, value)), fmt) for o in objectives]
         lines.append("| " + " | ".join(cells) + " |")
+    lines.append("")
+    lines += [f"![{label}]({url})" for label, url in images]
+    lines += [
+        "",
+        f"Charts: the `{RESULTS_PREFIX}/<score>/<objective>` metrics (Model metrics tab), one "
+        "point per value, "
+        + (
+            f"step = {axis.label}."
+            if all(steps[v] == v for v in values)
+            else "step = position: " + ", ".join(f"{steps[v]} = {v}" for v in values) + "."
+        )
+        + " Each trial is a child run of this one; `summary.md` (artifacts) has every trial.",
+    ]
     failed = [r for r in rows if r["status"] == "FAILED"]
     if failed:
         lines += ["", "Failed: " + "; ".join(f"`{r['run']}`: {r['error']}" for r in failed)]

@@ -239,7 +239,7 @@ def run_sweep(
         files = summary_mod.write_summary(rows, folder, axis=spec.axis, figures=not search)
         for path in files:
             parent.log_artifact(path)
-        _log_results(parent, rows, spec, name, folder)
+        _log_results(parent, rows, spec, name, folder, files)
         counts = {s: sum(r["status"] == s for r in rows) for s in ("FINISHED", "FAILED")}
         parent.log_metrics({f"trials_{k.lower()}": v for k, v in counts.items()}, step=0)
         seconds = time.perf_counter() - started
@@ -292,11 +292,15 @@ def _open_parent(spec, name, uri, state, search, concurrency, real_vocab):
     return parent
 
 
-def _log_results(parent, rows, spec: SweepSpec, name: str, folder: Path) -> None:
+def _log_results(
+    parent, rows, spec: SweepSpec, name: str, folder: Path, files: list[Path] = ()
+) -> None:
     """The results on the parent run: a metric per (score, objective) over the swept values
-    (its chart compares the arms with no clicks) and the description. A resumed sweep logs
-    only the points that changed (kept in sweep.json): a step logged twice draws twice."""
+    (its chart compares the arms with no clicks) and the description, with the figures among
+    `files` shown in it. A resumed sweep logs only the points that changed (kept in
+    sweep.json): a step logged twice draws twice."""
     from hlm_ray.tracking.mlflow_tracker import NOTE_TAG
+    from hlm_ray.tracking.store import artifact_url
 
     path = folder / STATE_FILE
     state = json.loads(path.read_text())
@@ -307,7 +311,13 @@ def _log_results(parent, rows, spec: SweepSpec, name: str, folder: Path) -> None
         if new:
             parent.log_metrics(new, step=step)
         logged[str(step)] = {**before, **metrics}
-    parent.set_tags({NOTE_TAG: summary_mod.results_note(rows, spec.axis, name)})
+    logged_files = {p.name for p in files}  # the figures were logged as artifacts just before
+    images = [
+        (f.label, artifact_url(parent.run_id, f.filename))
+        for f in spec.axis.figures
+        if parent.run_id is not None and f.filename in logged_files
+    ]
+    parent.set_tags({NOTE_TAG: summary_mod.results_note(rows, spec.axis, name, images)})
     if parent.active:
         path.write_text(json.dumps({**state, "results": logged}, indent=1))
 
