@@ -13,6 +13,10 @@
     hlm serve --model models:/hlm-tiny-generator/1                # OpenAI-style HTTP endpoint
     hlm bench --preset cpu                                           # headless vs vanilla speed
     hlm data prepare --preset tiny-decoder --set data.sources=[DIR] --output OUT  # token shards
+    hlm eval --model runs/tiny-gen --task lambada,harness:lambada_openai  # lm-evaluation-harness
+    hlm sweep vocab --preset tiny --dry-run         # the same as python sweeps/vocab.py ...
+    hlm generate --model runs/tiny-headless-clm "The cat" --max-tokens 20     # one sample
+    hlm --version
 
 Bad input prints one line, ``error: ...``, and exits with status 2; Ctrl-C stops the run
 (its MLflow run marked KILLED), prints the command that continues it and exits with 130.
@@ -75,11 +79,33 @@ def _device_overrides(args) -> list[str]:
     return [] if args.device == "auto" else [f"run.device={args.device}"]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hlm", description="Headless language models on Ray.")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
 
-    train = sub.add_parser("train", help="pretrain one model (Ray Train, tracked in MLflow)")
+    try:
+        return version("hlm_ray")
+    except PackageNotFoundError:  # run from a checkout that was never pip-installed
+        return "unknown (not installed)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hlm",
+        description="Headless language models on Ray: pretrain (headless or vanilla), fine-tune, "
+        "evaluate, sweep, generate and serve. `hlm COMMAND --help` describes each command.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"hlm {_version()}", help="print the version"
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    train = sub.add_parser(
+        "train",
+        help="pretrain one model (Ray Train, tracked in MLflow)",
+        description="Pretrain one model from a preset (plus YAML and --set overrides) on Ray "
+        "Train or in this process; checkpoints, metrics and the final model go to the run "
+        "folder and MLflow. --resume continues a run; --dry-run prints its cost plan.",
+    )
     _config_args(train)
     _launch_args(train)
     train.add_argument("--output", help="run folder (default runs/<preset>-<objective>)")
@@ -92,20 +118,39 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan_arguments(train)
 
-    sync = sub.add_parser("sync", help="send a run's metrics that MLflow missed (an outage)")
+    sync = sub.add_parser(
+        "sync",
+        help="send a run's metrics that MLflow missed (an outage)",
+        description="Send MLflow what a run recorded while the tracking server was down: the "
+        "missing metric points (never the ones it has), params, final artifacts, status.",
+    )
     sync.add_argument("run", help="the run folder (an `hlm train --output`)")
 
-    compare = sub.add_parser("compare", help="pretrain headless and vanilla, print both")
+    compare = sub.add_parser(
+        "compare",
+        help="pretrain headless and vanilla, print both",
+        description="Pretrain the preset once headless and once vanilla, then print both "
+        "summaries and plot their loss curves and throughput side by side.",
+    )
     _config_args(compare)
     _launch_args(compare)
     compare.add_argument(
         "--output", default=None, help="folder for both runs and the plot (replaced on re-run)"
     )
 
-    sub.add_parser("presets", help="list the presets")
+    sub.add_parser(
+        "presets",
+        help="list the presets",
+        description="List the named presets: architecture, shape, sequence length, batch, "
+        "learning rate, schedule and steps.",
+    )
 
     finetune = sub.add_parser(
-        "finetune", help="headless decoder -> generator (clm); encoder -> classifier (glue/xnli)"
+        "finetune",
+        help="headless decoder -> generator (clm); encoder -> classifier (glue/xnli)",
+        description="clm: give a headless decoder a real output head (an untied copy of its "
+        "input embedding) trained with cross-entropy, then score it on LAMBADA; glue:/xnli: "
+        "fine-tune an encoder as a sequence classifier over seeds, best epoch reported.",
     )
     finetune.add_argument("--task", required=True, help="clm | glue:<name> | xnli:<lang>")
     finetune.add_argument("--model", required=True, help="run/checkpoint/model folder or models:/")
@@ -135,14 +180,29 @@ def build_parser() -> argparse.ArgumentParser:
     finetune.add_argument("--eval-file", help="classifiers: your own evaluation file")
     _launch_args(finetune)
 
-    ev = sub.add_parser("eval", help="LAMBADA, bits per byte, synonyms, anisotropy")
+    ev = sub.add_parser(
+        "eval",
+        help="LAMBADA, bits per byte, synonyms, anisotropy, lm-evaluation-harness tasks",
+        description="Score a model on evaluation tasks at the context length it was trained "
+        "on; JSON per task in --output, a table printed, and metrics logged to the model's "
+        "MLflow run (eval/...).",
+    )
     ev.add_argument("--model", required=True, help="run/checkpoint/model folder or models:/")
-    ev.add_argument("--task", required=True, help="comma-separated: lambada,bpb,synonyms,...")
+    ev.add_argument(
+        "--task",
+        required=True,
+        help="comma-separated: lambada, bpb, synonyms, anisotropy, then optionally "
+        "harness:<lm-eval task>[,<task>...] (takes the rest of the list), e.g. "
+        "lambada,harness:lambada_openai,sst2",
+    )
     ev.add_argument("--limit", type=int, help="examples per task (default: all)")
-    ev.add_argument("--batch-size", type=int, default=32)
+    ev.add_argument("--batch-size", type=int, default=32, help="sequences per forward pass (32)")
     _device_arg(ev)
     ev.add_argument("--output", help="folder for the JSON results (default <model>/eval)")
     ev.add_argument("--experiment", default="hlm_ray", help="MLflow experiment name")
+
+    _sweep_parser(sub)
+    _generate_parser(sub)
 
     from hlm_ray.bench import cli as bench_cli
     from hlm_ray.prepare import cli as data_cli
@@ -152,6 +212,103 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.add_parser(sub).set_defaults(handler=bench_cli.run)
     data_cli.add_parser(sub).set_defaults(handler=data_cli.run)
     return parser
+
+
+SWEEPS = ("vocab", "batch_size")
+"""The ablations `hlm sweep` runs: the scripts sweeps/<name>.py, with their own flags."""
+
+
+def _sweep_script(kind: str):
+    """sweeps/<kind>.py as a module (sweeps/ is beside the package, not in it). Not put in
+    sys.modules, as the tests load it: Ray pickles its functions by value, as for a script."""
+    import importlib.util
+
+    from hlm_ray.paths import PROJECT_ROOT
+
+    path = PROJECT_ROOT / "sweeps" / f"{kind}.py"
+    if not path.is_file():
+        raise HLMError(
+            f"{path} not found: `hlm sweep` runs the scripts of the project checkout "
+            "(pip install -e .); run the script itself from the checkout"
+        )
+    spec = importlib.util.spec_from_file_location(f"hlm_sweep_{kind}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _sweep_parser(sub) -> None:
+    sweep = sub.add_parser(
+        "sweep",
+        help="run an ablation sweep (sweeps/vocab.py, sweeps/batch_size.py)",
+        description="Run an ablation sweep on Ray Tune: the same code and flags as "
+        "`python sweeps/<name>.py` (the scripts stay the way to submit it as a Ray job).",
+    )
+    kinds = sweep.add_subparsers(dest="sweep", required=True, metavar="SWEEP")
+    from hlm_ray.tune.cli import build_parser as sweep_parser
+
+    for kind in SWEEPS:
+        try:
+            script = _sweep_script(kind)
+        except HLMError:
+            continue  # an install without the checkout's sweeps/: the command says so
+        axis = script.AXIS
+        parent = sweep_parser(axis, script.PRESETS, f"hlm sweep {kind}", add_help=False)
+        kinds.add_parser(
+            kind,
+            parents=[parent],
+            help=(script.__doc__ or axis.description).strip().splitlines()[0],
+            description=parent.description,
+        )
+
+
+def cmd_sweep(args, argv: list[str]) -> int:
+    """`hlm sweep KIND ...`: the script's `main` with the arguments after KIND."""
+    rest = argv[argv.index("sweep") + 2 :]  # `hlm` has no option that takes a value
+    return _sweep_script(args.sweep).main(rest, f"hlm sweep {args.sweep}")
+
+
+def _generate_parser(sub) -> None:
+    gen = sub.add_parser(
+        "generate",
+        help="print a sample from a decoder (run, checkpoint or models:/ URI)",
+        description="Load a decoder (a vanilla run, or a headless one fine-tuned with `hlm "
+        "finetune --task clm`) and print the prompt and a sample, streamed as it is decoded.",
+    )
+    gen.add_argument("prompt", help="the text to continue")
+    gen.add_argument("--model", required=True, help="run/checkpoint/model folder or models:/")
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (32)")
+    gen.add_argument(
+        "--temperature", type=float, default=1.0, help="sampling temperature; 0 is greedy (1.0)"
+    )
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1.0: off)")
+    gen.add_argument("--seed", type=int, help="sampling seed: the same seed, the same text")
+    gen.add_argument(
+        "--allow-raw-head",
+        action="store_true",
+        help="generate from a headless decoder that was never fine-tuned (its raw Eᵀ head)",
+    )
+    _device_arg(gen)
+
+
+def cmd_generate(args) -> int:
+    from hlm_ray.generate import Generator
+
+    generator = Generator.load(args.model, device=args.device, allow_raw_head=args.allow_raw_head)
+    print(args.prompt, end="", flush=True)
+    finish = None
+    for delta in generator.stream(
+        args.prompt,
+        max_new_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+    ):
+        print(delta.text, end="", flush=True)
+        finish = delta.finish_reason or finish
+    print()
+    print(f"[{generator.name}: finish_reason={finish}]", file=sys.stderr)
+    return 0
 
 
 def _load(args, output: str | None, objective: str | None):
@@ -392,8 +549,9 @@ def cmd_finetune(args) -> int:
 def cmd_eval(args) -> int:
     from hlm_ray import downstream
     from hlm_ray.evaluate import format_results
+    from hlm_ray.evaluate.harness import split_tasks
 
-    tasks = [t.strip() for t in args.task.split(",") if t.strip()]
+    tasks = split_tasks(args.task)
     output = args.output or str(Path(downstream.resolve_model_dir(args.model)).parent / "eval")
     if args.model.startswith("models:/"):
         output = args.output or _default_output(args.model, "eval")
@@ -414,6 +572,7 @@ def cmd_eval(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     handler = {
         "train": cmd_train,
@@ -422,6 +581,8 @@ def main(argv: list[str] | None = None) -> int:
         "finetune": cmd_finetune,
         "eval": cmd_eval,
         "sync": cmd_sync,
+        "generate": cmd_generate,
+        "sweep": lambda args: cmd_sweep(args, argv),
     }
     try:
         return handler.get(args.command, getattr(args, "handler", None))(args)

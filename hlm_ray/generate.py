@@ -7,10 +7,17 @@
     for delta in gen.stream("The cat", max_new_tokens=20, stop=["."]):
         print(delta.text, end="")
 
-Sampling is ours, not `model.generate`'s: per step the float32 logits of each row go through
-`apply_temperature`, `top_k_filter`, `top_p_filter` (the order Hugging Face uses) and are sampled
-with the row's own seeded `torch.Generator`, so a seeded row gives the same text alone or batched
-with other rows (up to float noise). Prompts are left-padded into one batch with an attention
+    [c] = gen.generate("The cat", max_new_tokens=1, logprobs=2, prompt_logprobs=True)
+    c.prompt_logprobs[1].logprob, c.logprobs[0].top       # scoring (OpenAI's echo + logprobs)
+
+Sampling is ours, not `model.generate`'s (`hlm_ray.sampling`): per step the float32 logits of each
+row get its `logit_bias`, go through temperature, top-k, top-p (the order Hugging Face uses) and
+are sampled with the row's own seeded generator, so a seeded row gives the same text alone or
+batched with other rows (up to float noise). Log-probabilities (`logprobs`, `prompt_logprobs`) are
+the log-softmax, in float32, over the whole vocabulary of the model's *un-filtered* logits: no
+bias, temperature, top-k/p or padding mask is applied to them. A prompt is scored in the forward
+pass that reads it (one pass, not token by token); `max_new_tokens=0` only scores it. Text is
+decoded incrementally (`hlm_ray.detokenize`). Prompts are left-padded into one batch with an attention
 mask and explicit positions, and decoded with the KV cache (`past_key_values`).
 
 A headless decoder that was never fine-tuned only has the raw Eᵀ head (its input embeddings) and
@@ -22,6 +29,7 @@ The server batches rows of several requests, each row with its own settings, thr
 
 from __future__ import annotations
 
+import math
 import random
 import secrets
 import time
@@ -32,10 +40,20 @@ from pathlib import Path
 
 import torch
 
+from hlm_ray.detokenize import IncrementalText, text_offsets, token_strings
 from hlm_ray.device import device_name
 from hlm_ray.errors import HLMError
 from hlm_ray.models import max_input_positions
 from hlm_ray.pretrained import REGISTRY_SCHEME, load_pretrained, model_info, resolve_model_dir
+from hlm_ray.sampling import (  # noqa: F401  (re-exported: the sampling API predates its module)
+    TokenLogprob,
+    add_logit_bias,
+    apply_temperature,
+    sample_next,
+    token_logprobs,
+    top_k_filter,
+    top_p_filter,
+)
 
 _SEED_MOD = 2**63
 
@@ -48,7 +66,8 @@ class SamplingParams:
     """How one row is decoded."""
 
     max_new_tokens: int = 16
-    """Tokens to generate at most (the row ends earlier at EOS or a stop sequence)."""
+    """Tokens to generate at most (the row ends earlier at EOS or a stop sequence); 0 generates
+    nothing (to score the prompt with `prompt_logprobs`)."""
     temperature: float = 1.0
     """Softmax temperature; 0 is greedy (argmax)."""
     top_k: int | None = None
@@ -57,10 +76,23 @@ class SamplingParams:
     """Nucleus sampling: the smallest set of tokens whose probability reaches top_p."""
     stop: tuple[str, ...] = ()
     """Strings that end the row; the text is cut before the first one."""
+    logprobs: int | None = None
+    """Record each generated token's log-probability and those of the `logprobs` most likely
+    tokens at its position (0: its own only; None: nothing)."""
+    prompt_logprobs: bool = False
+    """Also record the log-probability of each prompt token after the first (with `logprobs`
+    alternatives), computed in the forward pass that reads the prompt."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits before sampling (OpenAI's `logit_bias`,
+    -100..100); log-probabilities do not see them."""
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise HLMError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if self.max_new_tokens < 0:
+            raise HLMError(f"max_new_tokens={self.max_new_tokens} must be >= 0")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise HLMError(f"logprobs={self.logprobs} must be >= 0 (or None for none)")
+        if any(not (math.isfinite(b) and -100 <= b <= 100) for _, b in self.logit_bias):
+            raise HLMError("logit_bias values must be numbers in [-100, 100]")
         if not 0 <= self.temperature <= 100:
             raise HLMError(f"temperature={self.temperature} must be in [0, 100] (0 = greedy)")
         if self.top_k is not None and self.top_k < 1:
@@ -86,6 +118,11 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     """Tokens the model generated, EOS included."""
+    logprobs: list[TokenLogprob] | None = None
+    """Per generated token, EOS included (params.logprobs set), else None."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """Per prompt token, None for the first one (nothing predicts it) (params.prompt_logprobs
+    set), else None."""
 
 
 @dataclass
@@ -111,15 +148,17 @@ class Row:
     token_ids: list[int] = field(default_factory=list)
     emitted: str = ""
     num_generated: int = 0
-    # Incremental detokenization: `text_done` is the text of token_ids[:num_done], which ends
-    # on a whole character, so only the tokens after it are decoded again at each step.
-    text_done: str = ""
-    num_done: int = 0
+    text: IncrementalText | None = None
+    """The generated tokens' text, decoded as they come."""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    stop_from: int = 0
+    """Where in the text a stop sequence may still begin (the text before was searched)."""
 
     def reset(self) -> None:
         """Forget any decoding done (to decode the row again, e.g. alone)."""
         self.result, self.token_ids, self.emitted, self.num_generated = None, [], "", 0
-        self.text_done, self.num_done = "", 0
+        self.text, self.logprobs, self.prompt_logprobs, self.stop_from = None, [], None, 0
 
 
 def row_seed(seed: int | None, choice: int) -> int:
@@ -129,75 +168,6 @@ def row_seed(seed: int | None, choice: int) -> int:
     if seed is None:
         return secrets.randbits(63)
     return (seed * 1_000_003 + choice) % _SEED_MOD
-
-
-# ----------------------------------------------------------------------------- logit filters
-
-
-def apply_temperature(logits_BV: torch.Tensor, temperature_B: torch.Tensor) -> torch.Tensor:
-    """Divide each row by its temperature (rows with temperature 0 are left as they are:
-    they are decoded greedily)."""
-    t_B1 = torch.where(temperature_B > 0, temperature_B, 1.0).to(logits_BV.dtype)[:, None]
-    return logits_BV / t_B1
-
-
-def top_k_filter(logits_BV: torch.Tensor, k_B: torch.Tensor) -> torch.Tensor:
-    """Keep each row's k largest logits, -inf elsewhere (k = 0: keep all). Ties with the k-th
-    largest value are kept."""
-    vocab = logits_BV.shape[-1]
-    off_B = (k_B <= 0) | (k_B >= vocab)
-    sorted_BV = logits_BV.sort(dim=-1, descending=True).values
-    kth_B1 = sorted_BV.gather(-1, (k_B.clamp(1, vocab) - 1)[:, None])
-    drop_BV = (logits_BV < kth_B1) & ~off_B[:, None]
-    return logits_BV.masked_fill(drop_BV, float("-inf"))
-
-
-def top_p_filter(logits_BV: torch.Tensor, p_B: torch.Tensor) -> torch.Tensor:
-    """Nucleus filter: keep, per row, the most likely tokens until their probability reaches p
-    (at least one token), -inf elsewhere (p >= 1: keep all)."""
-    sorted_BV, order_BV = logits_BV.sort(dim=-1, descending=True)
-    probs_BV = sorted_BV.softmax(dim=-1)
-    mass_before_BV = probs_BV.cumsum(dim=-1) - probs_BV  # probability of the tokens above
-    drop_sorted_BV = (mass_before_BV >= p_B[:, None]) & (p_B < 1)[:, None]
-    drop_BV = torch.zeros_like(drop_sorted_BV).scatter(-1, order_BV, drop_sorted_BV)
-    return logits_BV.masked_fill(drop_BV, float("-inf"))
-
-
-def sample_next(
-    logits_BV: torch.Tensor,
-    params: Sequence[SamplingParams],
-    generators: Sequence[random.Random | None],
-) -> torch.Tensor:
-    """Next token per row (B,): argmax for greedy rows, else temperature -> top-k -> top-p ->
-    a draw from the row's own generator (a seeded `random.Random`: one uniform per step costs
-    0.1 µs there against ~15 µs for a `torch.rand` call, per row and step)."""
-    logits_BV = logits_BV.float()
-    next_B = logits_BV.argmax(dim=-1)
-    sampled = [i for i, p in enumerate(params) if not p.greedy]
-    if not sampled:
-        return next_B
-    device = logits_BV.device
-    sub_BV = logits_BV[torch.tensor(sampled, device=device)]
-    temperature = [params[i].temperature for i in sampled]
-    # k >= V keeps every token: clamp, so that no k overflows a tensor (k = 2**63 did).
-    top_k = [min(params[i].top_k or 0, logits_BV.shape[-1]) for i in sampled]
-    top_p = [params[i].top_p for i in sampled]
-    sub_BV = apply_temperature(sub_BV, torch.tensor(temperature, device=device))
-    if any(top_k):  # (each filter sorts the vocabulary: skip it when no row uses it)
-        sub_BV = top_k_filter(sub_BV, torch.tensor(top_k, device=device))
-    if min(top_p) < 1:
-        sub_BV = top_p_filter(sub_BV, torch.tensor(top_p, device=device))
-    # One uniform draw per row from the row's generator, then inverse-CDF sampling for all rows
-    # at once (cheaper than a multinomial call per row).
-    u_B = torch.tensor([generators[i].random() for i in sampled], device=device)
-    cdf_BV = sub_BV.softmax(dim=-1).cumsum(dim=-1)
-    # right=True: the first token whose cumulative probability exceeds u, so a token filtered
-    # out (zero probability, flat CDF) is never drawn; rounding at the top end falls back to the
-    # last token that has probability.
-    drawn_B = torch.searchsorted(cdf_BV, (u_B * cdf_BV[:, -1])[:, None], right=True)[:, 0]
-    last_B = (sub_BV > float("-inf")).cumsum(dim=-1).argmax(dim=-1)
-    next_B[torch.tensor(sampled, device=device)] = torch.minimum(drawn_B, last_B)
-    return next_B
 
 
 # ----------------------------------------------------------------------------- loading
@@ -263,12 +233,9 @@ class Generator:
         self.vocab_size = int(model.config.vocab_size)
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
-        # The Rust tokenizer decodes ~5x faster than the transformers wrapper around it; with a
-        # byte-level decoder, text of concatenated tokens is the concatenated text (cut on
-        # whole characters), so a row's text can be decoded incrementally.
+        # The Rust tokenizer decodes ~5x faster than the transformers wrapper around it.
         backend = getattr(tokenizer, "backend_tokenizer", None)
         self._backend_decode = backend.decode if backend is not None else None
-        self._incremental = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
 
     @classmethod
     def load(
@@ -311,24 +278,41 @@ class Generator:
                 "prompt or ask for fewer tokens"
             )
 
+    def check_ids(self, ids: Sequence[int], what: str = "prompt") -> None:
+        """Token ids given by a caller must be in the vocabulary."""
+        bad = [i for i in ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise HLMError(
+                f"{what} has token id {bad[0]}, outside the model's vocabulary of "
+                f"{self.vocab_size} tokens (0..{self.vocab_size - 1})"
+            )
+
     def rows(
         self,
-        prompts: Sequence[str] | str,
+        prompts: Sequence[str] | str | Sequence[Sequence[int]],
         params: SamplingParams,
         *,
         seed: int | None = None,
         n: int = 1,
         deadline: float | None = None,
     ) -> list[Row]:
-        """The rows of one request: each prompt `n` times (prompt-major, OpenAI's choice order)."""
+        """The rows of one request: each prompt (text, or token ids) `n` times (prompt-major,
+        OpenAI's choice order)."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         if not prompts:
             raise HLMError("no prompts given; pass a string or a non-empty list of strings")
         if n < 1:
             raise HLMError(f"n={n} must be >= 1")
+        self.check_ids([token for token, _ in params.logit_bias], "logit_bias")
         out = []
         for prompt in prompts:
-            ids = self.encode(prompt)
+            if isinstance(prompt, str):
+                ids = self.encode(prompt)
+            else:
+                ids = list(prompt)
+                if not ids:
+                    raise HLMError("a prompt given as token ids has none")
+                self.check_ids(ids)
             self.check_length(len(ids), params.max_new_tokens)
             for choice in range(n):
                 out.append(Row(ids, params, row_seed(seed, choice), deadline))
@@ -337,38 +321,31 @@ class Generator:
     # -- the public API
 
     def generate(
-        self,
-        prompts: Sequence[str] | str,
-        *,
-        max_new_tokens: int = 16,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float = 1.0,
-        stop: Sequence[str] | str | None = None,
-        seed: int | None = None,
-        n: int = 1,
+        self, prompts: Sequence[str] | str | Sequence[Sequence[int]], **settings
     ) -> list[Completion]:
-        """One completion per prompt and choice (prompt-major). temperature=0 is greedy."""
-        params = _params(max_new_tokens, temperature, top_k, top_p, stop)
-        return self.complete_rows(self.rows(prompts, params, seed=seed, n=n))
+        """One completion per prompt and choice (prompt-major). `settings`: the fields of
+        `SamplingParams` (max_new_tokens=16, temperature=1.0 (0 is greedy), top_k, top_p, stop,
+        logprobs, prompt_logprobs, logit_bias as a dict) and seed, n."""
+        return self.complete_rows(self._request_rows(prompts, settings))
 
     def stream(
-        self,
-        prompts: Sequence[str] | str,
-        *,
-        max_new_tokens: int = 16,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        top_p: float = 1.0,
-        stop: Sequence[str] | str | None = None,
-        seed: int | None = None,
-        n: int = 1,
+        self, prompts: Sequence[str] | str | Sequence[Sequence[int]], **settings
     ) -> Iterator[Delta]:
         """Text deltas as they are decoded; per row (`Delta.index`), they concatenate to the text
         `generate` returns with the same arguments."""
-        params = _params(max_new_tokens, temperature, top_k, top_p, stop)
-        for deltas in self.stream_rows(self.rows(prompts, params, seed=seed, n=n)):
+        for deltas in self.stream_rows(self._request_rows(prompts, settings)):
             yield from deltas
+
+    def _request_rows(self, prompts, settings: dict) -> list[Row]:
+        seed, n = settings.pop("seed", None), settings.pop("n", 1)
+        stop = settings.pop("stop", None)
+        bias = settings.pop("logit_bias", None) or {}
+        params = SamplingParams(
+            stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+            logit_bias=tuple((int(k), float(v)) for k, v in bias.items()),
+            **settings,
+        )
+        return self.rows(prompts, params, seed=seed, n=n)
 
     def complete_rows(self, rows: list[Row]) -> list[Completion]:
         """Decode `rows` together; one Completion per row."""
@@ -398,6 +375,16 @@ class Generator:
                 errors.append(err)
         return errors
 
+    # -- token text (OpenAI's logprobs object)
+
+    def token_strings(self, ids: Sequence[int]) -> list[str]:
+        """Each token as text (`hlm_ray.detokenize.token_strings`)."""
+        return token_strings(self.tokenizer, ids)
+
+    def text_offsets(self, ids: Sequence[int]) -> tuple[list[int], str]:
+        """Where each token's text starts in the text of `ids`, and that text."""
+        return text_offsets(self._decode, ids)
+
     # -- the decoding loop
 
     @torch.inference_mode()
@@ -408,34 +395,49 @@ class Generator:
             return
         generators = [_generator(row, self.device) for row in rows]
         params = [row.params for row in rows]
+        for row in rows:
+            row.text = IncrementalText(self._decode)
         ids_BL, mask_BL = self._left_pad([row.prompt_ids for row in rows])
         # Positions count real tokens only, so a padded row sees the positions it would alone.
         positions_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
         next_position_B = mask_BL.sum(-1)
         inputs_BL, past = ids_BL, None
-        for _ in range(max(p.max_new_tokens for p in params)):
+        for step in range(max(1, *(p.max_new_tokens for p in params))):
             timed_out = self._expire(rows)
             if timed_out:
                 yield timed_out
             if all(row.result is not None for row in rows):
                 return
-            out = self.model(
-                input_ids=inputs_BL,
-                attention_mask=mask_BL,
-                position_ids=positions_BL,
-                past_key_values=past,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            past = out.past_key_values
-            logits_BV = out.logits[:, -1].float()
+            if step == 0 and any(p.prompt_logprobs for p in params):
+                logits_BV, past = self._prefill_scoring(rows, inputs_BL, mask_BL, positions_BL)
+            else:
+                out = self.model(
+                    input_ids=inputs_BL,
+                    attention_mask=mask_BL,
+                    position_ids=positions_BL,
+                    past_key_values=past,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                past, logits_BV = out.past_key_values, out.logits[:, -1].float()
+            if step == 0:  # rows asked for no new token: their prompt was all they wanted
+                done = [self._finish(r, "", "length", i) for i, r in enumerate(rows)
+                        if r.params.max_new_tokens == 0]  # fmt: skip
+                if done:
+                    yield done
+            # (B, V) float32, the raw logits: log-probabilities are taken before any filter.
+            logprobs = self._logprobs(logits_BV, rows)
             if self.pad_id != self.eos_id:
                 logits_BV[:, self.pad_id] = float("-inf")  # padding is never an answer
+            add_logit_bias(logits_BV, params)
             next_B = sample_next(logits_BV, params, generators)
             deltas = []
             for i, row in enumerate(rows):
                 if row.result is None:
-                    delta = self._push(row, int(next_B[i]), i)
+                    token = int(next_B[i])
+                    if logprobs[i] is not None:
+                        row.logprobs.append(logprobs[i](token))
+                    delta = self._push(row, token, i)
                     if delta is not None:
                         deltas.append(delta)
             if deltas:
@@ -444,6 +446,58 @@ class Generator:
             mask_BL = torch.cat([mask_BL, mask_BL.new_ones(len(rows), 1)], dim=1)
             positions_BL = next_position_B[:, None]
             next_position_B = next_position_B + 1
+
+    def _prefill_scoring(self, rows, ids_BL, mask_BL, positions_BL):
+        """The first forward pass when a row scores its prompt: the decoder's last hidden states
+        at every position, the head applied per scoring row to its prompt positions only (not a
+        (B, L, V) logits tensor for the whole batch). Returns the last position's logits (B, V)
+        and the KV cache. Assumes logits = head(last hidden state), as in the GPT-2, GPT-NeoX
+        and Llama families (tests compare with the full model's logits)."""
+        out = self.model.base_model(
+            input_ids=ids_BL,
+            attention_mask=mask_BL,
+            position_ids=positions_BL,
+            use_cache=True,
+        )
+        head = self.model.get_output_embeddings()
+        hidden_BLD = out.last_hidden_state
+        width = hidden_BLD.shape[1]
+        for i, row in enumerate(rows):
+            if not row.params.prompt_logprobs:
+                continue
+            # Row i's prompt fills the last n positions; position t predicts token t + 1.
+            n = len(row.prompt_ids)
+            logprobs_TV = head(hidden_BLD[i, width - n : width - 1]).float().log_softmax(-1)
+            targets = torch.tensor(row.prompt_ids[1:], device=logprobs_TV.device)
+            row.prompt_logprobs = [None] + token_logprobs(
+                logprobs_TV, targets, row.params.logprobs or 0
+            )
+        return head(hidden_BLD[:, -1]).float(), out.past_key_values
+
+    def _logprobs(self, logits_BV: torch.Tensor, rows: list[Row]) -> list:
+        """Per row, None or a function of the sampled token giving its TokenLogprob: log-softmax
+        in float32 over the full vocabulary of the un-filtered logits (B, V)."""
+        wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+        out: list = [None] * len(rows)
+        if not wanted:
+            return out
+        logprobs_WV = logits_BV[wanted].float().log_softmax(-1)
+        k = max(rows[i].params.logprobs for i in wanted)
+        top_values, top_ids = logprobs_WV.topk(k, dim=-1) if k else (None, None)
+        table = logprobs_WV.cpu()
+        for w, i in enumerate(wanted):
+            k_i = rows[i].params.logprobs
+            top = []
+            if k_i:
+                top = list(
+                    zip(top_ids[w, :k_i].tolist(), top_values[w, :k_i].tolist(), strict=True)
+                )
+
+            def entry(token: int, row_logprobs=table[w], top=top) -> TokenLogprob:
+                return TokenLogprob(token, float(row_logprobs[token]), top)
+
+            out[i] = entry
+        return out
 
     def _left_pad(self, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         width = max(len(p) for p in prompts)
@@ -462,17 +516,23 @@ class Generator:
             finish = "stop"
         else:
             row.token_ids.append(token)
-        text = self._row_text(row)
-        cut = _first_stop(text, row.params.stop)
+            row.text.push(token)
+        text = row.text.text  # whole characters only
+        stops = row.params.stop
+        cut = _first_stop(text, stops, row.stop_from)
+        # A stop sequence that begins before the text's last (longest stop - 1) characters
+        # would have been found already: the next search starts there.
+        row.stop_from = max(0, len(text) - max((len(s) for s in stops), default=1) + 1)
         if cut is not None:
             text, finish = text[:cut], "stop"
         elif finish is None and row.num_generated >= row.params.max_new_tokens:
             finish = "length"
         if finish is not None:
+            if cut is None:
+                text += row.text.flush()  # a partial character at the end, as decode() gives it
             return self._finish(row, text, finish, index)
-        # Hold back what may still change: a partial UTF-8 character, a partial stop sequence.
-        safe = text.rstrip("\ufffd")
-        safe = safe[: len(safe) - _held_back(safe, row.params.stop)]
+        # Hold back what may still change: a partial stop sequence.
+        safe = text[: len(text) - _held_back(text, stops)]
         if len(safe) > len(row.emitted) and safe.startswith(row.emitted):
             delta = safe[len(row.emitted) :]
             row.emitted = safe
@@ -486,6 +546,8 @@ class Generator:
             finish_reason=reason,
             prompt_tokens=len(row.prompt_ids),
             completion_tokens=row.num_generated,
+            logprobs=list(row.logprobs) if row.params.logprobs is not None else None,
+            prompt_logprobs=row.prompt_logprobs,
         )
         delta = text[len(row.emitted) :] if text.startswith(row.emitted) else ""
         row.emitted = text
@@ -494,7 +556,7 @@ class Generator:
     def _expire(self, rows: list[Row]) -> list[Delta]:
         now = time.monotonic()
         return [
-            self._finish(row, self._decode(row.token_ids), "timeout", i)
+            self._finish(row, row.text.text + row.text.flush(), "timeout", i)
             for i, row in enumerate(rows)
             if row.result is None and row.deadline is not None and now > row.deadline
         ]
@@ -506,27 +568,8 @@ class Generator:
             token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
         )
 
-    def _row_text(self, row: Row) -> str:
-        """The row's text so far; with a byte-level tokenizer only the tokens after the last
-        whole character are decoded (re-decoding every token at every step was quadratic)."""
-        if not self._incremental:
-            return self._decode(row.token_ids)
-        tail = self._decode(row.token_ids[row.num_done :])
-        if tail and not tail.endswith("\ufffd"):
-            row.text_done += tail
-            row.num_done = len(row.token_ids)
-            return row.text_done
-        return row.text_done + tail
-
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _params(max_new_tokens, temperature, top_k, top_p, stop) -> SamplingParams:
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    return SamplingParams(
-        max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stops
-    )
 
 
 def _generator(row: Row, device: torch.device) -> random.Random | None:
@@ -535,9 +578,9 @@ def _generator(row: Row, device: torch.device) -> random.Random | None:
     return random.Random(row.seed if row.seed is not None else secrets.randbits(63))
 
 
-def _first_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Where the earliest stop sequence starts in `text`, if any."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
+def _first_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:
+    """Where the earliest stop sequence starts in `text[start:]`, if any."""
+    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
     return min(hits) if hits else None
 
 

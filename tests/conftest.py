@@ -64,15 +64,19 @@ def one_torch_thread():
 
 @pytest.fixture(scope="module")
 def tiny_decoder_dir(tmp_path_factory) -> str:
-    """A tiny vanilla decoder folder: trained 2 steps (for the tokenizer and the folder layout),
-    then given random weights of std 0.15 so that its logits are peaked and its greedy text
-    varied (a barely trained model only repeats its most frequent token)."""
+    """A tiny vanilla decoder folder (`make_tiny_decoder`)."""
+    return make_tiny_decoder(tmp_path_factory.mktemp("tiny_decoder"))
+
+
+def make_tiny_decoder(root) -> str:
+    """A tiny vanilla decoder folder under `root`: trained 2 steps (for the tokenizer and the
+    folder layout), then given random weights of std 0.15 so that its logits are peaked and its
+    greedy text varied (a barely trained model only repeats its most frequent token)."""
     from transformers import AutoModelForCausalLM
 
     from hlm_ray.presets import load_config
     from hlm_ray.train.loop import train_worker
 
-    root = tmp_path_factory.mktemp("tiny_decoder")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HLM_CACHE_DIR", str(root / "cache"))
         cfg = load_config(
@@ -89,3 +93,7 @@ def tiny_decoder_dir(tmp_path_factory) -> str:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.15)
     model.save_pretrained(model_dir)
     return model_dir
+
+
+# The serving tests' session fixtures (one Serve application for test_serve*.py).
+from serve_common import serve_app, serve_model_dir, serve_model_uri  # noqa: E402, F401

@@ -3,6 +3,7 @@ no-cache reference, batching, seeds, stop sequences, streaming, and which models
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import random
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from hlm_ray.detokenize import IncrementalText, _byte_decoder
 from hlm_ray.errors import HLMError
 from hlm_ray.generate import (
     Generator,
@@ -26,6 +28,7 @@ from hlm_ray.generate import (
     top_k_filter,
     top_p_filter,
 )
+from hlm_ray.paths import data_dir
 
 PROMPTS = ["The cat sat on the", "Once", "", "In 1999 the city of New York had a population"]
 
@@ -118,7 +121,8 @@ def test_sample_next_follows_the_filtered_distribution():
 
 def test_sampling_params_are_checked():
     for bad in (
-        {"max_new_tokens": 0},
+        {"max_new_tokens": -1},
+        {"logprobs": -1},
         {"temperature": -0.1},
         {"top_p": 0.0},
         {"top_k": 0},
@@ -300,12 +304,115 @@ def test_a_failing_request_fails_alone_and_its_batch_mates_complete(gen):
         assert [row.result.text for row in group] == [c.text for c in expected]
 
 
+def _real_text() -> str:
+    """Real text with non-ASCII: French, Chinese, Hindi and Arabic XNLI sentences."""
+    lines = []
+    for lang in ("fr", "zh", "hi", "ar"):
+        path = data_dir() / "eval" / "xnli" / f"dev-{lang}.tsv"
+        lines += path.read_text(encoding="utf-8").splitlines()[1:4]
+    return "\n".join(lines) + " Été 🐍 naïve — 東京 ok"
+
+
 def test_incremental_detokenization_equals_decoding_everything(gen):
-    """A row's text is decoded incrementally (byte-level tokenizer): token by token, through
-    multi-byte characters split across tokens, it equals decoding all its tokens at once."""
-    assert gen._incremental
-    ids = gen.encode("Été 🐍 naïve — 東京 ok") * 3
-    row = Row([0], SamplingParams())
-    for i, token in enumerate(ids):
-        row.token_ids.append(token)
-        assert gen._row_text(row) == gen.tokenizer.decode(ids[: i + 1], skip_special_tokens=True)
+    """Text is decoded incrementally (only the tokens since the last whole character, with the
+    piece before them as context): token by token, through multi-byte characters split across
+    tokens, the pieces concatenate to decoding all the tokens at once, on real multilingual
+    text and on ids that end inside a character."""
+    text = _real_text()
+    ids = gen.encode(text)
+    assert len(ids) > 300 and any(s.startswith("bytes:") for s in gen.token_strings(ids))
+    split = next(i for i, s in enumerate(gen.token_strings(ids)) if s.startswith("bytes:"))
+    for case in (ids, ids[:-1], ids[: split + 1]):  # the last ends inside a character
+        inc = IncrementalText(gen._decode)
+        pieces = [inc.push(token) for token in case]
+        pieces.append(inc.flush())
+        full = gen.tokenizer.decode(case, skip_special_tokens=True)
+        assert "".join(pieces) == inc.text == full
+        assert all("\ufffd" not in piece for piece in pieces[:-1])
+    assert "".join(d.text for d in gen.stream(text[-30:], max_new_tokens=60, temperature=0)) == (
+        gen.generate(text[-30:], max_new_tokens=60, temperature=0)[0].text
+    )
+
+
+def test_token_strings_and_offsets(gen):
+    """logprobs.tokens: each token's bytes as text, `bytes:\\x..` for part of a character;
+    text_offset: where each token starts in the decoded text."""
+    from tokenizers import pre_tokenizers
+
+    assert set(_byte_decoder()) == set(pre_tokenizers.ByteLevel.alphabet())  # GPT-2's table
+    text = "The cat. Été 🐍"
+    ids = gen.encode(text)
+    strings = gen.token_strings(ids)
+    raw = b"".join(
+        bytes.fromhex(s[6:].replace("\\x", "")) if s.startswith("bytes:") else s.encode()
+        for s in strings
+    )
+    assert raw.decode() == text
+    offsets, decoded = gen.text_offsets(ids)
+    assert decoded == text and offsets[0] == 0 and offsets == sorted(offsets)
+    for i, start in enumerate(offsets):  # a token starts where the text of those before ends
+        before = gen.tokenizer.decode(ids[:i]).rstrip("\ufffd")
+        assert start == len(before)
+    assert gen.token_strings([gen.eos_id]) == [gen.tokenizer.eos_token]
+
+
+def _reference_logprobs(gen, ids: list[int]) -> torch.Tensor:
+    """(T-1,) log-probability of each token after the first, from one no-cache float64 pass."""
+    model64 = copy.deepcopy(gen.model).double()
+    with torch.no_grad():
+        logits_TV = model64(torch.tensor([ids])).logits[0]
+    logprobs_TV = logits_TV.log_softmax(-1)
+    return logprobs_TV[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0], logprobs_TV
+
+
+def test_logprobs_of_prompt_and_completion_match_a_full_forward_pass(gen):
+    """Echo scoring: prompt token logprobs (None for the first) and generated ones equal a
+    float64 log-softmax over the whole vocabulary of one no-cache pass; alternatives are the
+    top-k of that distribution; batched and padded rows score as they do alone."""
+    prompts = [PROMPTS[0], PROMPTS[3], "Once"]
+    outs = gen.generate(prompts, max_new_tokens=4, temperature=0, logprobs=3, prompt_logprobs=True)
+    for prompt, out in zip(prompts, outs, strict=True):
+        ids = gen.encode(prompt) + out.token_ids
+        expected, table_TV = _reference_logprobs(gen, ids)
+        assert out.prompt_logprobs[0] is None
+        entries = out.prompt_logprobs[1:] + out.logprobs
+        assert [e.token_id for e in entries] == ids[1:]
+        got = torch.tensor([e.logprob for e in entries], dtype=torch.float64)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        for t, entry in enumerate(entries):
+            top = table_TV[t].topk(3)
+            assert [i for i, _ in entry.top] == top.indices.tolist()
+            torch.testing.assert_close(
+                torch.tensor([v for _, v in entry.top], dtype=torch.float64), top.values,
+                atol=1e-5, rtol=1e-5,
+            )  # fmt: skip
+        # Greedy: the chosen token is the most likely one.
+        assert all(e.token_id == e.top[0][0] for e in out.logprobs)
+    alone = gen.generate(prompts[1], max_new_tokens=4, temperature=0, logprobs=3,
+                         prompt_logprobs=True)[0]  # fmt: skip
+    assert [e and e.logprob for e in alone.prompt_logprobs] == pytest.approx(
+        [e and e.logprob for e in outs[1].prompt_logprobs], abs=1e-5
+    )
+
+
+def test_scoring_only_and_logit_bias(gen):
+    """max_new_tokens=0 scores the prompt and generates nothing; logit_bias steers sampling but
+    not the log-probabilities; bad ids and biases are refused with the reason."""
+    [scored] = gen.generate(PROMPTS[0], max_new_tokens=0, prompt_logprobs=True, logprobs=0)
+    assert (scored.text, scored.token_ids, scored.finish_reason) == ("", [], "length")
+    assert len(scored.prompt_logprobs) == len(gen.encode(PROMPTS[0])) and scored.logprobs == []
+    [plain] = gen.generate(PROMPTS[0], max_new_tokens=3, temperature=0, logprobs=0)
+    [biased] = gen.generate(PROMPTS[0], max_new_tokens=3, temperature=0, logprobs=0,
+                            logit_bias={7: 100.0})  # fmt: skip
+    assert biased.token_ids == [7, 7, 7] and plain.token_ids != [7, 7, 7]
+    assert biased.logprobs[0].logprob < plain.logprobs[0].logprob  # un-biased logprobs
+    with pytest.raises(HLMError, match="vocabulary"):
+        gen.generate("x", logit_bias={10**6: 1.0})
+    with pytest.raises(HLMError, match="logit_bias"):
+        gen.generate("x", logit_bias={1: 1000.0})
+    with pytest.raises(HLMError, match="vocabulary"):
+        gen.generate([[1, 2, 10**6]])
+    ids = gen.encode(PROMPTS[3])  # a token-id prompt decodes as its text does
+    assert gen.generate([ids], max_new_tokens=5, temperature=0)[0].text == (
+        gen.generate(PROMPTS[3], max_new_tokens=5, temperature=0)[0].text
+    )

@@ -13,40 +13,27 @@ from pathlib import Path
 
 import pytest
 import requests
+from serve_common import API_KEY, AUTH, BODY_TIMEOUT_S, post
 
 from hlm_ray.errors import HLMError
 from hlm_ray.generate import Generator
 from hlm_ray.serve.app import build_app, make_app
 from hlm_ray.serve.schemas import AppArgs
 
-MODEL_NAME = "hlm-test-generator"
-API_KEY = "test-key-0123456789"
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
-BODY_TIMEOUT_S = 8.0  # the proxy's guard: a body not received within this is answered 408
 PROMPTS = [f"{word} is a word that" for word in ("cat", "house", "river", "Paris", "green")]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_decoder_dir) -> str:
-    return tiny_decoder_dir
+def model_dir(serve_model_dir) -> str:
+    return serve_model_dir
 
 
 @pytest.fixture(scope="module")
-def model_uri(model_dir) -> str:
-    """The tiny decoder registered in the session's MLflow store."""
-    from hlm_ray.tracking import register_model
-
-    name, version = register_model(model_dir, MODEL_NAME)
-    return f"models:/{name}/{version}"
+def model_uri(serve_model_uri) -> str:
+    return serve_model_uri
 
 
 @pytest.fixture(scope="module")
@@ -55,32 +42,13 @@ def library(model_dir) -> Generator:
 
 
 @pytest.fixture(scope="module")
-def server(ray_cluster, model_uri):
-    """The application under test at http://127.0.0.1:<port>, serving `models:/...`."""
-    from ray import serve
-
-    from hlm_ray.serve.guard import guard_controller_options
-
-    port = _free_port()
-    serve.start(
-        http_options={"host": "127.0.0.1", "port": port},
-        controller_options=guard_controller_options(body_timeout_s=BODY_TIMEOUT_S),
-    )
-    args = AppArgs(
-        model=model_uri, max_batch_size=16, batch_wait_timeout_s=0.05, max_n=3, api_key=API_KEY
-    )
-    try:
-        serve.run(make_app(args, num_cpus=0.5), name="hlm-test", route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
+def server(serve_app) -> str:
+    """The session's application (tests/serve_common.py) at http://127.0.0.1:<port>."""
+    return serve_app
 
 
 def _post(server: str, body, **kwargs) -> requests.Response:
-    kwargs["headers"] = {**AUTH, **kwargs.get("headers", {})}
-    if isinstance(body, bytes | str):
-        return requests.post(f"{server}/v1/completions", data=body, timeout=60, **kwargs)
-    return requests.post(f"{server}/v1/completions", json=body, timeout=60, **kwargs)
+    return post(server, body, **kwargs)
 
 
 def _get(server: str, path: str, **kwargs) -> requests.Response:
@@ -297,7 +265,15 @@ BAD_REQUESTS = [
     ({"prompt": ["ok", "word " * 200]}, 400, "prompt[1]"),
     ({"prompt": "word " * 120, "max_tokens": 16}, 400, "positions"),
     ({"prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 422, "stop"),
-    ({"prompt": "x", "echo": True}, 422, "echo"),
+    ({"prompt": "x", "echo": "yes"}, 422, "echo"),
+    ({"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    ({"prompt": "x", "best_of": 2}, 400, "best_of"),
+    ({"prompt": "x", "max_tokens": 0}, 400, "echo"),
+    ({"prompt": "x", "logprobs": 21}, 422, "logprobs"),
+    ({"prompt": "x", "logit_bias": {"5000": 1}}, 400, "vocabulary"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, 422, "logit_bias"),
+    ({"prompt": [1, 2, 99999]}, 400, "vocabulary"),
+    ({"prompt": [[1, 2], []]}, 422, "prompt"),
     ({"prompt": "x", "model": "gpt-4"}, 404, "model"),
     ({"prompt": "x" * (1 << 20)}, 413, "limit"),
     # Every number is bounded: none reaches a tensor it could overflow (issue 14).

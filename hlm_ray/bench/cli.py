@@ -41,7 +41,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "(the serving benchmark on its own: python -m hlm_ray.bench.serve --help)",
     )
     p.add_argument("--repeats", type=int, help="timed repeats per measurement (preset's default)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="auto (default): the GPU when this process sees one, else the CPU",
+    )
     p.add_argument("--mlflow", action="store_true", help="log the results as one MLflow run")
     p.add_argument("--experiment", default="hlm_bench", help="MLflow experiment (with --mlflow)")
     p.add_argument("--headline", help="also copy the headline figure here, e.g. docs/figures/x.png")

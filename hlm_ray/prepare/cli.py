@@ -19,10 +19,21 @@ HELP = "prepare a corpus (tokenizer, token shards, manifest) once, for training 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("data", help=HELP, description=HELP)
     sub = p.add_subparsers(dest="data_command", required=True)
-    prep = sub.add_parser("prepare", help="tokenize sources into a prepared folder")
+    prep = sub.add_parser(
+        "prepare",
+        help="tokenize sources into a prepared folder",
+        description="Tokenize the config's data sources on Ray Data into a prepared folder of "
+        "token shards with a manifest (resumable); train on it with --set data.prepared=URI.",
+    )
     prep.add_argument("--preset", default="tiny-decoder", help="named preset (hlm presets)")
     prep.add_argument("--config", help="YAML file of overrides (nested sections)")
-    prep.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    prep.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted override, repeatable: --set data.sources=[DIR]",
+    )
     prep.add_argument("--output", help="folder or pyarrow URI (default: the cache)")
     prep.add_argument(
         "--workers",
@@ -34,7 +45,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--piece-mb", type=float, default=8.0, help="MB of text per unit of work (default 8)"
     )
     prep.add_argument("--address", help="Ray cluster to join (default: a local one)")
-    bench = sub.add_parser("bench", help="data preparation and memory-mapped reading benchmark")
+    bench = sub.add_parser(
+        "bench",
+        help="data preparation and memory-mapped reading benchmark",
+        description="Prepare a synthetic corpus and read it back memory-mapped: throughput of "
+        "both, and the training process's memory (RSS).",
+    )
     bench.add_argument("--size-mb", type=int, default=300, help="synthetic corpus size")
     bench.add_argument("--workdir", default="/tmp/hlm_data_bench", help="corpora and outputs")
     bench.add_argument("--output", default="runs/bench/data", help="results (JSON, Markdown)")

@@ -1,4 +1,5 @@
-"""The Ray Serve application: an OpenAI-compatible completions endpoint over `hlm_ray.generate`.
+"""The Ray Serve application: OpenAI-compatible completions and chat endpoints over
+`hlm_ray.generate`.
 
     serve run deploy/serve.yaml                  # import_path: hlm_ray.serve.app:build_app
     hlm serve --model models:/hlm-tiny-generator/1 --port 8000
@@ -7,17 +8,22 @@
          -d '{"prompt": "The cat", "max_tokens": 16, "temperature": 0}'
     client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
     client.completions.create(model="hlm-tiny-generator/1", prompt="The cat", max_tokens=16)
+    client.completions.create(model=..., prompt="The cat", max_tokens=0, echo=True, logprobs=1)
+    client.chat.completions.create(model=..., messages=[{"role": "user", "content": "Hi"}])
 
-Routes: `POST /v1/completions` (JSON, or server-sent events with `stream: true`),
-`GET /v1/models` (the served model and its source / MLflow URI), `GET /healthz` (with batching
-counters). Every response carries the model's id (`model` in the body, `x-hlm-model` header).
+Routes: `POST /v1/completions` (JSON, or server-sent events with `stream: true`; echo, logprobs,
+token-id prompts: `hlm_ray.serve.protocol`), `POST /v1/chat/completions` (the same over a simple
+documented template, streamed as `chat.completion.chunk`s), `GET /v1/models` and
+`GET /v1/models/{id}` (the served model and its source / MLflow URI, the chat template),
+`GET /healthz` (with batching counters). Every response carries the model's id (`model` in the
+body, `x-hlm-model` header).
 
 Bad input is answered before any decoding, in OpenAI's error shape
 (`{"error": {"message", "type", "param", "code"}}`, the message naming the field): 400 for
 invalid JSON and for limits that depend on the model or the server (`max_tokens`, `n`, prompt
-length in tokens against the model's positions), 404 for another model's id, 413 for a body
-over `max_body_bytes`, 422 for unknown fields, wrong types and out-of-range values. Over
-`max_queued_requests` Serve itself answers 503.
+length in tokens against the model's positions, token ids against the vocabulary), 404
+`model_not_found` for another model's id, 413 for a body over `max_body_bytes`, 422 for unknown
+fields, wrong types and out-of-range values. Over `max_queued_requests` Serve itself answers 503.
 
 Non-streaming requests are batched on the replica (`serve.batch`, counted in rows: prompts x n),
 each row decoding with its own settings and seed; a streamed request decodes alone. All decoding
@@ -43,54 +49,62 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import ValidationError
 from ray import serve
 from ray.serve import Application
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from hlm_ray.errors import HLMError, one_line
+from hlm_ray.errors import one_line
 from hlm_ray.generate import (
     Generator,
     Row,
-    SamplingParams,
     check_generation_ready,
     default_model_name,
-    row_seed,
 )
 from hlm_ray.pretrained import REGISTRY_SCHEME, model_info, resolve_model_dir
 from hlm_ray.serve.guard import error_body
+from hlm_ray.serve.protocol import (
+    CHAT_TEMPLATE,
+    ApiError,
+    chat_rows,
+    check_model_id,
+    completion_choice,
+    completion_rows,
+    parse_request,
+    strip_reply,
+    usage,
+)
 from hlm_ray.serve.schemas import (
     AppArgs,
+    ChatChoice,
+    ChatChunk,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatDelta,
+    ChatReply,
+    ChatRequest,
     Choice,
     CompletionRequest,
     CompletionResponse,
     Health,
     ModelCard,
     ModelList,
+    ModelQuery,
     Usage,
 )
 
 log = logging.getLogger("ray.serve")
-api = FastAPI(title="hlm_ray completions", version="1")
-
-_COMPLETION_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {"application/json": {"schema": CompletionRequest.model_json_schema()}},
-    }
-}
+api = FastAPI(title="hlm_ray completions", version="1")  # completions and chat
 
 
-class ApiError(Exception):
-    """An error answered to the client: status and a message naming the field (`param`)."""
+def _body_doc(model) -> dict[str, Any]:
+    """The OpenAPI entry of a route that reads its body itself."""
+    schema = model.model_json_schema()
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
 
-    def __init__(self, status: int, message: str, param: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param = status, message, param
 
-    def body(self) -> dict[str, Any]:
-        return json.loads(error_body(self.status, self.message, self.param))
+def _sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
 
 
 class _ClientGone(Exception):
@@ -120,33 +134,6 @@ class _Job:
 
 def _num_rows(jobs: list[_Job]) -> int:
     return sum(len(job.rows) for job in jobs)
-
-
-def parse_request(body: bytes) -> CompletionRequest:
-    """Parse and validate a request body; ApiError 400 for invalid JSON, 422 naming the field
-    for anything pydantic rejects."""
-    try:
-        return CompletionRequest.model_validate_json(body)
-    except ValidationError as err:
-        errors = err.errors(include_url=False)
-        if errors[0]["type"] == "json_invalid":
-            raise ApiError(400, f"request body is not valid JSON: {errors[0]['msg']}") from None
-        messages = [f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in errors]
-        param = str(errors[0]["loc"][0]) if errors[0]["loc"] else None
-        raise ApiError(422, "; ".join(messages), param) from None
-
-
-def _usage(prompt_tokens: int, rows: list[Row]) -> Usage:
-    completion = sum(row.result.completion_tokens for row in rows if row.result is not None)
-    return Usage(
-        prompt_tokens=prompt_tokens,
-        completion_tokens=completion,
-        total_tokens=prompt_tokens + completion,
-    )
-
-
-def _sse(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
 
 
 # Helpers the routes use are defined above the class: `serve.ingress` pickles the FastAPI app,
@@ -209,27 +196,51 @@ class CompletionServer:
     async def models(self, request: Request) -> JSONResponse:
         if (denied := self._check_key(request)) is not None:
             return self._json(denied.body(), denied.status)
+        return self._json(ModelList(data=[self._card()]).model_dump())
+
+    @api.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request) -> JSONResponse:
+        """One model's card (ids hold a slash: `NAME/VERSION`); 404 `model_not_found`."""
+        try:
+            if (denied := self._check_key(request)) is not None:
+                raise denied
+            check_model_id(ModelQuery(model=model_id), self.name)
+        except ApiError as err:
+            return self._json(err.body(), err.status)
+        return self._json(self._card().model_dump())
+
+    def _card(self) -> ModelCard:
         info = self.generator.info
-        card = ModelCard(
+        return ModelCard(
             id=self.name,
             created=self.created,
             mlflow_uri=self._mlflow_uri,
             objective=info.get("objective"),
             finetuned=info.get("finetuned"),
             max_positions=self.generator.max_positions,
+            chat_template=CHAT_TEMPLATE,
         )
-        return self._json(ModelList(data=[card]).model_dump())
 
-    @api.post("/v1/completions", openapi_extra=_COMPLETION_BODY)
+    @api.post("/v1/completions", openapi_extra=_body_doc(CompletionRequest))
     async def completions(self, request: Request):
+        return await self._answer(request, "cmpl", CompletionRequest, completion_rows)
+
+    @api.post("/v1/chat/completions", openapi_extra=_body_doc(ChatRequest))
+    async def chat_completions(self, request: Request):
+        return await self._answer(request, "chatcmpl", ChatRequest, chat_rows)
+
+    async def _answer(self, request: Request, prefix: str, model, make_rows):
+        """Check, queue for a batch (or stream alone), answer: both completion routes."""
         start = time.perf_counter()
-        rid = f"cmpl-{uuid.uuid4().hex[:24]}"
+        rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
         loop = asyncio.get_running_loop()
         try:
             if (denied := self._check_key(request)) is not None:
                 raise denied
-            req = parse_request(await self._read_body(request))
-            rows, prompt_tokens = await loop.run_in_executor(self._prep_pool, self._rows, req)
+            req = parse_request(await self._read_body(request), model)
+            rows, prompt_tokens = await loop.run_in_executor(
+                self._prep_pool, make_rows, req, self.generator, self.args
+            )
         except ApiError as err:
             return self._fail(rid, err, start)
         except _ClientGone:
@@ -250,21 +261,28 @@ class CompletionServer:
             return self._fail(rid, ApiError(500, message), start)
         if any(row.result.finish_reason == "timeout" for row in rows):
             return self._fail(rid, self._timeout_error(), start)
-        choices = [
-            Choice(text=row.result.text, index=i, finish_reason=row.result.finish_reason)
-            for i, row in enumerate(rows)
-        ]
-        usage = _usage(prompt_tokens, rows)
-        body = CompletionResponse(
-            id=rid,
-            created=int(time.time()),
-            model=self.name,
-            choices=choices,
-            usage=usage,
-            system_fingerprint=self._fingerprint,
+        body = await loop.run_in_executor(
+            self._prep_pool, self._body, rid, req, rows, prompt_tokens
         )
-        self._log(rid, 200, start, usage, len(rows), stream=False)
+        self._log(rid, 200, start, body.usage, len(rows), stream=False)
         return self._json(body.model_dump())
+
+    def _body(self, rid: str, req, rows: list[Row], prompt_tokens: int):
+        counts = usage(prompt_tokens, rows)
+        common = {"id": rid, "created": int(time.time()), "model": self.name,
+                  "usage": counts, "system_fingerprint": self._fingerprint}  # fmt: skip
+        if isinstance(req, ChatRequest):
+            choices = [
+                ChatChoice(
+                    index=i,
+                    message=ChatReply(content=strip_reply(row.result.text, started=False)),
+                    finish_reason=row.result.finish_reason,
+                )
+                for i, row in enumerate(rows)
+            ]
+            return ChatCompletion(choices=choices, **common)
+        choices = [completion_choice(self.generator, row, i, req) for i, row in enumerate(rows)]
+        return CompletionResponse(choices=choices, **common)
 
     # ------------------------------------------------------------------------- batching
 
@@ -286,39 +304,48 @@ class CompletionServer:
     # ------------------------------------------------------------------------- streaming
 
     async def _events(
-        self, rid: str, req: CompletionRequest, rows: list[Row], prompt_tokens: int, start: float
+        self, rid: str, req, rows: list[Row], prompt_tokens: int, start: float
     ) -> AsyncIterator[str]:
-        """Server-sent events: one chunk per decoding step, then usage (if asked) and [DONE]."""
+        """Server-sent events: one chunk per decoding step (`text_completion` or, for chat,
+        `chat.completion.chunk` opened by a chunk with the role), then usage (if asked) and
+        [DONE]."""
         loop = asyncio.get_running_loop()
         steps = self.generator.stream_rows(rows)
-        created, status = int(time.time()), 200
+        chat = isinstance(req, ChatRequest)
+        common = {"id": rid, "created": int(time.time()), "model": self.name,
+                  "system_fingerprint": self._fingerprint}  # fmt: skip
+        started: set[int] = set()  # chat choices whose reply has begun
+        status = 200
         try:
+            if chat:
+                opening = [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
+                           for i in range(len(rows))]  # fmt: skip
+                yield _sse(ChatChunk(choices=opening, **common).model_dump())
             while (deltas := await loop.run_in_executor(self._pool, next, steps, None)) is not None:
                 if any(d.finish_reason == "timeout" for d in deltas):
                     status = 504
                     yield _sse(self._timeout_error().body())
                     break
-                chunk = CompletionResponse(
-                    id=rid,
-                    created=created,
-                    model=self.name,
-                    choices=[
-                        Choice(text=d.text, index=d.index, finish_reason=d.finish_reason)
-                        for d in deltas
-                    ],
-                    system_fingerprint=self._fingerprint,
-                )
-                yield _sse(chunk.model_dump())
+                if not chat:
+                    choices = [Choice(text=d.text, index=d.index, finish_reason=d.finish_reason)
+                               for d in deltas]  # fmt: skip
+                    yield _sse(CompletionResponse(choices=choices, **common).model_dump())
+                    continue
+                pieces = []
+                for d in deltas:
+                    text = strip_reply(d.text, started=d.index in started)
+                    if text:
+                        started.add(d.index)
+                    if text or d.finish_reason:
+                        delta = ChatDelta(content=text or None)
+                        pieces.append(ChatChunkChoice(index=d.index, delta=delta,
+                                                      finish_reason=d.finish_reason))  # fmt: skip
+                if pieces:
+                    yield _sse(ChatChunk(choices=pieces, **common).model_dump())
             if status == 200 and req.stream_options and req.stream_options.include_usage:
-                usage = CompletionResponse(
-                    id=rid,
-                    created=created,
-                    model=self.name,
-                    choices=[],
-                    usage=_usage(prompt_tokens, rows),
-                    system_fingerprint=self._fingerprint,
-                )
-                yield _sse(usage.model_dump())
+                kind = ChatChunk if chat else CompletionResponse
+                counts = usage(prompt_tokens, rows)
+                yield _sse(kind(choices=[], usage=counts, **common).model_dump())
             yield "data: [DONE]\n\n"
         except Exception as err:
             status = 500
@@ -330,7 +357,7 @@ class CompletionServer:
             # stops its rows there.
             self._pool.submit(steps.close)
             done = [row for row in rows if row.result is not None]
-            self._log(rid, status, start, _usage(prompt_tokens, done), len(rows), stream=True)
+            self._log(rid, status, start, usage(prompt_tokens, done), len(rows), stream=True)
 
     # ------------------------------------------------------------------------- validation
 
@@ -361,75 +388,6 @@ class CompletionServer:
         if len(body) > limit:
             raise ApiError(413, f"request body is {len(body)} bytes; the limit is {limit}")
         return body
-
-    def _rows(self, req: CompletionRequest) -> tuple[list[Row], int]:
-        """The request's rows, after every limit that depends on the model or the server."""
-        args, gen = self.args, self.generator
-        if req.model is not None and req.model != self.name:
-            raise ApiError(
-                404,
-                f"model {req.model!r} is not served here; this server serves {self.name!r}",
-                "model",
-            )
-        limit = min(args.max_tokens_limit, gen.max_positions - 1)
-        if req.max_tokens > limit:
-            raise ApiError(
-                400,
-                f"max_tokens={req.max_tokens} is above this server's limit of {limit}",
-                "max_tokens",
-            )
-        if req.n > args.max_n:
-            raise ApiError(400, f"n={req.n} is above this server's limit of {args.max_n}", "n")
-        if req.top_k is not None and req.top_k > gen.vocab_size:
-            raise ApiError(
-                400,
-                f"top_k={req.top_k} is above the model's vocabulary of {gen.vocab_size} tokens",
-                "top_k",
-            )
-        prompts = req.prompts()
-        if len(prompts) * req.n > args.max_batch_size:
-            raise ApiError(
-                400,
-                f"{len(prompts)} prompts x n={req.n} is {len(prompts) * req.n} completions; this "
-                f"server decodes at most {args.max_batch_size} per request",
-                "prompt",
-            )
-        try:
-            params = SamplingParams(
-                max_new_tokens=req.max_tokens,
-                temperature=req.temperature,
-                top_k=req.top_k,
-                top_p=req.top_p,
-                stop=req.stops(),
-            )
-        except HLMError as err:
-            raise ApiError(400, str(err)) from None
-        deadline = time.monotonic() + args.request_timeout_s
-        rows, prompt_tokens = [], 0
-        for i, prompt in enumerate(prompts):
-            ids = gen.encode(prompt)
-            self._check_prompt(len(ids), req.max_tokens, i if len(prompts) > 1 else None)
-            prompt_tokens += len(ids)
-            rows += [Row(ids, params, row_seed(req.seed, c), deadline) for c in range(req.n)]
-        return rows, prompt_tokens
-
-    def _check_prompt(self, num_tokens: int, max_tokens: int, index: int | None) -> None:
-        where = "prompt" if index is None else f"prompt[{index}]"
-        positions = self.generator.max_positions
-        if self.args.max_prompt_tokens and num_tokens > self.args.max_prompt_tokens:
-            raise ApiError(
-                400,
-                f"{where} has {num_tokens} tokens; this server accepts at most "
-                f"{self.args.max_prompt_tokens}",
-                "prompt",
-            )
-        if num_tokens + max_tokens > positions:
-            raise ApiError(
-                400,
-                f"{where} has {num_tokens} tokens and max_tokens={max_tokens}: together more than "
-                f"the model's {positions} positions; shorten the prompt or lower max_tokens",
-                "prompt",
-            )
 
     def _timeout_error(self) -> ApiError:
         return ApiError(504, f"generation took longer than {self.args.request_timeout_s} s")

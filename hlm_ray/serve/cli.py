@@ -26,8 +26,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `serve` subcommand to an argparse subparsers object."""
     p = subparsers.add_parser(
         "serve",
-        help="serve a decoder over HTTP (OpenAI completions API, Ray Serve)",
-        description="Serve a decoder at http://HOST:PORT/v1 (POST /v1/completions, "
+        help="serve a decoder over HTTP (OpenAI completions and chat APIs, Ray Serve)",
+        description="Serve a decoder at http://HOST:PORT/v1 (POST /v1/completions, /v1/chat/completions, "
         "GET /v1/models, GET /healthz) until Ctrl-C.",
     )
     add_arguments(p)
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         _interrupt_on_signals()
         print(
             f"serving {model_name(app_args)} at http://{args.host}:{args.port}/v1 "
-            "(POST /v1/completions, GET /v1/models, GET /healthz), "
+            "(POST /v1/completions, /v1/chat/completions, GET /v1/models, GET /healthz), "
             f"{'API key required' if app_args.api_key else 'no API key'}; Ctrl-C to stop",
             flush=True,
         )

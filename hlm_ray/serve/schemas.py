@@ -1,5 +1,5 @@
-"""Request and response bodies of the completions server (the OpenAI completions API) and the
-typed arguments of its Serve application.
+"""Request and response bodies of the completions server (OpenAI's completions and chat
+completions APIs) and the typed arguments of its Serve application.
 
     req = CompletionRequest.model_validate_json(body)   # ValidationError names the bad field
     args = AppArgs(model="models:/hlm-tiny-generator/1", max_batch_size=16)
@@ -11,9 +11,9 @@ the server's configuration (`max_tokens`, `n`, prompt length) are checked by the
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's limit
 MAX_STOP_CHARS = 256
@@ -22,6 +22,8 @@ MAX_PROMPTS = 1024
 # before the server's own limits (400, they depend on the model and the configuration). No
 # value that passes can overflow a tensor (int64) or a C int.
 MAX_INT = 2**31 - 1
+MAX_LOGPROBS = 20  # vLLM's default limit (OpenAI's is 5)
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 
 
 class _Strict(BaseModel):
@@ -33,14 +35,11 @@ class StreamOptions(_Strict):
     """Send a last chunk with the `usage` counts (and no choices) before `[DONE]`."""
 
 
-class CompletionRequest(_Strict):
-    """POST /v1/completions. Fields the OpenAI API has but this server does not implement are
-    accepted only at their neutral value (`echo: false`, `logprobs: null`, penalties 0)."""
+class _Sampling(_Strict):
+    """The fields completions and chat completions share."""
 
     model: str | None = None
     """The served model's id (GET /v1/models); None or omitted: the served model."""
-    prompt: str | list[str]
-    max_tokens: int = Field(16, ge=1, le=MAX_INT)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=1, le=MAX_INT)
@@ -52,18 +51,22 @@ class CompletionRequest(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = Field(None, max_length=256)
-    echo: Literal[False] = False
-    logprobs: None = None
+    logit_bias: dict[str, float] | None = None
+    """Token id (as a string, OpenAI's form) -> bias in [-100, 100] added to its logit before
+    sampling (log-probabilities do not see it)."""
     presence_penalty: Literal[0] = 0
     frequency_penalty: Literal[0] = 0
 
-    @field_validator("prompt")
+    @field_validator("logit_bias")
     @classmethod
-    def _prompt_list(cls, value: str | list[str]) -> str | list[str]:
-        if isinstance(value, list) and not value:
-            raise ValueError("must be a string or a non-empty list of strings")
-        if isinstance(value, list) and len(value) > MAX_PROMPTS:
-            raise ValueError(f"at most {MAX_PROMPTS} prompts")
+    def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit() or len(key) > 10:
+                raise ValueError(f"keys are token ids written as strings, not {key[:20]!r}")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"biases are in [-100, 100], not {bias}")
+        if value and len(value) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} entries")
         return value
 
     @field_validator("stop")
@@ -78,18 +81,65 @@ class CompletionRequest(_Strict):
             raise ValueError(f"stop sequences are at most {MAX_STOP_CHARS} characters")
         return value
 
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else list(self.prompt)
-
     def stops(self) -> tuple[str, ...]:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def bias(self) -> tuple[tuple[int, float], ...]:
+        return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
+
+
+TokenIds = list[Annotated[int, Field(ge=0, le=MAX_INT)]]
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions, as OpenAI and vLLM serve it. `suffix` (fill-in-the-middle) is
+    refused with 400 unless empty; penalties are accepted only at 0."""
+
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    """Text, texts, token ids, or lists of token ids (what lm-eval sends)."""
+    max_tokens: int = Field(16, ge=0, le=MAX_INT)
+    """0 only with `echo`: score the prompt, generate nothing."""
+    echo: bool = False
+    """Put the prompt before the completion in `text` (and its tokens in `logprobs`, the first
+    one with `null`: nothing predicts it)."""
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    """Return each token's log-probability and the `logprobs` most likely tokens there."""
+    best_of: int | None = Field(None, ge=1, le=MAX_INT)
+    """Only `best_of == n` is served (400 otherwise)."""
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_list(cls, value):
+        if isinstance(value, list) and not value:
+            raise ValueError("must be a string or a non-empty list of strings or token ids")
+        if isinstance(value, list) and isinstance(value[0], list) and not all(value):
+            raise ValueError("a prompt given as token ids has none")
+        if isinstance(value, list) and len(value) > MAX_PROMPTS and not isinstance(value[0], int):
+            raise ValueError(f"at most {MAX_PROMPTS} prompts")
+        return value
+
+    def prompts(self) -> list[str] | list[list[int]]:
+        """One entry per prompt: a string, or a list of token ids."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
+
+
+class Logprobs(BaseModel):
+    """OpenAI's completions `logprobs` object (one entry per token)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
 
 
 class Choice(BaseModel):
     text: str
     index: int
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: Logprobs | None = None
 
 
 class Usage(BaseModel):
@@ -124,6 +174,12 @@ class ModelCard(BaseModel):
     objective: str | None
     finetuned: str | None
     max_positions: int
+    chat_template: str | None = None
+    """How /v1/chat/completions lays out messages for the model (`hlm_ray.serve.protocol`)."""
+
+
+class ModelQuery(BaseModel):
+    model: str | None
 
 
 class ModelList(BaseModel):
@@ -184,3 +240,89 @@ class AppArgs(BaseModel):
     api_key_env: str = "HLM_API_KEY"
     """Environment variable holding the key when `api_key` is not set (in Kubernetes, from a
     Secret); unset or empty and no `api_key`: no authentication."""
+
+
+# ----------------------------------------------------------------------------- chat
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = Field(None, max_length=256)
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatRequest(_Sampling):
+    """POST /v1/chat/completions: the messages are laid out by the template in
+    `hlm_ray.serve.chat` and completed as text; log-probabilities are not offered here."""
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_PROMPTS)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_INT)
+    """OpenAI's newer name for `max_tokens` (either; default 16)."""
+    logprobs: Literal[False] = False
+    top_logprobs: None = None
+
+    @model_validator(mode="after")
+    def _one_limit(self) -> ChatRequest:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise ValueError("give max_tokens or max_completion_tokens, not both")
+        return self
+
+    def limit(self) -> int:
+        return self.max_completion_tokens or self.max_tokens or 16
+
+
+class ChatReply(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatReply
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatChunk(BaseModel):
+    """One server-sent event of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None

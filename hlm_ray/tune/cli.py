@@ -22,10 +22,15 @@ from hlm_ray.tune.axis import Axis
 from hlm_ray.tune.spec import SweepSpec
 
 
-def build_parser(axis: Axis, presets: dict[str, SweepSpec]) -> argparse.ArgumentParser:
+def build_parser(
+    axis: Axis, presets: dict[str, SweepSpec], prog: str | None = None, **kwargs
+) -> argparse.ArgumentParser:
+    """The script's parser; `prog` is how it was called (`hlm sweep vocab`), `kwargs` go to
+    `ArgumentParser` (`hlm` builds its `sweep vocab` subcommand from this parser)."""
     kind = axis.name
     p = argparse.ArgumentParser(
-        prog=f"sweeps/{kind}.py",
+        prog=prog or f"python sweeps/{kind}.py",
+        **kwargs,
         description=axis.description
         or f"The {kind} ablation as a Ray Tune sweep (headless vs vanilla).",
     )
@@ -43,8 +48,8 @@ def build_parser(axis: Axis, presets: dict[str, SweepSpec]) -> argparse.Argument
     )
     p.add_argument("--num-seeds", type=int, help="seeds per (value, objective)")
     p.add_argument("--workers-per-trial", type=int, help="Ray Train workers of each trial")
-    p.add_argument("--cpus-per-worker", type=float)
-    p.add_argument("--gpus-per-worker", type=float)
+    p.add_argument("--cpus-per-worker", type=float, help="CPUs of each Train worker")
+    p.add_argument("--gpus-per-worker", type=float, help="GPUs of each Train worker (0: CPU)")
     p.add_argument("--max-failures", type=int, help="retries of a failed trial")
     p.add_argument(
         "--search",
@@ -65,13 +70,21 @@ def _with_name(argv: list[str], name: str) -> list[str]:
     return [*argv, "--name", name]
 
 
-def sweep_main(axis: Axis, presets: dict[str, SweepSpec], argv: list[str] | None = None) -> int:
-    """Parse the script's arguments, run its sweep, print the table; the exit status."""
+def sweep_main(
+    axis: Axis,
+    presets: dict[str, SweepSpec],
+    argv: list[str] | None = None,
+    prog: str | None = None,
+) -> int:
+    """Parse the script's arguments, run its sweep, print the table; the exit status. `prog`:
+    the command that ran it (default ``python sweeps/<name>.py``), used in help and in the
+    command printed to continue an interrupted sweep."""
     from hlm_ray.train.interrupt import EXIT_INTERRUPTED
 
     kind = axis.name
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser(axis, presets).parse_args(argv)
+    prog = prog or f"python sweeps/{kind}.py"
+    args = build_parser(axis, presets, prog).parse_args(argv)
     flags = {
         "num_seeds": args.num_seeds,
         "workers_per_trial": args.workers_per_trial,
@@ -108,8 +121,8 @@ def sweep_main(axis: Axis, presets: dict[str, SweepSpec], argv: list[str] | None
         print(f"error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C: the parent run is KILLED already
-        again = " ".join(shlex.quote(a) for a in [f"sweeps/{kind}.py", *_with_name(argv, name)])
-        print(f"\ninterrupted; continue with: python {again}", file=sys.stderr)
+        again = " ".join([prog, *(shlex.quote(a) for a in _with_name(argv, name))])
+        print(f"\ninterrupted; continue with: {again}", file=sys.stderr)
         return EXIT_INTERRUPTED
     print(f"\n== sweep {outcome.name}: {len(outcome.rows)} trial(s) in {outcome.seconds:.0f} s")
     print(outcome.table)
@@ -118,10 +131,10 @@ def sweep_main(axis: Axis, presets: dict[str, SweepSpec], argv: list[str] | None
         print(f"  {path}")
     if outcome.interrupted:
         killed = sum(r["status"] == "KILLED" for r in outcome.rows)
-        again = " ".join(shlex.quote(a) for a in [f"sweeps/{kind}.py", *_with_name(argv, name)])
+        again = " ".join([prog, *(shlex.quote(a) for a in _with_name(argv, name))])
         print(
             f"\ninterrupted: {killed} unfinished trial(s) stopped and marked KILLED; "
-            f"continue with: python {again}",
+            f"continue with: {again}",
             file=sys.stderr,
         )
         return EXIT_INTERRUPTED

@@ -152,6 +152,11 @@ def _finished_summary(out_dir: Path, max_steps: int) -> dict[str, Any] | None:
     if not path.is_file() or not (out_dir / "model").is_dir():
         return None
     summary = json.loads(path.read_text())
+    budget = summary.get("budget")  # a budgeted run's steps are what its budget became
+    if budget and budget.get("budget/kind") == "seconds":
+        max_steps = summary.get("steps")  # stopped at its deadline (or at optim.max_steps)
+    elif budget:
+        max_steps = budget.get("budget/steps", max_steps)
     if summary.get("steps") != max_steps or not math.isfinite(
         summary.get("tokens_per_s", math.nan)
     ):

@@ -1,0 +1,134 @@
+"""The `hlm` command itself: help on every command and flag, --version, `hlm sweep` as the
+sweep scripts, `hlm generate`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+
+from hlm_ray.cli import SWEEPS, build_parser, main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _walk(parser: argparse.ArgumentParser, path: str):
+    """(command path, parser) for `parser` and every subcommand under it."""
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            helps = {choice.dest: choice.help for choice in action._choices_actions}
+            for name, sub in action.choices.items():
+                assert helps.get(name), f"`{path} {name}` has no help in `{path} --help`"
+                yield from _walk(sub, f"{path} {name}")
+
+
+def test_every_command_has_a_description_and_every_flag_a_help():
+    commands = dict(_walk(build_parser(), "hlm"))
+    assert {"hlm train", "hlm eval", "hlm sweep vocab", "hlm sweep batch_size"} <= set(commands)
+    assert {"hlm generate", "hlm serve", "hlm bench", "hlm data prepare"} <= set(commands)
+    missing = []
+    for path, parser in commands.items():
+        if not parser.description:
+            missing.append(f"{path}: no description")
+        for action in parser._actions:
+            if not isinstance(action, argparse._SubParsersAction) and not action.help:
+                missing.append(f"{path}: {'/'.join(action.option_strings) or action.dest}")
+    assert not missing, "no help text: " + "; ".join(missing)
+
+
+def test_version_is_the_installed_package_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"hlm {version('hlm_ray')}"
+
+
+def _script(kind: str):
+    spec = importlib.util.spec_from_file_location(
+        f"test_cli_{kind}", ROOT / "sweeps" / f"{kind}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("kind", SWEEPS)
+def test_hlm_sweep_help_lists_the_scripts_flags(kind, capsys):
+    from hlm_ray.tune.cli import build_parser as sweep_parser
+
+    script = _script(kind)
+    flags = {
+        s for a in sweep_parser(script.AXIS, script.PRESETS)._actions for s in a.option_strings
+    }
+    assert {"--preset", "--set", "--dry-run", "--num-seeds"} <= flags
+    with pytest.raises(SystemExit):
+        main(["sweep", kind, "--help"])
+    shown = capsys.readouterr().out
+    assert shown.startswith(f"usage: hlm sweep {kind}")
+    assert all(flag in shown for flag in flags), flags - {f for f in flags if f in shown}
+
+
+@pytest.mark.parametrize("kind", SWEEPS)
+def test_hlm_sweep_dry_run_prints_the_scripts_plan(kind, capsys):
+    argv = ["--preset", "tiny", "--dry-run", "--set", "sweep.values=[8,16]"]
+    if kind == "vocab":
+        argv[-1] = "sweep.values=[512,768]"
+    assert _script(kind).main(argv) == 0
+    expected = capsys.readouterr().out
+    assert main(["sweep", kind, *argv]) == 0
+    assert capsys.readouterr().out == expected
+    assert "nothing started" in expected and "trial(s)" in expected
+
+
+def test_hlm_sweep_bad_input_is_one_line(capsys):
+    assert main(["sweep", "vocab", "--dry-run", "--set", "sweep.values=[]"]) == 2
+    assert capsys.readouterr().err.startswith("error: sweep.values is empty")
+
+
+def test_generate_prints_the_prompt_and_the_generators_sample(tiny_decoder_dir, capsys):
+    from hlm_ray.generate import Generator
+
+    argv = ["generate", "--model", tiny_decoder_dir, "The cat", "--max-tokens", "8"]
+    assert main([*argv, "--seed", "3", "--device", "cpu"]) == 0
+    printed = capsys.readouterr()
+    [sample] = Generator.load(tiny_decoder_dir).generate("The cat", max_new_tokens=8, seed=3)
+    assert printed.out == "The cat" + sample.text + "\n"
+    assert "finish_reason=" in printed.err
+
+
+def test_generate_refuses_a_headless_decoder_that_was_not_finetuned(
+    tiny_decoder_dir, tmp_path, capsys
+):
+    """The refusal reads the folder's config.json only (before any weights load): the tiny
+    decoder's folder, marked as a headless pretraining run writes it (no `hlm_finetuned`)."""
+    import json
+    import shutil
+
+    folder = Path(shutil.copytree(tiny_decoder_dir, tmp_path / "model"))
+    config = json.loads((folder / "config.json").read_text())
+    config.update(hlm_objective="headless")
+    config.pop("hlm_finetuned", None)
+    (folder / "config.json").write_text(json.dumps(config))
+    assert main(["generate", "--model", str(folder), "hello"]) == 2
+    err = capsys.readouterr().err
+    assert "headless decoder that was never fine-tuned" in err
+    assert "hlm finetune --task clm" in err
+
+
+def test_an_interrupted_hlm_sweep_prints_the_hlm_command_to_continue(monkeypatch, capsys):
+    import hlm_ray.tune.sweep as sweep
+
+    def interrupted(spec, *, name, search, assumptions=None):
+        rows = [{"status": "FINISHED"}, {"status": "KILLED"}]
+        return sweep.SweepOutcome(name, None, rows, "", [], None, False, 1.0, interrupted=True)
+
+    monkeypatch.setattr(sweep, "run_sweep", interrupted)
+    assert main(["sweep", "batch_size", "--set", "optim.max_steps=20"]) == 130
+    err = capsys.readouterr().err
+    assert (
+        "continue with: hlm sweep batch_size --set optim.max_steps=20 --name batch_size-tiny" in err
+    )
