@@ -18,7 +18,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 # Imported only inside a function, behind a check, and declared in an extra: (extra, why).
-OPTIONAL = {"xformers": ("gpu", "CUDA only: the xformers attention backend and make gpu-check")}
+OPTIONAL = {
+    "xformers": ("gpu", "CUDA only: the xformers attention backend and make gpu-check"),
+    "lm_eval": ("eval", "lm-evaluation-harness, only for `hlm eval --task harness:...`"),
+}
 
 
 def _normal(name: str) -> str:

@@ -156,15 +156,14 @@ def test_the_k_tag_is_the_mean_k_the_metric_logs(client, tmp_path, monkeypatch, 
     from hlm_ray.train.launch import open_mlflow_run
 
     counts = []  # (step, masked positions) of every training micro-batch, as the loss sees them
-    real_batch = loop._batch
+    real_batch = loop.load_batch  # training's batches (validation has its own binding)
 
     def counting(blocks, idx, env, masking, seed, step, micro):
         input_ids, labels = real_batch(blocks, idx, env, masking, seed, step, micro)
-        if step >= 0:  # not validation
-            counts.append((step, int((labels != -100).sum())))
+        counts.append((step, int((labels != -100).sum())))
         return input_ids, labels
 
-    monkeypatch.setattr(loop, "_batch", counting)
+    monkeypatch.setattr(loop, "load_batch", counting)
     cfg = load_config(
         "tiny-encoder",
         objective="headless",

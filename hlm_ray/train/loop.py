@@ -36,7 +36,7 @@ from hlm_ray.budget import (
 from hlm_ray.config import Config
 from hlm_ray.data import BlockSampler
 from hlm_ray.device import autocast, autocast_dtype, resolve_device
-from hlm_ray.flops import config_step_flops, describe, device_peak_flops, mfu
+from hlm_ray.flops import config_step_flops, describe, device_peak_flops, k_tags, mfu
 from hlm_ray.models import build_model, init_from_pretrained, num_parameters
 from hlm_ray.tokenizer import token_byte_lengths
 from hlm_ray.tracking import JsonlTracker, MultiTracker, Tracker, read_metrics
@@ -119,8 +119,7 @@ class _Run:
     window_steps: int = 0
     loss_sum: torch.Tensor | None = None
     grad_norm: float = math.nan
-    rows_sum: torch.Tensor | None = None
-    """Loss rows (K) per micro-batch, summed over the window's steps (a mean per step)."""
+    rows_sum: torch.Tensor | None = None  # loss rows (K) per micro-batch, summed over the window
     setup_s: float = 0.0
     checkpoint_s: float = 0.0
     entered: float = 0.0
@@ -344,8 +343,7 @@ def _log_window(run: _Run, done: int) -> None:
         "train/grad_norm": float(run.grad_norm),
         "train/step_time_s": elapsed / steps,
         "train/tokens_per_s": run.tokens_per_step * steps / elapsed,
-        # A masked LM's K varies by micro-batch (15% of the non-special positions): its mean.
-        "train/K": rows,
+        "train/K": rows,  # a masked LM's K varies by micro-batch (~15% of positions): the mean
         **_peak_memory(run.env.device),
     }
     # Measured U: distinct ids among the last micro-batch's negatives (all workers' with
@@ -361,7 +359,7 @@ def _log_window(run: _Run, done: int) -> None:
         run.last["train/mfu"] = utilisation / run.env.world_size  # peak is per device
     run.tracker.log_metrics(run.last, step=done)
     if rows != before:  # the tags say what the metric says
-        run.tracker.set_tags(_k_tags(rows, len(run.tokenizer)))
+        run.tracker.set_tags(k_tags(rows, len(run.tokenizer)))
     run.loss_sum.zero_()
     run.rows_sum.zero_()
     run.window_steps, run.window_start = 0, time.perf_counter()
@@ -557,7 +555,7 @@ def _log_artifacts(tracker: Tracker, out_dir: Path, cfg: Config) -> None:
 
 def _tags(cfg: Config, tokenizer, env: WorkerEnv, model, step_cost) -> dict[str, Any]:
     return {
-        **_k_tags(step_cost.target_rows, len(tokenizer)),
+        **k_tags(step_cost.target_rows, len(tokenizer)),
         "head_flop_share": round(step_cost.head_share, 4),
         "cross_worker_negatives": cfg.objective.cross_worker_negatives,
         "objective": cfg.objective.name,
@@ -567,13 +565,6 @@ def _tags(cfg: Config, tokenizer, env: WorkerEnv, model, step_cost) -> dict[str,
         "world_size": env.world_size,
         "parameters": num_parameters(model),
     }
-
-
-def _k_tags(rows: float, vocab_size: int) -> dict[str, float]:
-    """The `K` and `K_over_V` tags: K (loss rows per micro-batch) as `train/K` logs it; the FLOP
-    model's expected K until the first log window."""
-    rows = round(float(rows), 2)
-    return {"K": int(rows) if rows.is_integer() else rows, "K_over_V": round(rows / vocab_size, 4)}
 
 
 def _peak_memory(device: torch.device) -> dict[str, float]:
