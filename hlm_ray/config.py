@@ -192,6 +192,27 @@ class InitConfig:
 
 
 @dataclass(frozen=True)
+class BudgetConfig:
+    """How much compute a run may use, so arms compare at equal compute (`hlm_ray.budget`).
+    At most one is set; the steps it becomes replace `optim.max_steps` (the learning-rate
+    schedule spans them) and are logged as `budget/steps`. None everywhere: `optim.max_steps`."""
+
+    tokens: int | None = None
+    """Training tokens: steps = floor(tokens / (global_batch_size × seq_len)), never more."""
+    flops: float | None = None
+    """Training FLOPs by `hlm_ray.flops` (forward + backward matmuls of every micro-batch):
+    steps = floor(flops / FLOPs per optimizer step), never more."""
+    seconds: float | None = None
+    """Wall time of the optimizer steps (setup, validation and checkpoints not counted): the run
+    stops at the first step that ends past it and saves a checkpoint there. `optim.max_steps`
+    stays the cap and the schedule's length."""
+    unique_columns: int | None = None
+    """budget.flops with the de-duplicated CWT: the U (distinct target ids per micro-batch)
+    its FLOPs per step are computed with. None: measured on the run's first micro-batch (the
+    measured `train/U` of the whole run is logged beside it)."""
+
+
+@dataclass(frozen=True)
 class ClassifyConfig:
     """How an encoder is fine-tuned as a sequence classifier (`hlm finetune --task glue:...`);
     the recipes (tiny, paper, paper-XNLI) are in `hlm_ray.classify.finetune`."""
@@ -227,6 +248,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     run: RunConfig = field(default_factory=RunConfig)
     init: InitConfig = field(default_factory=InitConfig)
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
     preset: str = "custom"
     """The preset this config started from (recorded, not used)."""
 
@@ -392,6 +414,7 @@ def validate(cfg: Config) -> Config:
         _check(getattr(r, name) > 0, f"run.{name}", getattr(r, name), "must be > 0")
     _check(r.keep_checkpoints >= 1, "run.keep_checkpoints", r.keep_checkpoints, "must be >= 1")
     _check(r.device in ("auto", "cpu", "cuda"), "run.device", r.device, "auto | cpu | cuda")
+    _check_budget(cfg.budget)
     i = cfg.init
     _check(
         not (i.new_head or i.train == "head") or bool(i.model_dir),
@@ -406,6 +429,26 @@ def validate(cfg: Config) -> Config:
         "head needs init.new_head=true (only a new head can be probed)",
     )
     return cfg
+
+
+def _check_budget(b: BudgetConfig) -> None:
+    given = [k for k in ("tokens", "flops", "seconds") if getattr(b, k) is not None]
+    _check(
+        len(given) <= 1,
+        f"budget.{given[-1] if given else 'tokens'}",
+        getattr(b, given[-1]) if given else None,
+        f"give one budget, not {' and '.join('budget.' + k for k in given)}",
+    )
+    for name in given:
+        _check(getattr(b, name) > 0, f"budget.{name}", getattr(b, name), "must be > 0")
+    u = b.unique_columns
+    _check(u is None or u >= 1, "budget.unique_columns", u, "must be >= 1 (or null: measured)")
+    _check(
+        u is None or b.flops is not None,
+        "budget.unique_columns",
+        u,
+        "only applies with budget.flops",
+    )
 
 
 def apply_overrides(cfg: Config, overrides: list[str] | dict[str, Any]) -> Config:
@@ -442,6 +485,7 @@ def flatten(data: dict[str, Any], prefix: str = ""):
 
 
 __all__ = [
+    "BudgetConfig",
     "ClassifyConfig",
     "Config",
     "DataConfig",

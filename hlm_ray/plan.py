@@ -10,8 +10,9 @@ model alone (nothing is started: no Ray, no data, no MLflow).
     tracker.log_metrics(plan_metrics(plan), step=0)   # a real sweep: on its parent run
 
 What is counted: pretraining only, `optim.max_steps` optimizer steps of `global_batch_size`
-sequences, each micro-batch priced by `hlm_ray.flops.config_step_flops` (matmul FLOPs, forward +
-backward). The dedup CWT's columns are priced at their bound U = min(W·K, V) (real text has
+sequences (or the steps a `budget.tokens` / `budget.flops` becomes, `hlm_ray.budget`; a
+`budget.seconds` run is planned at its cap, `optim.max_steps`), each micro-batch priced by
+`hlm_ray.flops.config_step_flops` (matmul FLOPs, forward + backward). The dedup CWT's columns are priced at their bound U = min(W·K, V) (real text has
 fewer distinct ids: runs log the measured `train/U`), so a headless trial's FLOPs are an upper
 bound. Wall time: FLOPs / (MFU × peak × the trial's GPUs), plus a fixed cost per trial (Ray and
 TorchTrainer start-up, checkpoints, the downstream step: `trial/overhead_s` of a real sweep),
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hlm_ray.budget import resolve_budget
 from hlm_ray.config import Config
 from hlm_ray.errors import HLMError
 from hlm_ray.flops import PEAK_FLOPS, config_step_flops
@@ -74,6 +76,8 @@ class TrialPlan:
     cpus: float
     vocab_size: int
     head_share: float
+    steps: int = 0
+    """Optimizer steps (a budget's, resolved with the bound U: at most what the run gets)."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,7 @@ def trial_plan(
     cfg: Config, label: str, *, workers: int, gpus_per_worker: float, cpus_per_worker: float
 ) -> TrialPlan:
     vocab = vocab_size_of(cfg)
+    cfg, _ = resolve_budget(cfg, vocab, world_size=workers)  # the bound U: no data here
     step = config_step_flops(cfg, vocab, world_size=workers)  # one worker's micro-batch
     micro_batches = cfg.optim.global_batch_size // cfg.optim.micro_batch_size  # all workers
     tokens = cfg.optim.max_steps * cfg.optim.global_batch_size * cfg.data.seq_len
@@ -132,6 +137,7 @@ def trial_plan(
         cpus=workers * cpus_per_worker,
         vocab_size=vocab,
         head_share=step.head_share,
+        steps=cfg.optim.max_steps,
     )
 
 
@@ -182,12 +188,15 @@ def train_plan(
 def format_plan(plan: Plan) -> str:
     a = plan.assumptions
     lines = [f"plan for {plan.name}: {len(plan.trials)} trial(s), nothing started", ""]
-    header = f"  {'trial':34s} {'V':>8s} {'tokens':>10s} {'FLOPs':>10s} {'head':>6s} {'GPU-h':>8s}"
+    header = (
+        f"  {'trial':34s} {'steps':>8s} {'V':>8s} {'tokens':>10s} {'FLOPs':>10s} {'head':>6s} "
+        f"{'GPU-h':>8s}"
+    )
     lines.append(header)
     for t in plan.trials:
         gpu_h = t.flops / (a.mfu * a.peak_flops) / 3600
         lines.append(
-            f"  {t.label:34s} {t.vocab_size:>8,d} {_si(t.tokens):>10s} {t.flops:>10.3g} "
+            f"  {t.label:34s} {t.steps:>8,d} {t.vocab_size:>8,d} {_si(t.tokens):>10s} {t.flops:>10.3g} "
             f"{t.head_share:>6.1%} {gpu_h:>8.2f}"
         )
     per = plan.trials[0]

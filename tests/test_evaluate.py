@@ -461,3 +461,50 @@ def test_decoder_tasks_refuse_an_encoder(tok, tmp_path):
 def test_unknown_task_lists_the_tasks():
     with pytest.raises(HLMError, match="lambada, bpb, synonyms, anisotropy"):
         get_task("hellaswag")
+
+
+# ----------------------------------------------------------------------------- context length
+
+
+def test_trained_context_length_reads_the_run_config_else_the_positions(tok, tmp_path, caplog):
+    from hlm_ray.config import Config, apply_overrides
+    from hlm_ray.evaluate.common import trained_context_length
+
+    model = tiny(tok, max_positions=256)
+    model.save_pretrained(tmp_path / "run" / "model")
+    tok.save_pretrained(tmp_path / "run" / "model")
+    # No config.yaml beside it: not trained by hlm, so the model's own positions, logged.
+    with caplog.at_level("WARNING", logger="hlm_ray.evaluate.common"):
+        assert trained_context_length(tmp_path / "run" / "model") == 256
+    assert "using its 256 positions" in caplog.text
+    cfg = apply_overrides(Config(), {"data.seq_len": 24, "model.max_positions": 256})
+    cfg.save(tmp_path / "run" / "config.yaml")
+    assert trained_context_length(tmp_path / "run") == 24  # a run folder resolves to its model
+    assert trained_context_length(tmp_path / "run" / "model") == 24
+
+
+def test_decoder_tasks_score_at_the_trained_length_and_record_it(tok, tmp_path, passages):
+    from hlm_ray.config import Config, apply_overrides
+
+    model = tiny(tok, max_positions=256)
+    run_cfg = apply_overrides(Config(), {"data.seq_len": 16, "model.max_positions": 256})
+    pre = pretrained(model, tok, "decoder", "vanilla", tmp_path)
+    pre.run_config = run_cfg
+    lam = get_task("lambada")(
+        pre, output_dir=tmp_path, limit=20, batch_size=4, device="cpu", progress=False
+    )
+    assert lam["metrics"]["eval/context_length"] == 16
+    assert lam["context_length_source"] == "data.seq_len of its training run"
+    # Hand reference: every passage's input is its last 16 tokens (lm-eval's rule at 16).
+    ref = score_lambada_reference(model, tok, passages, max_length=16)
+    full = score_lambada_reference(model, tok, passages)  # at the model's 256 positions
+    assert lam["metrics"]["lambada/perplexity"] == pytest.approx(ref["lambada/perplexity"], 1e-4)
+    assert ref["lambada/perplexity"] != pytest.approx(full["lambada/perplexity"], rel=1e-3)
+    texts = [p["context"] + " " + p["continuation"] for p in passages[:4]]
+    bpb = get_task("bpb")(
+        pre, output_dir=tmp_path, limit=4, batch_size=4, device="cpu", progress=False
+    )
+    assert bpb["metrics"]["eval/context_length"] == 16
+    assert bpb["metrics"]["bpb/bits_per_byte"] == pytest.approx(
+        hand_bpb(model, tok, texts, 16), rel=1e-4
+    )

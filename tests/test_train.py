@@ -14,9 +14,9 @@ from hlm_ray.presets import load_config
 from hlm_ray.tokenizer import token_byte_lengths
 from hlm_ray.tracking import read_metrics
 from hlm_ray.train import checkpoint as ckpt
-from hlm_ray.train.inputs import build_corpus, build_tokenizer, special_ids
+from hlm_ray.train.inputs import Masking, build_corpus, build_tokenizer, special_ids
 from hlm_ray.train.lm_objective import LMObjective
-from hlm_ray.train.loop import WorkerEnv, _Masking, evaluate, train_worker
+from hlm_ray.train.loop import WorkerEnv, evaluate, train_worker
 
 SHAKESPEARE = str(data_dir() / "corpus" / "en" / "tinyshakespeare.txt")
 
@@ -83,7 +83,7 @@ def test_tiny_run_lowers_its_loss_and_saves_a_plain_transformers_model(preset, o
     assert model.config.vocab_size == summary["vocab_size"]
     tokenizer = build_tokenizer(cfg)
     corpus = build_corpus(cfg, tokenizer)
-    masking = _Masking(cfg, tokenizer, special_ids(tokenizer)) if preset == "tiny-encoder" else None
+    masking = Masking(cfg, tokenizer, special_ids(tokenizer)) if preset == "tiny-encoder" else None
     val = evaluate(
         LMObjective(model, cfg.objective),
         corpus.val,

@@ -9,7 +9,8 @@ log-likelihood (in bits) by the UTF-8 bytes of the text removes the tokenizer fr
 
 Protocol: each text is its own document, preceded by the end-of-text token (pretraining puts it
 between documents, so the first token is predicted the way the model learned to). A document
-longer than the window (the model's positions, or `seq_len`) is cut into non-overlapping
+longer than the window (`seq_len`: `hlm eval` passes the length the model was trained on,
+`evaluate.common.trained_context_length`; else the model's positions) is cut into non-overlapping
 windows; each window's input starts with the token before its first target, so every token of
 the text is scored exactly once, with at most one window of context. Bytes are those of the
 text itself (``len(text.encode())``), exact for any tokenizer.

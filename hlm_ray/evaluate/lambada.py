@@ -14,7 +14,9 @@ Encoding follows lm-eval's `_encode_pair`: the target is ``" " + word``; trailin
 the context moves into the continuation; ``context_enc = tok(context)``,
 ``continuation_enc = tok(context + continuation)[len(context_enc):]``; no special tokens; the
 input is ``(context_enc + continuation_enc)[-(max_length + 1):][:-1]`` (the context is
-left-truncated to the model's positions, the continuation always kept).
+left-truncated, the continuation always kept). `hlm eval` passes the length the model was
+trained on as `max_length` (`evaluate.common.trained_context_length`) and records it as
+``eval/context_length``; called without it, the model's positions are the limit.
 """
 
 from __future__ import annotations

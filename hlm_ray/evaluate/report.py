@@ -21,6 +21,7 @@ from pathlib import Path
 
 from hlm_ray.errors import HLMError
 from hlm_ray.evaluate.bpb import DEFAULT_NUM_TEXTS, bits_per_byte, default_bpb_texts
+from hlm_ray.evaluate.common import CONTEXT_METRIC, context_length_of
 from hlm_ray.evaluate.embeddings import anisotropy, synonym_similarity
 from hlm_ray.evaluate.lambada import LAMBADA_FILE, LAMBADA_HUB, load_lambada, score_lambada
 from hlm_ray.paths import has_shared
@@ -80,8 +81,14 @@ class EvalTask:
     __call__ = run  # a task is called like the function the CLI expects
 
 
+def _trained_context(pre: Pretrained) -> tuple[int, str]:
+    """The length a decoder is scored at: what it was trained on (see evaluate/common.py)."""
+    return context_length_of(pre.run_config, getattr(pre.model, "config", None), str(pre.source))
+
+
 def _lambada(pre: Pretrained, *, output_dir, limit, batch_size, device, progress) -> dict:
     examples = load_lambada(limit=limit)
+    length, source = _trained_context(pre)
     metrics = score_lambada(
         pre.model,
         pre.tokenizer,
@@ -89,8 +96,14 @@ def _lambada(pre: Pretrained, *, output_dir, limit, batch_size, device, progress
         batch_size=batch_size,
         device=device,
         progress=progress,
+        max_length=length,
     )
-    return {"metrics": metrics, "data": _lambada_source(), "protocol": "lm-eval lambada_openai"}
+    return {
+        "metrics": {**metrics, CONTEXT_METRIC: length},
+        "context_length_source": source,
+        "data": _lambada_source(),
+        "protocol": "lm-eval lambada_openai",
+    }
 
 
 def _lambada_source() -> str:
@@ -99,12 +112,28 @@ def _lambada_source() -> str:
 
 def _bpb(pre: Pretrained, *, output_dir, limit, batch_size, device, progress) -> dict:
     texts = default_bpb_texts(limit=limit or DEFAULT_NUM_TEXTS)
+    length, source = _trained_context(pre)
     out = bits_per_byte(
-        pre.model, pre.tokenizer, texts, batch_size=batch_size, device=device, progress=progress
+        pre.model,
+        pre.tokenizer,
+        texts,
+        batch_size=batch_size,
+        seq_len=length,
+        device=device,
+        progress=progress,
     )
-    metrics = {"bpb/bits_per_byte": out["bpb"], "bpb/nats_per_token": out["nats_per_token"]}
+    metrics = {
+        "bpb/bits_per_byte": out["bpb"],
+        "bpb/nats_per_token": out["nats_per_token"],
+        CONTEXT_METRIC: length,
+    }
     details = {k: out[k] for k in ("tokens", "bytes", "documents")}
-    return {"metrics": metrics, "data": f"{_lambada_source()} passages", **details}
+    return {
+        "metrics": metrics,
+        "context_length_source": source,
+        "data": f"{_lambada_source()} passages",
+        **details,
+    }
 
 
 def _synonyms(pre: Pretrained, *, output_dir, limit, batch_size, device, progress) -> dict:

@@ -24,8 +24,17 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from hlm_ray.budget import (
+    budget_metrics,
+    budget_params,
+    deadline_passed,
+    first_step_unique_columns,
+    flops_per_step,
+    needs_unique_columns,
+    resolve_budget,
+)
 from hlm_ray.config import Config
-from hlm_ray.data import BlockSampler, mask_tokens
+from hlm_ray.data import BlockSampler
 from hlm_ray.device import autocast, autocast_dtype, resolve_device
 from hlm_ray.flops import config_step_flops, describe, device_peak_flops, mfu
 from hlm_ray.models import build_model, init_from_pretrained, num_parameters
@@ -33,9 +42,18 @@ from hlm_ray.tokenizer import token_byte_lengths
 from hlm_ray.tracking import JsonlTracker, MultiTracker, Tracker, read_metrics
 from hlm_ray.train import checkpoint as ckpt
 from hlm_ray.train.distributed import gather_negative_ids, global_mean
-from hlm_ray.train.inputs import build_corpus, build_tokenizer, data_tags, special_ids
+from hlm_ray.train.inputs import (
+    Masking,
+    build_corpus,
+    build_tokenizer,
+    data_tags,
+    load_batch,
+    special_ids,
+    stream_seed,
+)
 from hlm_ray.train.lm_objective import LMObjective
 from hlm_ray.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from hlm_ray.train.validate import evaluate
 
 BEST = "best_checkpoint"  # a copy of the checkpoint with the lowest validation loss
 
@@ -88,7 +106,7 @@ class _Run:
     scaler: torch.amp.GradScaler
     amp: torch.dtype | None
     sampler: BlockSampler
-    masking: _Masking | None
+    masking: Masking | None
     token_bytes: torch.Tensor
     """Each token id's byte length (for the validation bits per byte of a vocabulary head)."""
     step_cost: Any
@@ -111,6 +129,11 @@ class _Run:
     """(input_ids, labels, negatives) of the last micro-batch."""
     best_val: float = math.inf
     last: dict[str, float] = field(default_factory=dict)
+    budget: Any = None
+    """What `budget.*` became (`hlm_ray.budget.BudgetPlan`), or None."""
+    prior_seconds: float = 0.0
+    """Training seconds of the steps before the resumed checkpoint (for budget.seconds)."""
+    done: int = 0
 
     @property
     def tokens_per_step(self) -> int:
@@ -135,6 +158,7 @@ def train_worker(
     _quiet_library_progress_bars()
     run = _setup(cfg, env, reporter, tracking, resume_from)
     run.entered, run.entered_at = entered, entered_at
+    cfg = run.cfg  # with the steps a budget became
     bar = tqdm(
         total=cfg.optim.max_steps,
         initial=run.start,
@@ -147,20 +171,25 @@ def train_worker(
     run.model.train()
     run.window_start = time.perf_counter()
     run.setup_s = run.window_start - entered
-    for step in range(run.start, cfg.optim.max_steps):
+    seconds = cfg.budget.seconds
+    first = cfg.optim.max_steps if deadline_passed(run.prior_seconds, seconds) else run.start
+    for step in range(first, cfg.optim.max_steps):
         if cfg.run.fail_at_step == step and run.env.rank == run.env.world_size - 1:
             _inject_failure(run.out_dir, step)
         _step(run, step)
-        done = step + 1
+        done = run.done = step + 1
         bar.update(1)
-        final = done == cfg.optim.max_steps
+        out_of_time = deadline_passed(run.prior_seconds + run.train_time, seconds)
+        final = done == cfg.optim.max_steps or out_of_time
         if done % cfg.run.log_every == 0 or final:
             _log_window(run, done)
             bar.set_postfix(loss=f"{run.last['train/loss']:.3f}")
         if done % cfg.run.eval_every == 0 or final:
             _evaluate_now(run, done)
         if done % cfg.run.checkpoint_every == 0 or final:
-            _checkpoint(run, done)
+            _checkpoint(run, done, final)
+        if out_of_time:
+            break
     bar.close()
     return _finish(run)
 
@@ -180,6 +209,14 @@ def _setup(cfg, env, reporter, tracking, resume_from) -> _Run:
     tokenizer = build_tokenizer(cfg)
     corpus = build_corpus(cfg, tokenizer)
     ids = special_ids(tokenizer)
+    masking = Masking(cfg, tokenizer, ids) if cfg.model.family == "encoder" else None
+    sampler = BlockSampler(len(corpus.train), cfg.optim.global_batch_size, cfg.run.seed)
+    cfg, budget = resolve_budget(
+        cfg,
+        len(tokenizer),
+        world_size=env.world_size,
+        unique_columns=_budget_U(cfg, corpus, sampler, masking, env.world_size),
+    )
     model = build_model(
         cfg.model, vocab_size=len(tokenizer), objective=cfg.objective.name, special_ids=ids
     )
@@ -192,9 +229,9 @@ def _setup(cfg, env, reporter, tracking, resume_from) -> _Run:
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim)
 
-    start = 0
+    start, prior_seconds = 0, 0.0
     if resume_from is not None:
-        start = _restore(Path(resume_from), model, optimizer, scheduler)
+        start, prior_seconds = _restore(Path(resume_from), model, optimizer, scheduler)
     if env.is_main:
         _truncate_metrics(out_dir, start)  # a fresh start (or a restart) redoes later steps
         if start == 0:  # no stale checkpoints to mix in
@@ -205,9 +242,9 @@ def _setup(cfg, env, reporter, tracking, resume_from) -> _Run:
 
     step_cost = config_step_flops(cfg, len(tokenizer), world_size=env.world_size)
     if env.is_main and start == 0:
-        tracker.log_params(cfg.to_dict())
+        tracker.log_params({**cfg.to_dict(), **(budget_params(budget) if budget else {})})
         tracker.set_tags({**_tags(cfg, tokenizer, env, model, step_cost), **data_tags(cfg)})
-        tracker.log_metrics(describe(step_cost), step=0)
+        tracker.log_metrics({**describe(step_cost), **_budget_log(budget)}, step=0)
     elif env.is_main:  # resumed: values changed by overrides are kept as param_changed.* tags
         tracker.log_params(cfg.to_dict())
     amp = autocast_dtype(cfg.optim.precision, env.device)
@@ -225,8 +262,8 @@ def _setup(cfg, env, reporter, tracking, resume_from) -> _Run:
         scheduler=scheduler,
         scaler=torch.amp.GradScaler(enabled=amp == torch.float16),
         amp=amp,
-        sampler=BlockSampler(len(corpus.train), cfg.optim.global_batch_size, cfg.run.seed),
-        masking=_Masking(cfg, tokenizer, ids) if cfg.model.family == "encoder" else None,
+        sampler=sampler,
+        masking=masking,
         token_bytes=torch.as_tensor(token_byte_lengths(tokenizer), device=env.device),
         step_cost=step_cost,
         peak_flops=device_peak_flops() if env.device.type == "cuda" else None,
@@ -234,7 +271,30 @@ def _setup(cfg, env, reporter, tracking, resume_from) -> _Run:
         start=start,
         loss_sum=torch.zeros((), device=env.device),
         best_val=_best_val_loss(out_dir / BEST) if start else math.inf,
+        budget=budget,
+        prior_seconds=prior_seconds,
+        done=start,
     )
+
+
+def _budget_U(cfg: Config, corpus, sampler, masking, world_size: int) -> int | None:
+    """U of step 0's first micro-batch when a FLOPs budget needs it (see hlm_ray.budget)."""
+    if not needs_unique_columns(cfg):
+        return None
+
+    def targets(rank: int) -> torch.Tensor:
+        idx = sampler.shard(0, rank, world_size, cfg.optim.micro_batch_size)[0]
+        inputs, labels = corpus.train[idx], None
+        if masking is not None:
+            inputs, labels = masking(inputs, stream_seed(cfg.run.seed, 0, rank, 0))
+        return LMObjective.target_ids(inputs, labels)
+
+    workers = world_size if cfg.objective.cross_worker_negatives else 1
+    return first_step_unique_columns(targets, range(workers))
+
+
+def _budget_log(budget) -> dict[str, float]:
+    return budget_metrics(budget) if budget is not None else {}
 
 
 def _step(run: _Run, step: int) -> None:
@@ -244,12 +304,14 @@ def _step(run: _Run, step: int) -> None:
     step_start = time.perf_counter()
     micro_batches = run.sampler.shard(step, env.rank, env.world_size, cfg.optim.micro_batch_size)
     for i, idx in enumerate(micro_batches):
-        input_ids, labels = _batch(run.corpus.train, idx, env, run.masking, cfg.run.seed, step, i)
+        input_ids, labels = load_batch(
+            run.corpus.train, idx, env, run.masking, cfg.run.seed, step, i
+        )
         negatives = None
         if cfg.objective.cross_worker_negatives:
             negatives = gather_negative_ids(LMObjective.target_ids(input_ids, labels))
         sync = i == len(micro_batches) - 1 or env.world_size == 1
-        seed = _stream(cfg.run.seed, step, env.rank, i)
+        seed = stream_seed(cfg.run.seed, step, env.rank, i)
         with _no_sync(run.module, sync), autocast(env.device, run.amp):
             out = run.module(input_ids, labels, negative_ids=negatives, negative_seed=seed)["loss"]
         run.scaler.scale(out.loss / run.accum).backward()
@@ -315,22 +377,12 @@ def _evaluate_now(run: _Run, done: int) -> None:
     run.window_start = time.perf_counter()  # evaluation is not training time
 
 
-def _checkpoint(run: _Run, done: int) -> None:
+def _checkpoint(run: _Run, done: int, final: bool = False) -> None:
     """Write the step's checkpoint (rank 0), keep the final model and the best checkpoint
     beside it, and report to Ray (every rank)."""
     saving = time.perf_counter()
-    folder = _save(
-        run.reporter.checkpoint_folder(done),
-        run.model,
-        run.tokenizer,
-        run.cfg,
-        run.optimizer,
-        run.scheduler,
-        done,
-        run.last,
-        run.env,
-    )
-    if folder is not None and done == run.cfg.optim.max_steps:
+    folder = _save(run.reporter.checkpoint_folder(done), run, done)
+    if folder is not None and final:
         _copy_tree(folder / "model", run.out_dir / "model")  # before Ray takes the folder
     if folder is not None and run.last.get("val/loss", math.inf) < run.best_val:
         # The best checkpoint survives the pruning of old ones (ours or Ray's).
@@ -346,12 +398,12 @@ def _finish(run: _Run) -> dict[str, Any]:
     cfg, out_dir = run.cfg, run.out_dir
     if run.env.is_main:
         _log_artifacts(run.tracker, out_dir, cfg)
-    steps_run = cfg.optim.max_steps - run.start
+    steps_run = run.done - run.start
     summary = {
         "objective": cfg.objective.name,
         "arch": cfg.model.arch,
-        "steps": cfg.optim.max_steps,
-        "tokens": cfg.optim.max_steps * run.tokens_per_step,
+        "steps": run.done,
+        "tokens": run.done * run.tokens_per_step,
         "tokens_per_s": (
             steps_run * run.tokens_per_step / run.train_time if run.train_time else math.nan
         ),
@@ -370,110 +422,67 @@ def _finish(run: _Run) -> dict[str, Any]:
             "entered_at": run.entered_at,
         },
     }
+    if run.budget is not None:
+        summary["budget"] = _budget_outcome(run)
     if run.env.is_main:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
 
-class _Masking:
-    """Encoder inputs: BERT masking with a generator seeded by (seed, step, rank, micro)."""
-
-    def __init__(self, cfg: Config, tokenizer, ids: dict[str, int]):
-        self.mask_id = ids["mask_token"]
-        self.special = sorted(set(ids.values()))
-        self.vocab_size = len(tokenizer)
-        self.p = cfg.data.mlm_probability
-
-    def __call__(self, input_ids_BL: torch.Tensor, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        gen = torch.Generator().manual_seed(seed)
-        return mask_tokens(
-            input_ids_BL,
-            mask_id=self.mask_id,
-            special_ids=self.special,
-            vocab_size=self.vocab_size,
-            probability=self.p,
-            generator=gen,
+def _budget_outcome(run: _Run) -> dict[str, Any]:
+    """What the budget became, and what the run spent (rank 0 logs it): the steps run and,
+    with the last measured U (`train/U`), the FLOPs per step the data really cost."""
+    plan = run.budget
+    out = {**budget_params(plan), "budget/steps_run": run.done}
+    out["budget/train_seconds"] = run.prior_seconds + run.train_time
+    out["budget/flops_per_step"] = plan.flops_per_step
+    if "train/U" in run.last:
+        measured = flops_per_step(
+            run.cfg,
+            len(run.tokenizer),
+            world_size=run.env.world_size,
+            unique_columns=int(run.last["train/U"]),
         )
+        out["budget/flops_per_step_measured"] = measured
+    numbers = {k: float(v) for k, v in out.items() if isinstance(v, int | float)}
+    run.tracker.log_metrics(numbers, step=run.done)
+    return out
 
 
-def _stream(seed: int, step: int, rank: int, micro: int) -> int:
-    """One random stream per (step, rank, micro-batch): masks and sampled negatives are
-    reproducible on resume."""
-    return (((seed * 1_000_003 + step + 1) * 4099 + rank) * 1031 + micro) % 2**63
-
-
-def _batch(blocks, idx, env, masking, seed, step, micro):
-    input_ids = blocks[idx]
-    labels = None
-    if masking is not None:
-        input_ids, labels = masking(input_ids, _stream(seed, step, env.rank, micro))
-        labels = labels.to(env.device, non_blocking=True)
-    return input_ids.to(env.device, non_blocking=True), labels
-
-
-@torch.no_grad()
-def evaluate(module, val_blocks, cfg: Config, env: WorkerEnv, masking, token_bytes, amp):
-    """Validation on the first `run.eval_batches` micro-batches of the held-out slice.
-    Vanilla: loss, perplexity, bits per byte. Headless: CWT loss and in-batch top-1 accuracy."""
-    inner = module.module if hasattr(module, "module") else module
-    inner.eval()
-    mb = cfg.optim.micro_batch_size
-    sums = {"loss": 0.0, "rows": 0, "acc": 0.0, "nats": 0.0, "bytes": 0}
-    for b in range(min(cfg.run.eval_batches, math.ceil(len(val_blocks) / mb))):
-        idx = torch.arange(b * mb, min((b + 1) * mb, len(val_blocks)))
-        input_ids, labels = _batch(val_blocks, idx, env, masking, cfg.run.seed, -1, b)
-        with autocast(env.device, amp):
-            seed = _stream(cfg.run.seed, -1, env.rank, b)
-            parts = inner(input_ids, labels, negative_seed=seed, return_accuracy=True)
-        out = parts["loss"]
-        rows = int(out.num_rows)
-        sums["loss"] += out.loss.item() * rows
-        sums["rows"] += rows
-        if "cwt" in parts and parts["cwt"].accuracy is not None:
-            sums["acc"] += parts["cwt"].accuracy.item() * rows
-        if "ce" in parts:
-            targets = LMObjective.target_ids(input_ids, labels)
-            sums["nats"] += parts["ce"].loss.item() * rows
-            sums["bytes"] += int(token_bytes[targets].sum())
-    inner.train()
-    rows = max(sums["rows"], 1)
-    metrics = {"val/loss": sums["loss"] / rows}
-    if cfg.objective.name in ("headless", "mixed"):
-        metrics["val/accuracy"] = sums["acc"] / rows
-    if cfg.objective.name in ("vanilla", "mixed"):
-        metrics["val/ce"] = sums["nats"] / rows
-        metrics["val/perplexity"] = math.exp(min(sums["nats"] / rows, 50.0))
-        metrics["val/token_bpb"] = sums["nats"] / math.log(2) / max(sums["bytes"], 1)
-    return metrics
-
-
-def _save(folder, model, tokenizer, cfg, optimizer, scheduler, step, metrics, env):
+def _save(folder: Path, run: _Run, step: int) -> Path | None:
     """All ranks call this; rank 0 writes. Returns the folder (rank 0) or None."""
-    if not env.is_main:
+    if not run.env.is_main:
         return None
+    cfg = run.cfg
     state = {
         "step": step,
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
+        "optimizer": run.optimizer.state_dict(),
+        "scheduler": run.scheduler.state_dict(),
         "rng": ckpt.rng_state(),
-        "metrics": metrics,
+        "metrics": run.last,
+        "train_seconds": run.prior_seconds + run.train_time,  # budget.seconds spans resumes
     }
     meta = {"step": step, "objective": cfg.objective.name, "arch": cfg.model.arch}
     return ckpt.write_checkpoint(
         folder,
-        model=model,
-        tokenizer=tokenizer,
+        model=run.model,
+        tokenizer=run.tokenizer,
         config_yaml=cfg.to_yaml(),
         train_state=state,
         meta=meta,
     )
 
 
-def _restore(folder: Path, model, optimizer, scheduler) -> int:
+def _restore(folder: Path, model, optimizer, scheduler) -> tuple[int, float]:
+    """Load the checkpoint; (its step, the training seconds before it)."""
     from safetensors.torch import load_file
 
     folder = ckpt.resolve_resume(folder)
     weights = load_file(str(folder / "model" / "model.safetensors"))
+    # transformers 5 saves some weights under their legacy names (GPT-NeoX's lm_head as
+    # embed_out): map them back to the model's own names.
+    legacy = {"embed_out.weight": "lm_head.weight"}
+    weights = {legacy.get(k, k): v for k, v in weights.items()}
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = {k for k in missing if k.endswith("lm_head.weight") or "vocab_projector" in k}
     if set(missing) - tied or unexpected:
@@ -487,7 +496,7 @@ def _restore(folder: Path, model, optimizer, scheduler) -> int:
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     ckpt.set_rng_state(state["rng"])
-    return int(state["step"])
+    return int(state["step"]), float(state.get("train_seconds", 0.0))
 
 
 def _best_val_loss(folder: Path) -> float:
