@@ -152,7 +152,8 @@ FAMILIES: dict[str, Family] = {
     ),
     "distilbert-multilingual": Family(
         "distilbert-multilingual",
-        {"data.sources": WIKIPEDIA, "optim.micro_batch_size": 8},
+        # The hub tokenizer's size (what the plan prices where the hub is unreachable).
+        {"data.sources": WIKIPEDIA, "optim.micro_batch_size": 8, "tokenizer.vocab_size": 119_547},
         tokens=400_000 * 64 * 128,
         paper="Table 8: XNLI zero-shot, distilbert-multilingual, 400k steps of 64 × 128",
     ),
@@ -169,13 +170,20 @@ def family_settings(value: Value, workers: int) -> dict[str, Any]:
         if k.split(".")[0] in SECTIONS and k not in RUN_FIELDS_OF_THE_TRIAL
     }
     keep["preset"] = family.preset
-    keep["optim.max_steps"] = family.pretrain_steps()
-    return keep
+    return {**keep, **arm_settings(value, "headless")}
 
 
 def arm_settings(value: Value, objective: str) -> dict[str, Any]:
-    """A vanilla decoder pretrains on its headless twin's fine-tuning tokens too."""
-    return {"optim.max_steps": FAMILIES[str(value)].steps(objective)}
+    """The arm's budget (`budget.tokens`, which the run logs as budget/*) and the steps it
+    becomes (`hlm_ray.budget`'s floor rule; set here too so a resumed trial knows its length).
+    A vanilla decoder pretrains on its headless twin's fine-tuning tokens too."""
+    family = FAMILIES[str(value)]
+    cfg = family.config()
+    steps = family.steps(objective)
+    return {
+        "optim.max_steps": steps,
+        "budget.tokens": steps * cfg.optim.global_batch_size * cfg.data.seq_len,
+    }
 
 
 def check_families(spec: SweepSpec) -> None:
