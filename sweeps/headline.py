@@ -322,7 +322,7 @@ def budget_notes(spec: SweepSpec) -> list[str]:
             ft = f.finetune_steps() * f.clm_tokens_per_step
             line += (
                 f"; the headless arm is then fine-tuned into a generator for "
-                f"{f.finetune_steps():,} steps = {ft:,} tokens (share {f.share:g} of its "
+                f"{f.finetune_steps():,} step(s) = {ft:,} tokens (share {f.share:g} of its "
                 f"pretraining tokens), and the vanilla arm pretrains {f.steps('vanilla'):,} steps "
                 f"= {f.steps('vanilla') * per_step:,} tokens (the same total)"
             )

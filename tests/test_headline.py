@@ -10,7 +10,7 @@ import pytest
 from scipy import stats as sps
 
 from hlm_ray.classify.baselines import chance_baseline, majority_baseline, majority_scores
-from hlm_ray.classify.finetune import _limit
+from hlm_ray.classify.finetune import limit_examples
 from hlm_ray.classify.tasks import load_task
 from hlm_ray.downstream import share_steps
 from hlm_ray.errors import HLMError
@@ -78,6 +78,8 @@ def test_near_baseline_uses_the_interval_or_the_single_score():
     assert not stats.near_baseline(stats.describe([0.80, 0.81, 0.82]), 0.5862)
     assert stats.near_baseline(stats.describe([0.5862]), 0.5862)
     assert not stats.near_baseline(stats.describe([0.7]), 0.5862)
+    assert stats.near_baseline(stats.describe([0.48]), 0.5312)  # below the majority class
+    assert stats.near_baseline(stats.describe([400.0]), 300.0, higher_is_better=False)
     assert not stats.near_baseline(stats.describe([0.7, 0.8]), None)
 
 
@@ -89,7 +91,7 @@ def test_majority_class_scores_are_what_a_collapsed_classifier_gets():
     assert majority_scores("glue:sst2", labels) == {"accuracy": pytest.approx(0.6)}
     assert majority_scores("glue:cola", labels) == {"mcc": 0.0, "accuracy": pytest.approx(0.6)}
     assert majority_scores("glue:mrpc", labels)["f1"] == pytest.approx(2 * 3 / (2 * 3 + 2))
-    rows = _limit(load_task("glue:sst2").eval["eval"], 64)
+    rows = limit_examples(load_task("glue:sst2").eval["eval"], 64)
     share = max(np.bincount([e.label for e in rows])) / len(rows)
     assert majority_baseline("glue:sst2", eval_limit=64) == pytest.approx(share)
     assert majority_baseline("glue:cola") == 0.0

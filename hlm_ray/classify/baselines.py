@@ -39,12 +39,12 @@ def majority_baseline(
 ) -> float:
     """The task's main metric for always predicting the majority class of its evaluation rows
     (the rows `finetune_classifier` evaluates with these settings)."""
-    from hlm_ray.classify.finetune import _limit
+    from hlm_ray.classify.finetune import limit_examples
 
     spec = get_task(task)
     data = load_task(task, eval_fraction=eval_fraction, split_seed=split_seed)
     rows = next(iter(data.eval.values()))
-    labels = [int(e.label) for e in _limit(rows, eval_limit)]
+    labels = [int(e.label) for e in limit_examples(rows, eval_limit)]
     return majority_scores(task, labels)[spec.main_metric]
 
 

@@ -86,7 +86,12 @@ def compare(trials: Sequence[Trial], scores: Sequence[Score], *, paired: bool = 
                 values=values,
                 diff=diff,
                 verdict=stats.verdict(diff, higher_is_better=score.higher_is_better),
-                near_chance={a: stats.near_baseline(arms[a], score.baseline) for a in ARMS},
+                near_chance={
+                    a: stats.near_baseline(
+                        arms[a], score.baseline, higher_is_better=score.higher_is_better
+                    )
+                    for a in ARMS
+                },
             )
         )
     return rows
@@ -172,7 +177,7 @@ def markdown(
         "(unpaired). Verdict: *holds* when the interval excludes 0 in the paper's direction "
         "(headless better; ↑ higher is better, ↓ lower), *reversed* when it excludes 0 the other "
         f"way. *{NEAR_CHANCE}*: the arm's 95% interval of the mean (one seed: its score) "
-        "includes the baseline.",
+        "includes the baseline, or its mean is no better than the baseline.",
     ]
     if notes:
         parts += ["", *(f"- {n}" for n in notes)]

@@ -118,14 +118,20 @@ def verdict(d: Difference, *, higher_is_better: bool) -> str:
     return HOLDS if better else REVERSED if worse else NOISE
 
 
-def near_baseline(s: Summary, baseline: float | None, tolerance: float = 1e-9) -> bool:
+def near_baseline(
+    s: Summary, baseline: float | None, *, higher_is_better: bool = True, tolerance: float = 1e-9
+) -> bool:
     """Whether an arm's score cannot be told apart from its baseline: the 95% interval of its
-    mean includes the baseline, or (one seed, no interval) the score equals it."""
+    mean includes the baseline, or the mean is no better than the baseline (one seed: no
+    interval, only the score)."""
     if baseline is None or not _finite(s.mean):
         return False
-    if _finite(s.low) and _finite(s.high):
-        return s.low - tolerance <= baseline <= s.high + tolerance
-    return abs(s.mean - baseline) <= tolerance
+    gain = s.mean - baseline if higher_is_better else baseline - s.mean
+    if gain <= tolerance:
+        return True
+    return (
+        _finite(s.low) and _finite(s.high) and s.low - tolerance <= baseline <= s.high + tolerance
+    )
 
 
 def _finite(value: float | None) -> bool:
