@@ -20,7 +20,7 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
-from hlm_ray.config import Config
+from hlm_ray.config import Config, apply_overrides
 from hlm_ray.device import device_name
 from hlm_ray.errors import HLMError
 from hlm_ray.model_card import write_model_card
@@ -47,7 +47,50 @@ DOWNSTREAM = {
         "clm_recipe": "text",
         "classify": "paper",
     },
+    # sweeps/headline.py (paper Tables 1 and 3). The GLUE average leaves RTE out (scored and
+    # reported on its own); a headless decoder's generator fine-tune gets `clm_share` of its
+    # pretraining tokens (the paper: under 2%) instead of its recipe's step count.
+    "headline-tiny": {
+        "lambada_limit": 64,
+        "bpb_limit": 16,
+        "glue_tasks": ("glue:sst2", "glue:rte"),
+        "average_excludes": ("glue:rte",),
+        "clm_recipe": "tiny",
+        "clm_share": 0.02,
+        "classify": "tiny",
+        "classify_settings": {"epochs": 1, "train_limit": 128, "eval_limit": 64},
+    },
+    "headline-cpu": {
+        "lambada_limit": 500,
+        "bpb_limit": 100,
+        "glue_tasks": ("glue:sst2", "glue:cola", "glue:mrpc", "glue:rte", "glue:qnli"),
+        "average_excludes": ("glue:rte",),
+        "clm_recipe": "tiny",
+        "clm_share": 0.02,
+        "classify": "tiny",
+        "classify_settings": {"epochs": 3, "train_limit": 1024, "eval_limit": 256},
+    },
+    "headline-paper": {
+        "lambada_limit": None,
+        "bpb_limit": None,
+        "glue_tasks": ("glue:sst2", "glue:cola", "glue:mrpc", "glue:rte", "glue:qnli"),
+        "average_excludes": ("glue:rte",),
+        # The multilingual encoder (paper Table 8) is scored on XNLI zero-shot: fine-tuned on
+        # English, evaluated on the seven languages.
+        "tasks_by_model_type": {"distilbert": ("xnli:en",)},
+        "clm_recipe": "text",
+        "clm_share": 0.02,
+        "classify": "paper",
+    },
 }
+
+
+def share_steps(pretrain_tokens: int, share: float, tokens_per_step: int) -> int:
+    """Optimizer steps of a fine-tune given `share` of the pretraining tokens (rounded down:
+    never more than the share; at least one step)."""
+    if not 0.0 < share < 1.0:
+        raise HLMError(f"clm_share={share} must be a fraction between 0 and 1 (e.g. 0.02)")
+    return max(1, math.floor(share * pretrain_tokens / tokens_per_step))
 
 
 def run_tracker(model_ref: str | Path, experiment: str = "hlm_ray") -> Tracker:
@@ -302,7 +345,12 @@ def run_downstream(
             cfg, facts = clm_config(
                 model_dir, recipe=plan["clm_recipe"], output_dir=output_dir / "clm"
             )
+            if plan.get("clm_share") and facts["pretrain_tokens"]:
+                cfg, facts = _share_config(cfg, facts, plan["clm_share"])
+                metrics["finetune/share"] = plan["clm_share"]
             train_worker(cfg.to_dict(), progress=progress)
+            metrics["finetune/steps"] = cfg.optim.max_steps
+            metrics["finetune/tokens"] = facts["finetune_tokens"]
             scored = output_dir / "clm" / "model"
             metrics["finetune/seconds"] = time.perf_counter() - started
             metrics["finetune/pretrain_token_fraction"] = facts["pretrain_token_fraction"] or 0.0
@@ -325,22 +373,41 @@ def run_downstream(
         metrics["bpb"] = metrics["bpb/bits_per_byte"]
     else:
         scores = []
-        for task in plan["glue_tasks"]:
+        tasks = plan.get("tasks_by_model_type", {}).get(info["model_type"], plan["glue_tasks"])
+        for task in tasks:
+            extra = {"eval_languages": "all"} if task.startswith("xnli:") else {}
             result = finetune_encoder(
                 model_dir,
                 task,
                 output_dir=output_dir / task.replace(":", "-"),
                 recipe=plan["classify"],
-                settings={"device": device},
+                settings={**plan.get("classify_settings", {}), **extra, "device": device},
                 tracker=Tracker(),
                 progress=progress,
             )
             score = float(result["summary"][result["main_metric"]]["mean"])
             metrics[f"{task}/score"] = score
-            scores.append(score)
+            if task not in plan.get("average_excludes", ()):
+                scores.append(score)
         metrics["downstream/score"] = sum(scores) / len(scores)
     tracker.log_metrics({k: v for k, v in metrics.items() if _finite(v)}, step=0)
     return metrics
+
+
+def _share_config(cfg: Config, facts: dict[str, Any], share: float):
+    """The generator fine-tune cut to `share` of the pretraining tokens (warm-up at most a
+    quarter of its steps), and its facts updated."""
+    per_step = cfg.optim.global_batch_size * cfg.data.seq_len
+    steps = share_steps(facts["pretrain_tokens"], share, per_step)
+    warmup = min(cfg.optim.warmup_steps, steps // 4)
+    cfg = apply_overrides(cfg, {"optim.max_steps": steps, "optim.warmup_steps": warmup})
+    tokens = steps * per_step
+    facts = {
+        **facts,
+        "finetune_tokens": tokens,
+        "pretrain_token_fraction": tokens / facts["pretrain_tokens"],
+    }
+    return cfg, facts
 
 
 def format_classification(result: dict[str, Any]) -> str:

@@ -413,7 +413,7 @@ def _summary(seeds: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _limit(examples: list[Example], limit: int | None) -> list[Example]:
+def limit_examples(examples: list[Example], limit: int | None) -> list[Example]:
     """A fixed random subset (the same rows for every XNLI language: equal lengths)."""
     if limit is None or len(examples) <= limit:
         return examples
@@ -479,9 +479,10 @@ def finetune_classifier(
     tokenizer = load_tokenizer(folder)
     positions = max_input_positions(json.loads((folder / "config.json").read_text())) or 512
     encoder = PairEncoder(tokenizer, min(settings.max_length, positions))
-    train = _encode(encoder, _limit(data.train, settings.train_limit), spec)
+    train = _encode(encoder, limit_examples(data.train, settings.train_limit), spec)
     evals = {
-        k: _encode(encoder, _limit(v, settings.eval_limit), spec) for k, v in data.eval.items()
+        k: _encode(encoder, limit_examples(v, settings.eval_limit), spec)
+        for k, v in data.eval.items()
     }
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)

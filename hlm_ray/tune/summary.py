@@ -221,17 +221,32 @@ def write_summary(
     if figures:
         for figure in axis.figures:
             out_png = folder / figure.filename
+            seeds = len({r["seed"] for r in rows})
+            title = (
+                f"{figure.label} vs {axis.label}\n{folder.name}, "
+                f"{seeds} seed{'s' if seeds != 1 else ''} per point"
+            )
             paths.append(
-                plot_by_objective(rows, figure.metric, out_png, axis=axis, y_label=figure.label)
+                plot_by_objective(
+                    rows, figure.metric, out_png, axis=axis, y_label=figure.label, title=title
+                )
             )
     return paths
 
 
 def plot_by_objective(
-    rows: list[dict[str, Any]], key: str, out_png: Path, *, axis: Axis, y_label: str
+    rows: list[dict[str, Any]],
+    key: str,
+    out_png: Path,
+    *,
+    axis: Axis,
+    y_label: str,
+    title: str = "",
 ) -> Path:
-    """`key` against the swept value, one line per objective (mean over seeds, each seed a dot).
-    String values (categories) are placed in the order they first appear, evenly spaced."""
+    """`key` against the swept value, one line per objective (mean over seeds, each seed a dot,
+    error bars of ±1 sample sd where a point has several seeds), under `title` (what, sweep,
+    seeds). String values (categories) are placed in the order they first appear, evenly
+    spaced."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(5.6, 4.0), layout="constrained")
@@ -243,10 +258,10 @@ def plot_by_objective(
     for objective in sorted({r["objective"] for r in finished}):
         points = [(where[r["value"]], r[key]) for r in finished if r["objective"] == objective]
         xs = sorted({x for x, _ in points})
-        means = [
-            sum(y for x2, y in points if x2 == x) / sum(x2 == x for x2, _ in points) for x in xs
-        ]
-        line = ax.plot(xs, means, "o-", label=objective)[0]
+        at = {x: [y for x2, y in points if x2 == x] for x in xs}
+        means = [sum(at[x]) / len(at[x]) for x in xs]
+        sds = [_sd(at[x]) for x in xs]
+        line = ax.errorbar(xs, means, yerr=sds, fmt="o-", capsize=3, label=objective)[0]
         ax.scatter(*zip(*points, strict=True), color=line.get_color(), alpha=0.35, s=12)
     if finished:
         ax.legend()
@@ -259,10 +274,20 @@ def plot_by_objective(
         ax.text(0.5, 0.5, "no finished trials", ha="center", va="center", transform=ax.transAxes)
     ax.set_xlabel(axis.label)
     ax.set_ylabel(y_label)
+    if title:
+        ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     out_png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_png, dpi=110)
     return out_png
+
+
+def _sd(values: list[float]) -> float:
+    """Sample sd (ddof=1); 0 for a single seed (no error bar)."""
+    if len(values) < 2:
+        return 0.0
+    mean = sum(values) / len(values)
+    return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
 
 
 def _named(column: tuple[str, str, str], axis: Axis) -> tuple[str, str, str]:
