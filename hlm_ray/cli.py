@@ -31,6 +31,8 @@ from pathlib import Path
 
 from hlm_ray.errors import HLMError
 from hlm_ray.paths import resolve_output
+from hlm_ray.tune import scripts as sweep_scripts
+from hlm_ray.tune.scripts import SWEEPS  # noqa: F401 (the kinds `hlm sweep` offers)
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -209,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--output", help="folder for the JSON results (default <model>/eval)")
     ev.add_argument("--experiment", default="hlm_ray", help="MLflow experiment name")
 
-    _sweep_parser(sub)
+    sweep_scripts.add_parser(sub)
     _generate_parser(sub)
 
     from hlm_ray.bench import cli as bench_cli
@@ -220,60 +222,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.add_parser(sub).set_defaults(handler=bench_cli.run)
     data_cli.add_parser(sub).set_defaults(handler=data_cli.run)
     return parser
-
-
-SWEEPS = ("vocab", "batch_size")
-"""The ablations `hlm sweep` runs: the scripts sweeps/<name>.py, with their own flags."""
-
-
-def _sweep_script(kind: str):
-    """sweeps/<kind>.py as a module (sweeps/ is beside the package, not in it). Not put in
-    sys.modules, as the tests load it: Ray pickles its functions by value, as for a script."""
-    import importlib.util
-
-    from hlm_ray.paths import PROJECT_ROOT
-
-    path = PROJECT_ROOT / "sweeps" / f"{kind}.py"
-    if not path.is_file():
-        raise HLMError(
-            f"{path} not found: `hlm sweep` runs the scripts of the project checkout "
-            "(pip install -e .); run the script itself from the checkout"
-        )
-    spec = importlib.util.spec_from_file_location(f"hlm_sweep_{kind}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _sweep_parser(sub) -> None:
-    sweep = sub.add_parser(
-        "sweep",
-        help="run an ablation sweep (sweeps/vocab.py, sweeps/batch_size.py)",
-        description="Run an ablation sweep on Ray Tune: the same code and flags as "
-        "`python sweeps/<name>.py` (the scripts stay the way to submit it as a Ray job).",
-    )
-    kinds = sweep.add_subparsers(dest="sweep", required=True, metavar="SWEEP")
-    from hlm_ray.tune.cli import build_parser as sweep_parser
-
-    for kind in SWEEPS:
-        try:
-            script = _sweep_script(kind)
-        except HLMError:
-            continue  # an install without the checkout's sweeps/: the command says so
-        axis = script.AXIS
-        parent = sweep_parser(axis, script.PRESETS, f"hlm sweep {kind}", add_help=False)
-        kinds.add_parser(
-            kind,
-            parents=[parent],
-            help=(script.__doc__ or axis.description).strip().splitlines()[0],
-            description=parent.description,
-        )
-
-
-def cmd_sweep(args, argv: list[str]) -> int:
-    """`hlm sweep KIND ...`: the script's `main` with the arguments after KIND."""
-    rest = argv[argv.index("sweep") + 2 :]  # `hlm` has no option that takes a value
-    return _sweep_script(args.sweep).main(rest, f"hlm sweep {args.sweep}")
 
 
 def _generate_parser(sub) -> None:
@@ -602,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
         "eval": cmd_eval,
         "sync": cmd_sync,
         "generate": cmd_generate,
-        "sweep": lambda args: cmd_sweep(args, argv),
+        "sweep": lambda args: sweep_scripts.run(args, argv),
     }
     try:
         return handler.get(args.command, getattr(args, "handler", None))(args)

@@ -364,15 +364,16 @@ def write_report(spec: SweepSpec, name: str, preset: str) -> list:
     return [md, png]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """The sweep (`hlm_ray.tune.cli.sweep_main`), then its report."""
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """The sweep (`hlm_ray.tune.cli.sweep_main`), then its report (`hlm sweep headline` passes
+    its own `prog`)."""
     from hlm_ray.errors import HLMError
     from hlm_ray.tune.cli import build_parser, sweep_main
     from hlm_ray.tune.spec import get_sweep
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    status = sweep_main(AXIS, PRESETS, argv)
-    args = build_parser(AXIS, PRESETS).parse_args(argv)
+    status = sweep_main(AXIS, PRESETS, argv, prog)
+    args = build_parser(AXIS, PRESETS, prog).parse_args(argv)
     if args.dry_run or status not in (0, 1):
         return status
     flags = {"num_seeds": args.num_seeds, "workers_per_trial": args.workers_per_trial}

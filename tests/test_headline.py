@@ -211,7 +211,8 @@ def test_headline_tiny_end_to_end(ray_cluster, mlflow_store, tmp_path, monkeypat
         [exp.experiment_id], "tags.sweep = 'hl' and tags.sweep_role = 'parent'"
     )
     assert parent.info.status == "FINISHED"
-    assert parent.data.tags["mlflow.note.content"] == text
+    note = parent.data.tags["mlflow.note.content"]
+    assert note.startswith(text + "\n\n---\n\n") and "|" in note[len(text) :]  # report, then table
     assert {"report.md", "headline.png"} <= {
         a.path for a in client.list_artifacts(parent.info.run_id)
     }

@@ -237,7 +237,8 @@ def read_trials(folder: Path, value_column: str) -> list[Trial]:
 
 def log_to_parent(folder: Path, files: Sequence[Path], description: str, experiment: str) -> None:
     """The report's files as artifacts of the sweep's parent MLflow run (its id in sweep.json),
-    and the report as the run's description; the run is closed again as it was."""
+    and the report at the top of the run's description, above the sweep's own per-value table
+    and figures (kept in sweep.json); the run is closed again as it was."""
     import json
 
     from hlm_ray.tracking import MlflowTracker
@@ -249,5 +250,7 @@ def log_to_parent(folder: Path, files: Sequence[Path], description: str, experim
     parent = MlflowTracker(experiment, run_id=run_id)
     for path in files:
         parent.log_artifact(path)
+    if state.get("note"):
+        description = f"{description}\n\n---\n\n{state['note']}"
     parent.set_tags({"mlflow.note.content": description})
     parent.finish("FINISHED")

@@ -318,9 +318,10 @@ def _log_results(
         for f in spec.axis.figures
         if parent.run_id is not None and f.filename in logged_files
     ]
-    parent.set_tags({NOTE_TAG: summary_mod.results_note(rows, spec.axis, name, images)})
-    if parent.active:
-        path.write_text(json.dumps({**state, "results": logged}, indent=1))
+    note = summary_mod.results_note(rows, spec.axis, name, images)
+    parent.set_tags({NOTE_TAG: note})
+    if parent.active:  # the note is kept for a report that adds to it (sweeps/headline.py)
+        path.write_text(json.dumps({**state, "results": logged, "note": note}, indent=1))
 
 
 def _trial_env(uri: str) -> dict[str, str]:
