@@ -130,6 +130,9 @@ def test_interrupted_checkpoint_save_leaves_the_last_one_intact(tmp_path, monkey
     cfg = tiny_cfg("tiny-decoder", "headless", tmp_path / "run", **{"optim.max_steps": 20})
     train_worker(cfg.to_dict(), progress=False)
     root = tmp_path / "run"
+    card = (root / "model" / "README.md").read_text()  # every saved model folder has its card
+    assert "raw headless decoder" in card.lower() and "hlm finetune --task clm" in card
+    assert "| training steps | 20 |" in card
     before = [p.name for p in ckpt.list_checkpoints(root)]
 
     def interrupted(*args, **kwargs):

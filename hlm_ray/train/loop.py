@@ -402,8 +402,6 @@ def _checkpoint(run: _Run, done: int, final: bool = False) -> None:
 def _finish(run: _Run) -> dict[str, Any]:
     """Log the artifacts (rank 0) and return (and write) the run summary."""
     cfg, out_dir = run.cfg, run.out_dir
-    if run.env.is_main:
-        _log_artifacts(run.tracker, out_dir, cfg)
     steps_run = run.done - run.start
     summary = {
         "objective": cfg.objective.name,
@@ -432,6 +430,7 @@ def _finish(run: _Run) -> dict[str, Any]:
         summary["budget"] = _budget_outcome(run)
     if run.env.is_main:
         (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        _log_artifacts(run.tracker, out_dir, cfg)  # after summary.json: the model card reads it
     return summary
 
 
@@ -544,11 +543,13 @@ def _tracker(out_dir: Path, tracking: dict[str, Any] | None, resuming: bool = Fa
 
 def _log_artifacts(tracker: Tracker, out_dir: Path, cfg: Config) -> None:
     """The resolved config, the final model (HF format, tokenizer inside) and the loss curve."""
+    from hlm_ray.model_card import write_model_card
     from hlm_ray.train.summary import plot_loss_curve
 
     config_path = out_dir / "config.yaml"
     cfg.save(config_path)
     tracker.log_artifact(config_path)
+    write_model_card(out_dir / "model")  # README.md: headless or vanilla, corpus, steps, tokens
     tracker.log_artifact(out_dir / "model", "model")
     tracker.log_artifact(plot_loss_curve(read_metrics(out_dir), out_dir / "loss_curve.png"))
 
