@@ -223,6 +223,42 @@ def test_ctrl_c_on_a_local_run_marks_it_killed_and_prints_the_command(
     assert json.loads((out / "launch.json").read_text())["local"] is True
 
 
+@pytest.mark.parametrize("where", ["writing the run reference", "building the trainer"])
+def test_ctrl_c_between_the_mlflow_run_and_fit_marks_it_killed(
+    where, tmp_path, capsys, monkeypatch, mlflow_store
+):
+    """The window of `launch` where the MLflow run is open and Ray's fit() has not yet taken
+    SIGINT over: a Ctrl-C there (raised by the step it interrupts) ends the run KILLED.
+    The cluster is not needed before that point: `connect` and the resource check are
+    skipped."""
+    from mlflow import MlflowClient
+
+    import hlm_ray.tracking as tracking
+    import hlm_ray.train.interrupt as interrupt
+    import hlm_ray.train.launch as launch_mod
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch_mod, "connect", lambda: None)
+    monkeypatch.setattr(launch_mod, "check_resources", lambda *a, **k: None)
+    monkeypatch.setattr("ray.cluster_resources", lambda: {"CPU": 2.0})
+    if where == "building the trainer":
+        monkeypatch.setattr(interrupt, "trainer_class", ctrl_c)
+    else:
+        monkeypatch.setattr(tracking, "write_run_ref", ctrl_c)
+    out = tmp_path / "run"
+    experiment = f"ctrl-c-window-{where.split()[-1]}"
+    args = ["--output", str(out), "--experiment", experiment, "--num-workers", "1"]
+    code = main(["train", *args, "--set", f"data.sources=[{SHAKESPEARE}]"])
+    err = capsys.readouterr().err
+    assert code == 130
+    assert f"continue with: hlm train --resume {out} --set 'data.sources=[{SHAKESPEARE}]'" in err
+    client = MlflowClient(mlflow_store)
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert run.info.status == "KILLED"
+
+
 def test_ctrl_c_on_a_sweep_stops_tune_and_says_so():
     from hlm_ray.train.interrupt import tune_interrupt
 
