@@ -6,6 +6,7 @@ import http.server
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -185,41 +186,44 @@ def test_bad_input_gives_one_line_and_no_running_run(args, message, tmp_path, ca
     unwritable_dir.chmod(0o700)
 
 
+@pytest.mark.parametrize("checkpointed", [True, False], ids=["after-a-checkpoint", "before-any"])
 def test_ctrl_c_on_a_local_run_marks_it_killed_and_prints_the_command(
-    tmp_path, capsys, monkeypatch, mlflow_store
+    checkpointed, tmp_path, capsys, monkeypatch, mlflow_store
 ):
+    """After a checkpoint the command resumes the run; before the first one `--resume` would
+    refuse the folder, so the command is the same one again (it starts over)."""
     from mlflow import MlflowClient
 
     import hlm_ray.train.loop as loop
 
+    out = tmp_path / "run"
+
     def interrupted(*args, **kwargs):
+        if checkpointed:
+            fake_checkpoint(out, 10)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(loop, "train_worker", interrupted)
-    out = tmp_path / "run"
-    code = main(
-        [
-            "train",
-            "--local",
-            "--output",
-            str(out),
-            "--experiment",
-            "ctrl-c",
-            "--set",
-            f"data.sources=[{SHAKESPEARE}]",
-            "--set",
-            "tokenizer.vocab_size=512",
-        ]
-    )
+    experiment = f"ctrl-c-{checkpointed}"
+    argv = ["train", "--local", "--output", str(out), "--experiment", experiment]
+    argv += ["--set", f"data.sources=[{SHAKESPEARE}]", "--set", "tokenizer.vocab_size=512"]
+    code = main(argv)
     err = capsys.readouterr().err
     assert code == 130
-    assert (
-        f"continue with: hlm train --resume {out} --set 'data.sources=[{SHAKESPEARE}]' "
-        "--set tokenizer.vocab_size=512" in err
-    )
+    if checkpointed:
+        assert (
+            f"continue with: hlm train --resume {out} --set 'data.sources=[{SHAKESPEARE}]' "
+            "--set tokenizer.vocab_size=512" in err
+        )
+    else:
+        assert "before its first checkpoint; continue with: " + shlex.join(["hlm", *argv]) in err
+        monkeypatch.undo()  # the printed command is accepted: it trains (2 steps here)
+        again = shlex.split(err.split("continue with: ")[1].splitlines()[0])[1:]
+        assert main([*again, "--set", "optim.max_steps=2"]) == 0
     client = MlflowClient(mlflow_store)
-    (run,) = client.search_runs([client.get_experiment_by_name("ctrl-c").experiment_id])
-    assert run.info.status == "KILLED"
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    statuses = sorted(r.info.status for r in runs)
+    assert statuses == (["KILLED"] if checkpointed else ["FINISHED", "KILLED"])
     assert json.loads((out / "launch.json").read_text())["local"] is True
 
 
@@ -252,8 +256,8 @@ def test_ctrl_c_between_the_mlflow_run_and_fit_marks_it_killed(
     args = ["--output", str(out), "--experiment", experiment, "--num-workers", "1"]
     code = main(["train", *args, "--set", f"data.sources=[{SHAKESPEARE}]"])
     err = capsys.readouterr().err
-    assert code == 130
-    assert f"continue with: hlm train --resume {out} --set 'data.sources=[{SHAKESPEARE}]'" in err
+    assert code == 130  # no checkpoint yet: the same command again
+    assert "continue with: hlm train --output" in err
     client = MlflowClient(mlflow_store)
     (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
     assert run.info.status == "KILLED"
