@@ -136,6 +136,19 @@ def test_resume_uses_the_runs_own_config_and_refuses_another_model(tmp_path, cap
         check_compatible(other, folder)
 
 
+def test_resume_keeps_the_runs_launch_settings_unless_given_again(tmp_path):
+    """`hlm train --resume RUN` with no flags: the workers, CPUs and experiment it started
+    with (launch.json), not today's defaults; a flag given again wins."""
+    from hlm_ray.train.resume import LAUNCH_DEFAULTS, launch_settings, save_launch
+
+    started = {**LAUNCH_DEFAULTS, "num_workers": 2, "cpus_per_worker": 0.5, "experiment": "e"}
+    save_launch(tmp_path, {**started, "preset": "ignored"})
+    none_given = dict.fromkeys(LAUNCH_DEFAULTS)
+    assert launch_settings(tmp_path, none_given) == started
+    assert launch_settings(tmp_path, {**none_given, "num_workers": 4})["num_workers"] == 4
+    assert launch_settings(tmp_path / "no-launch-file", none_given) == LAUNCH_DEFAULTS
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
