@@ -28,8 +28,18 @@ SWEEP_ARGS = [
 ]
 
 
-def descendants(pid: int) -> dict[int, str]:
-    """{pid: command line} of every live descendant of `pid` (Linux /proc)."""
+def started_at(pid: int) -> str | None:
+    """The process's start time (clock ticks since boot), None when it is gone or a zombie:
+    with the pid, it names one process (pids are reused; Ray workers retitle themselves)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+def descendants(pid: int) -> dict[int, tuple[str, str]]:
+    """{pid: (start time, command line)} of every live descendant of `pid` (Linux /proc)."""
     parents: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -40,31 +50,22 @@ def descendants(pid: int) -> dict[int, str]:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the name may hold spaces and ")"
         parents.setdefault(ppid, []).append(int(entry.name))
-    found: dict[int, str] = {}
+    found: dict[int, tuple[str, str]] = {}
     todo = [pid]
     while todo:
         for child in parents.get(todo.pop(), []):
             try:
-                found[child] = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
             except OSError:
                 continue
-            found[child] = found[child].decode(errors="replace")
-            todo.append(child)
+            if (start := started_at(child)) is not None:
+                found[child] = (start, cmdline.decode(errors="replace"))
+                todo.append(child)
     return found
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    # A zombie waiting for its (re-)parent is gone for our purpose.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+def still_running(seen: dict[int, tuple[str, str]]) -> dict[int, str]:
+    return {pid: cmd for pid, (start, cmd) in seen.items() if started_at(pid) == start}
 
 
 def sweep_env(tmp_path: Path) -> dict[str, str]:
@@ -77,7 +78,7 @@ def sweep_env(tmp_path: Path) -> dict[str, str]:
     }
 
 
-@pytest.mark.slow  # a real sweep, interrupted then continued: ~2 min on 2 busy cores
+@pytest.mark.slow  # a real sweep, interrupted then continued: 95-170 s on 2 busy cores
 def test_ctrl_c_on_a_real_sweep_kills_its_runs_leaves_no_process_and_continues(
     tmp_path, mlflow_store
 ):
@@ -95,7 +96,7 @@ def test_ctrl_c_on_a_real_sweep_kills_its_runs_leaves_no_process_and_continues(
             start_new_session=True,  # its own process group, as a terminal would start it
         )
     trials = tmp_path / "runs" / "sweeps" / NAME / "trials"
-    seen: dict[int, str] = {}
+    seen: dict[int, tuple[str, str]] = {}
     deadline = time.monotonic() + 300
     try:
         while not list(trials.glob("*/checkpoint_00000020/hlm_checkpoint.json")):
@@ -106,24 +107,27 @@ def test_ctrl_c_on_a_real_sweep_kills_its_runs_leaves_no_process_and_continues(
         seen.update(descendants(driver.pid))
         os.killpg(driver.pid, signal.SIGINT)  # Ctrl-C in a terminal: the whole group
         code = driver.wait(timeout=120)
+        text = log.read_text()
+        assert code == 130, text[-3000:]
+        assert "1 unfinished trial(s) stopped and marked KILLED" in text
+        command = text.split("continue with: ")[-1].splitlines()[0]
+        assert command == shlex.join(["python", "sweeps/vocab.py", *SWEEP_ARGS, "--name", NAME])
+
+        # No process of the driver survives it: its tracking server (under its watchdog, in a
+        # group of its own), its Ray cluster (GCS, raylet, dashboard, workers).
+        commands = [cmd for _, cmd in seen.values()]
+        assert any(" mlflow server " in c for c in commands), commands
+        assert any("raylet" in c for c in commands), commands
+        deadline = time.monotonic() + 30
+        while (left := still_running(seen)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, left
     finally:
         if driver.poll() is None:
             os.killpg(driver.pid, signal.SIGKILL)
             driver.wait()
-    text = log.read_text()
-    assert code == 130, text[-3000:]
-    assert "1 unfinished trial(s) stopped and marked KILLED" in text
-    command = text.split("continue with: ")[-1].splitlines()[0]
-    assert command == shlex.join(["python", "sweeps/vocab.py", *SWEEP_ARGS, "--name", NAME])
-
-    # No process of the driver survives it: its tracking server (under its watchdog, in a
-    # group of its own), its Ray cluster (GCS, raylet, dashboard, workers).
-    assert any(" mlflow server " in c for c in seen.values()), seen
-    assert any("raylet" in c for c in seen.values()), seen
-    deadline = time.monotonic() + 30
-    while (left := {p: c for p, c in seen.items() if alive(p)}) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not left, left
+        for pid in still_running(seen):  # a failed test leaves nothing behind
+            os.kill(pid, signal.SIGKILL)
 
     client = MlflowClient(mlflow_store)
     (parent,) = client.search_runs(
