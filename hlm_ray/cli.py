@@ -30,6 +30,8 @@ from pathlib import Path
 
 from hlm_ray.errors import HLMError
 from hlm_ray.paths import resolve_output
+from hlm_ray.tune import scripts as sweep_scripts
+from hlm_ray.tune.scripts import SWEEPS  # noqa: F401 (the kinds `hlm sweep` offers)
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -163,7 +165,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="clm config override"
     )
     finetune.add_argument("--probe", action="store_true", help="clm: train only the new head")
-    finetune.add_argument("--register", metavar="NAME", help="clm: MLflow registered model name")
+    finetune.add_argument(
+        "--register",
+        metavar="NAME",
+        help="register the result in MLflow's model registry as NAME (clm: text-generation; "
+        "classifiers: text-classification); load it as models:/NAME/VERSION",
+    )
+    finetune.add_argument(
+        "--alias", metavar="A", help="with --register: point models:/NAME@A at the new version"
+    )
     finetune.add_argument(
         "--eval-limit", type=int, default=500, help="clm: LAMBADA passages scored (0 = all)"
     )
@@ -200,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--output", help="folder for the JSON results (default <model>/eval)")
     ev.add_argument("--experiment", default="hlm_ray", help="MLflow experiment name")
 
-    _sweep_parser(sub)
+    sweep_scripts.add_parser(sub)
     _generate_parser(sub)
 
     from hlm_ray.bench import cli as bench_cli
@@ -211,60 +221,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.add_parser(sub).set_defaults(handler=bench_cli.run)
     data_cli.add_parser(sub).set_defaults(handler=data_cli.run)
     return parser
-
-
-SWEEPS = ("vocab", "batch_size")
-"""The ablations `hlm sweep` runs: the scripts sweeps/<name>.py, with their own flags."""
-
-
-def _sweep_script(kind: str):
-    """sweeps/<kind>.py as a module (sweeps/ is beside the package, not in it). Not put in
-    sys.modules, as the tests load it: Ray pickles its functions by value, as for a script."""
-    import importlib.util
-
-    from hlm_ray.paths import PROJECT_ROOT
-
-    path = PROJECT_ROOT / "sweeps" / f"{kind}.py"
-    if not path.is_file():
-        raise HLMError(
-            f"{path} not found: `hlm sweep` runs the scripts of the project checkout "
-            "(pip install -e .); run the script itself from the checkout"
-        )
-    spec = importlib.util.spec_from_file_location(f"hlm_sweep_{kind}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _sweep_parser(sub) -> None:
-    sweep = sub.add_parser(
-        "sweep",
-        help="run an ablation sweep (sweeps/vocab.py, sweeps/batch_size.py)",
-        description="Run an ablation sweep on Ray Tune: the same code and flags as "
-        "`python sweeps/<name>.py` (the scripts stay the way to submit it as a Ray job).",
-    )
-    kinds = sweep.add_subparsers(dest="sweep", required=True, metavar="SWEEP")
-    from hlm_ray.tune.cli import build_parser as sweep_parser
-
-    for kind in SWEEPS:
-        try:
-            script = _sweep_script(kind)
-        except HLMError:
-            continue  # an install without the checkout's sweeps/: the command says so
-        axis = script.AXIS
-        parent = sweep_parser(axis, script.PRESETS, f"hlm sweep {kind}", add_help=False)
-        kinds.add_parser(
-            kind,
-            parents=[parent],
-            help=(script.__doc__ or axis.description).strip().splitlines()[0],
-            description=parent.description,
-        )
-
-
-def cmd_sweep(args, argv: list[str]) -> int:
-    """`hlm sweep KIND ...`: the script's `main` with the arguments after KIND."""
-    rest = argv[argv.index("sweep") + 2 :]  # `hlm` has no option that takes a value
-    return _sweep_script(args.sweep).main(rest, f"hlm sweep {args.sweep}")
 
 
 def _generate_parser(sub) -> None:
@@ -479,6 +435,8 @@ def _default_output(model: str, suffix: str) -> str:
 def cmd_finetune(args) -> int:
     from hlm_ray import downstream
 
+    if args.alias and not args.register:
+        raise HLMError("--alias names a version of a registered model: give --register NAME too")
     _launch_settings(args)
     suffix = args.task.replace(":", "-")
     output = str(resolve_output(args.output or _default_output(args.model, suffix)))
@@ -497,6 +455,7 @@ def cmd_finetune(args) -> int:
             train=train,
             eval_limit=args.eval_limit or None,
             register=args.register,
+            alias=args.alias,
             experiment=args.experiment,
         )
         from hlm_ray.evaluate import format_results
@@ -512,6 +471,8 @@ def cmd_finetune(args) -> int:
         if out["registered"]:
             reg = out["registered"]
             print(f"registered {reg['name']} version {reg['version']}: {reg['uri']}")
+            if args.alias:
+                print(f"alias: models:/{reg['name']}@{args.alias}")
         return 0
     if args.task.startswith(("glue:", "xnli:")):
         settings = {}
@@ -531,8 +492,15 @@ def cmd_finetune(args) -> int:
             recipe=args.recipe,
             settings=settings,
             experiment=args.experiment,
+            save_model=True,
+            register=args.register,
+            alias=args.alias,
         )
         print(downstream.format_classification(result))
+        print(f"best model: {result['best_model']}")
+        if result.get("registered"):
+            reg = result["registered"]
+            print(f"registered {reg['name']} version {reg['version']}: {reg['uri']}")
         return 0
     raise HLMError(
         f"unknown task {args.task!r}; choose clm, glue:sst2, glue:cola, glue:mrpc, glue:rte, "
@@ -576,7 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         "eval": cmd_eval,
         "sync": cmd_sync,
         "generate": cmd_generate,
-        "sweep": lambda args: cmd_sweep(args, argv),
+        "sweep": lambda args: sweep_scripts.run(args, argv),
     }
     try:
         return handler.get(args.command, getattr(args, "handler", None))(args)

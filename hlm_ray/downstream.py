@@ -20,11 +20,16 @@ from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Any
 
-from hlm_ray.config import Config
+from hlm_ray.config import Config, apply_overrides
 from hlm_ray.device import device_name
 from hlm_ray.errors import HLMError
+from hlm_ray.model_card import write_model_card
 from hlm_ray.pretrained import load_pretrained, model_info, resolve_model_dir
 from hlm_ray.tracking import MlflowTracker, Tracker, default_tracking_uri, read_run_ref
+
+# Registered models' input examples (MLflow shows them and checks the signature with them).
+SINGLE_EXAMPLE = "a gripping, beautifully acted film"
+PAIR_EXAMPLE = {"text": "The cat sat on the mat.", "text_pair": "A cat was sitting on a mat."}
 
 # What a sweep trial runs downstream, per recipe. The paper's GLUE average leaves RTE out.
 DOWNSTREAM = {
@@ -42,7 +47,50 @@ DOWNSTREAM = {
         "clm_recipe": "text",
         "classify": "paper",
     },
+    # sweeps/headline.py (paper Tables 1 and 3). The GLUE average leaves RTE out (scored and
+    # reported on its own); a headless decoder's generator fine-tune gets `clm_share` of its
+    # pretraining tokens (the paper: under 2%) instead of its recipe's step count.
+    "headline-tiny": {
+        "lambada_limit": 64,
+        "bpb_limit": 16,
+        "glue_tasks": ("glue:sst2", "glue:rte"),
+        "average_excludes": ("glue:rte",),
+        "clm_recipe": "tiny",
+        "clm_share": 0.02,
+        "classify": "tiny",
+        "classify_settings": {"epochs": 1, "train_limit": 128, "eval_limit": 64},
+    },
+    "headline-cpu": {
+        "lambada_limit": 500,
+        "bpb_limit": 100,
+        "glue_tasks": ("glue:sst2", "glue:cola", "glue:mrpc", "glue:rte", "glue:qnli"),
+        "average_excludes": ("glue:rte",),
+        "clm_recipe": "tiny",
+        "clm_share": 0.02,
+        "classify": "tiny",
+        "classify_settings": {"epochs": 3, "train_limit": 1024, "eval_limit": 256},
+    },
+    "headline-paper": {
+        "lambada_limit": None,
+        "bpb_limit": None,
+        "glue_tasks": ("glue:sst2", "glue:cola", "glue:mrpc", "glue:rte", "glue:qnli"),
+        "average_excludes": ("glue:rte",),
+        # The multilingual encoder (paper Table 8) is scored on XNLI zero-shot: fine-tuned on
+        # English, evaluated on the seven languages.
+        "tasks_by_model_type": {"distilbert": ("xnli:en",)},
+        "clm_recipe": "text",
+        "clm_share": 0.02,
+        "classify": "paper",
+    },
 }
+
+
+def share_steps(pretrain_tokens: int, share: float, tokens_per_step: int) -> int:
+    """Optimizer steps of a fine-tune given `share` of the pretraining tokens (rounded down:
+    never more than the share; at least one step)."""
+    if not 0.0 < share < 1.0:
+        raise HLMError(f"clm_share={share} must be a fraction between 0 and 1 (e.g. 0.02)")
+    return max(1, math.floor(share * pretrain_tokens / tokens_per_step))
 
 
 def run_tracker(model_ref: str | Path, experiment: str = "hlm_ray") -> Tracker:
@@ -111,12 +159,14 @@ def finetune_generator(
     train: Callable[[Config], dict[str, Any]] | None = None,
     eval_limit: int | None = 500,
     register: str | None = None,
+    alias: str | None = None,
     experiment: str = "hlm_ray",
     progress: bool = True,
 ) -> dict[str, Any]:
     """Fine-tune a headless decoder into a generator, score it on LAMBADA (and bits per byte),
-    and register it. `train` runs the config (the CLI passes Ray Train or the local loop; the
-    default is the local loop, with its own MLflow run)."""
+    write its model card, and register it (as MLflow's ``text-generation`` model `register`,
+    `alias` pointing at the new version). `train` runs the config (the CLI passes Ray Train or
+    the local loop; the default is the local loop, with its own MLflow run)."""
     from hlm_ray.finetune.clm import clm_config, write_facts
     from hlm_ray.train.checkpoint import refuse_existing
 
@@ -140,11 +190,21 @@ def finetune_generator(
         progress=progress,
     )
     tracker.log_artifact(out / "finetune.json")
+    metrics = {k: v for r in results for k, v in r["metrics"].items()}
+    write_model_card(out / "model", scores={k: v for k, v in metrics.items() if _finite(v)})
     registered = None
     if register:
-        metrics = {k: v for r in results for k, v in r["metrics"].items()}
-        run_id = getattr(tracker, "run_id", None)
-        registered = _register(out, register, run_id, experiment, metrics, facts)
+        registered = _register(
+            out / "model",
+            register,
+            task="text-generation",
+            run_id=getattr(tracker, "run_id", None),
+            experiment=experiment,
+            extra=[out / "config.yaml", out / "finetune.json"],
+            results={"metrics": metrics, "finetune": facts},
+            tags={"hlm.source_model": facts["source_model"], "hlm.recipe": facts["recipe"]},
+            alias=alias,
+        )
     tracker.finish("FINISHED")
     return {
         "summary": summary,
@@ -155,19 +215,11 @@ def finetune_generator(
     }
 
 
-def _register(out: Path, name: str, run_id, experiment: str, metrics, facts) -> dict[str, Any]:
+def _register(model_dir: Path, name: str, *, extra: list[Path], **kwargs) -> dict[str, Any]:
     from hlm_ray.tracking import register_model
 
-    extra = [out / "config.yaml"] if (out / "config.yaml").is_file() else []
-    name, version = register_model(
-        out / "model",
-        name,
-        run_id=run_id,
-        experiment=experiment,
-        extra_files=extra,
-        results={"metrics": metrics, "finetune": facts},
-        tags={"hlm.source_model": facts["source_model"], "hlm.recipe": facts["recipe"]},
-    )
+    extra_files = [path for path in extra if path.is_file()]
+    name, version = register_model(model_dir, name, extra_files=extra_files, **kwargs)
     return {"name": name, "version": version, "uri": f"models:/{name}/{version}"}
 
 
@@ -187,9 +239,15 @@ def finetune_encoder(
     experiment: str = "hlm_ray",
     tracker: Tracker | None = None,
     progress: bool = True,
+    save_model: bool = False,
+    register: str | None = None,
+    alias: str | None = None,
 ) -> dict[str, Any]:
     """Fine-tune an encoder into a classifier on `task` (GLUE / XNLI), seeds and best epoch as
-    in the paper; logged to its own MLflow run unless a tracker is given."""
+    in the paper; logged to its own MLflow run unless a tracker is given. `save_model` keeps
+    the best (seed, epoch) model in ``<output_dir>/classify_<task>_model/`` (with its card and
+    a tokenizer that adds [CLS]/[SEP]); `register` also registers it as MLflow's
+    ``text-classification`` model of that name (`alias` pointing at the new version)."""
     from hlm_ray.classify.finetune import finetune_classifier
     from hlm_ray.classify.finetune import recipe as classify_recipe
 
@@ -224,6 +282,7 @@ def finetune_encoder(
             output_dir=Path(output_dir),
             tracker=tracker,
             progress=progress,
+            save_best_model=save_model or bool(register),
             **data_options,
         )
     except BaseException:
@@ -232,6 +291,22 @@ def finetune_encoder(
         raise
     for path in Path(output_dir).glob("classify_*.json"):
         tracker.log_artifact(path, "classify")
+    if register:
+        from hlm_ray.classify import get_task
+
+        scores = {k: v["mean"] for k, v in result["summary"].items()}
+        result["registered"] = _register(
+            Path(result["best_model"]),
+            register,
+            task="text-classification",
+            input_example=PAIR_EXAMPLE if get_task(task).is_pair else SINGLE_EXAMPLE,
+            run_id=getattr(tracker, "run_id", None),
+            experiment=experiment,
+            extra=[],
+            results={"metrics": scores, "task": task, "settings": result["settings"]},
+            tags={"hlm.source_model": str(model_ref), "hlm.task": task, "hlm.recipe": recipe},
+            alias=alias,
+        )
     if own:
         tracker.finish("FINISHED")
     return result
@@ -270,7 +345,12 @@ def run_downstream(
             cfg, facts = clm_config(
                 model_dir, recipe=plan["clm_recipe"], output_dir=output_dir / "clm"
             )
+            if plan.get("clm_share") and facts["pretrain_tokens"]:
+                cfg, facts = _share_config(cfg, facts, plan["clm_share"])
+                metrics["finetune/share"] = plan["clm_share"]
             train_worker(cfg.to_dict(), progress=progress)
+            metrics["finetune/steps"] = cfg.optim.max_steps
+            metrics["finetune/tokens"] = facts["finetune_tokens"]
             scored = output_dir / "clm" / "model"
             metrics["finetune/seconds"] = time.perf_counter() - started
             metrics["finetune/pretrain_token_fraction"] = facts["pretrain_token_fraction"] or 0.0
@@ -287,26 +367,47 @@ def run_downstream(
                 progress=progress,
             )
             metrics.update(result["metrics"])
+        if scored != model_dir:  # the generator this trial made: say what it is
+            write_model_card(scored, scores={k: v for k, v in metrics.items() if _finite(v)})
         metrics["downstream/score"] = metrics["lambada/accuracy"]
         metrics["bpb"] = metrics["bpb/bits_per_byte"]
     else:
         scores = []
-        for task in plan["glue_tasks"]:
+        tasks = plan.get("tasks_by_model_type", {}).get(info["model_type"], plan["glue_tasks"])
+        for task in tasks:
+            extra = {"eval_languages": "all"} if task.startswith("xnli:") else {}
             result = finetune_encoder(
                 model_dir,
                 task,
                 output_dir=output_dir / task.replace(":", "-"),
                 recipe=plan["classify"],
-                settings={"device": device},
+                settings={**plan.get("classify_settings", {}), **extra, "device": device},
                 tracker=Tracker(),
                 progress=progress,
             )
             score = float(result["summary"][result["main_metric"]]["mean"])
             metrics[f"{task}/score"] = score
-            scores.append(score)
+            if task not in plan.get("average_excludes", ()):
+                scores.append(score)
         metrics["downstream/score"] = sum(scores) / len(scores)
     tracker.log_metrics({k: v for k, v in metrics.items() if _finite(v)}, step=0)
     return metrics
+
+
+def _share_config(cfg: Config, facts: dict[str, Any], share: float):
+    """The generator fine-tune cut to `share` of the pretraining tokens (warm-up at most a
+    quarter of its steps), and its facts updated."""
+    per_step = cfg.optim.global_batch_size * cfg.data.seq_len
+    steps = share_steps(facts["pretrain_tokens"], share, per_step)
+    warmup = min(cfg.optim.warmup_steps, steps // 4)
+    cfg = apply_overrides(cfg, {"optim.max_steps": steps, "optim.warmup_steps": warmup})
+    tokens = steps * per_step
+    facts = {
+        **facts,
+        "finetune_tokens": tokens,
+        "pretrain_token_fraction": tokens / facts["pretrain_tokens"],
+    }
+    return cfg, facts
 
 
 def format_classification(result: dict[str, Any]) -> str:

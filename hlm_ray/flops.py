@@ -237,6 +237,13 @@ def predicted_speedup(vanilla: StepFlops, headless: StepFlops) -> float:
     return vanilla.total / headless.total
 
 
+def k_tags(rows: float, vocab_size: int) -> dict[str, float]:
+    """The run's `K` and `K_over_V` tags: K (loss rows per micro-batch) as the `train/K` metric
+    logs it (a masked LM's is a mean), or `target_rows` before the first measurement."""
+    rows = round(float(rows), 2)
+    return {"K": int(rows) if rows.is_integer() else rows, "K_over_V": round(rows / vocab_size, 4)}
+
+
 def describe(step: StepFlops) -> dict[str, float]:
     """MLflow-ready metrics for one step's FLOP model."""
     tokens = step.tokens or 1

@@ -6,13 +6,17 @@ One setting each:
   against the current directory). On a cluster without it, every dataset falls back to its hub
   name (see `HUB_FALLBACKS`).
 - ``HLM_CACHE_DIR``: trained tokenizers and tokenized corpora (default ``~/.cache/hlm_ray``).
+- ``HLM_WORK_DIR``: where relative outputs (``runs/...``) and the embedded MLflow store
+  (``mlflow.db``) go; default the current directory, as for ``mlflow`` and Ray (see `work_dir`).
 
-    from hlm_ray.paths import shared_file
+    from hlm_ray.paths import shared_file, resolve_output
     path = shared_file("corpus/en")          # Path, or HLMError naming both places it looked
+    out = resolve_output("runs/tiny")        # <current directory>/runs/tiny
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 from dataclasses import dataclass
@@ -22,7 +26,14 @@ from hlm_ray.errors import HLMError
 
 DATA_ENV = "HLM_DATA_DIR"
 CACHE_ENV = "HLM_CACHE_DIR"
+WORK_DIR_ENV = "HLM_WORK_DIR"
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+"""The folder that holds the `hlm_ray` package: a checkout, or site-packages when installed."""
+RAY_COPY_MARK = "runtime_resources"
+"""A path part of the copy `ray job submit --working-dir` runs a job in (deleted after it)."""
+
+log = logging.getLogger(__name__)
+_warned_copy = False
 
 
 @dataclass(frozen=True)
@@ -49,26 +60,56 @@ HUB_FALLBACKS: dict[str, HubDataset | tuple[HubDataset, ...] | str] = {
 
 
 def project_root() -> Path:
-    """The project folder runs and the embedded MLflow store belong to.
+    """The source checkout of the running package (for its git commit and shipped files).
 
     `ray job submit --working-dir .` runs the job from a temporary copy of the project; when the
-    package is also installed (editable) from a checkout on this machine, that checkout is the
-    project, so `runs/` and `mlflow.db` land where the user looks for them."""
-    if "runtime_resources" in PROJECT_ROOT.parts:
+    package is also installed from a checkout on this machine, that checkout is the project."""
+    if RAY_COPY_MARK in PROJECT_ROOT.parts:
         installed = _installed_source_root()
         if installed is not None and installed.is_dir():
             return installed
     return PROJECT_ROOT
 
 
+def work_dir() -> Path:
+    """Where relative outputs (``runs/...``) and the embedded MLflow store go.
+
+    ``$HLM_WORK_DIR`` if set, else the current directory, as ``mlflow`` and Ray do (never the
+    package's location: installed, that is site-packages). Inside `ray job submit --working-dir
+    .` the job's current directory is Ray's temporary copy of the project, deleted once the job
+    ends: there the checkout the package was installed from (``pip install -e .`` or ``pip
+    install .`` of a folder on this machine) is used, else the copy, with a warning saying how
+    to keep the results (``HLM_WORK_DIR`` in the job's runtime environment)."""
+    value = os.environ.get(WORK_DIR_ENV)
+    if value:
+        return Path(value).expanduser().resolve()
+    cwd = Path.cwd()
+    if RAY_COPY_MARK not in cwd.parts:
+        return cwd
+    installed = _installed_source_root()
+    if installed is not None and installed.is_dir():
+        return installed
+    global _warned_copy
+    if not _warned_copy:
+        _warned_copy = True
+        log.warning(
+            "this job runs in Ray's temporary copy of its working dir (%s), deleted when the "
+            "job ends, and hlm_ray is not installed from a folder on this machine: relative "
+            "outputs and mlflow.db would be lost. Submit with --runtime-env-json "
+            '\'{"env_vars": {"%s": "/where/results/go"}}\', give absolute paths, or set '
+            "MLFLOW_TRACKING_URI",
+            cwd,
+            WORK_DIR_ENV,
+        )
+    return cwd
+
+
 def resolve_output(path: str | Path) -> Path:
-    """An output folder as an absolute path: relative ones sit in the project folder when run
-    as a Ray job from a working-dir copy, else in the current directory."""
+    """An output folder as an absolute path: a relative one sits in `work_dir()`."""
     path = Path(path).expanduser()
     if path.is_absolute():
         return path
-    root = project_root()
-    return ((root if root != PROJECT_ROOT else Path.cwd()) / path).resolve()
+    return (work_dir() / path).resolve()
 
 
 def data_dir() -> Path:
@@ -86,8 +127,10 @@ def data_dir() -> Path:
 
 
 def _installed_source_root() -> Path | None:
-    """The checkout `pip install -e .` was run in (PEP 610 direct_url.json), if any."""
+    """The folder `pip install -e .` (or `pip install .`) installed hlm_ray from (PEP 610
+    direct_url.json), if any; None for a wheel or a registry install."""
     import json
+    import urllib.parse
     from importlib import metadata
 
     try:
@@ -95,7 +138,9 @@ def _installed_source_root() -> Path | None:
     except metadata.PackageNotFoundError:
         return None
     url = json.loads(text or "{}").get("url", "")
-    return Path(url.removeprefix("file://")) if url.startswith("file://") else None
+    if not url.startswith("file://"):
+        return None
+    return Path(urllib.parse.unquote(url.removeprefix("file://")))
 
 
 def shared_file(relative: str) -> Path:

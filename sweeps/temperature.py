@@ -51,8 +51,9 @@ PRESETS = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
-    return sweep_main(AXIS, PRESETS, argv)
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """Run the sweep with command-line `argv` (`hlm sweep` passes its own `prog`)."""
+    return sweep_main(AXIS, PRESETS, argv, prog)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """Encoder -> classifier fine-tuning: loss, metrics, task data and a tiny end-to-end run."""
 
+import itertools
 import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -250,11 +252,19 @@ def test_pairs_are_wrapped_in_cls_and_sep_and_truncated_longest_first(encoders):
         *b_ids[:kept_b],
         tok.sep_token_id,
     ]
-    for len_a, len_b, budget in [(10, 3, 8), (3, 10, 8), (6, 6, 7), (2, 2, 9), (9, 4, 6)]:
-        a, b = len_a, len_b
-        while a + b > budget:  # the reference: drop one token from the longer, a on ties
-            a, b = (a - 1, b) if a >= b else (a, b - 1)
-        assert _truncate_pair(len_a, len_b, budget) == (a, b)
+    for len_a, len_b, budget in itertools.product(range(12), range(12), range(1, 20)):
+        assert _truncate_pair(len_a, len_b, budget) == _hf_longest_first(len_a, len_b, budget)
+
+
+def _hf_longest_first(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
+    """The reference: the tokenizers library's own truncation of a pair of that many tokens."""
+    from tokenizers import Tokenizer, models, processors
+
+    tok = Tokenizer(models.WordLevel({"x": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    tok.post_processor = processors.TemplateProcessing(single="$A:0", pair="$A:0 $B:1")
+    tok.enable_truncation(budget, strategy="longest_first")
+    enc = tok.encode(["x"] * len_a, ["x"] * len_b, is_pretokenized=True)
+    return enc.type_ids.count(0), enc.type_ids.count(1)
 
 
 def _rte_file(encoders):
@@ -353,6 +363,26 @@ def test_tiny_finetune_end_to_end(encoders, tmp_path):
     best = AutoModelForSequenceClassification.from_pretrained(result["best_model"])
     assert best.config.hlm_finetuned == "glue:sst2" and best.config.num_labels == 2
 
+    # A transformers pipeline on the saved folder predicts what hlm's own predict path does.
+    from transformers import pipeline
+
+    from hlm_ray.classify.finetune import _encode, predict
+
+    rows = _shared_rows("glue:sst2", 24)
+    spec = TASKS["glue:sst2"]
+    encoder = PairEncoder(load_tokenizer(encoders["headless"]), settings.max_length)
+    ours = predict(
+        best,
+        _encode(encoder, rows, spec),
+        spec,
+        batch_size=8,
+        pad_id=encoder.pad_id,
+        device=torch.device("cpu"),
+    )
+    clf = pipeline("text-classification", model=result["best_model"], device="cpu")
+    theirs = clf([r.text_a for r in rows], batch_size=8, truncation=True)
+    assert [best.config.label2id[p["label"]] for p in theirs] == ours.tolist()
+
 
 @needs_shared
 def test_xnli_zero_shot_and_regression_from_user_files(encoders, tmp_path):
@@ -384,3 +414,75 @@ def test_xnli_zero_shot_and_regression_from_user_files(encoders, tmp_path):
     assert stsb["data"]["source"] == "file-split" and stsb["settings"]["loss"] == "mse"
     assert set(stsb["summary"]) == {"train/loss", "eval/spearman", "eval/pearson"}
     assert -1.0 <= stsb["summary"]["eval/spearman"]["mean"] <= 1.0
+
+
+# ----------------------------------------------------------------------------- saved classifiers
+
+
+def _shared_rows(task: str, n: int):
+    data = load_task(task)
+    return (data.train + data.eval["eval"])[:n]
+
+
+@needs_shared
+@pytest.mark.parametrize("task", ["glue:sst2", "glue:mrpc"])
+def test_saved_tokenizer_builds_the_training_inputs(encoders, tmp_path, task):
+    from transformers import AutoTokenizer
+
+    from hlm_ray.classify.template import with_classifier_template
+
+    tok = load_tokenizer(encoders["headless"])
+    rows = _shared_rows(task, 20)  # real SST-2 sentences / MRPC pairs
+    training = PairEncoder(tok, 512)(rows)  # long enough: nothing is truncated
+    with_classifier_template(tok, max_length=512).save_pretrained(tmp_path)
+    saved = AutoTokenizer.from_pretrained(tmp_path)
+    for row, ids in zip(rows, training, strict=True):
+        args = (row.text_a,) if row.text_b is None else (row.text_a, row.text_b)
+        assert saved(*args)["input_ids"] == ids
+    assert ids[0] == tok.cls_token_id and ids[-1] == tok.sep_token_id
+    assert saved.model_max_length == 512
+    # Truncated as training truncates (longest first; 40 - 3 specials leaves an odd budget).
+    short = with_classifier_template(tok, max_length=40)
+    for row, ids in zip(rows, PairEncoder(tok, 40)(rows), strict=True):
+        args = (row.text_a,) if row.text_b is None else (row.text_a, row.text_b)
+        assert short(*args, truncation=True)["input_ids"] == ids
+    # The in-memory tokenizer training uses is left as it was (no special tokens of its own).
+    assert tok("a b")["input_ids"] == tok("a b", add_special_tokens=False)["input_ids"]
+
+
+@needs_shared
+def test_pipeline_on_a_saved_pair_classifier_predicts_what_hlm_predicts(encoders, tmp_path):
+    from transformers import pipeline
+
+    from hlm_ray.classify.finetune import _encode, predict
+
+    settings = replace(TINY, epochs=1, train_limit=64, eval_limit=32)
+    result = finetune_classifier(
+        encoders["headless"],
+        "glue:mrpc",
+        settings,
+        output_dir=tmp_path,
+        progress=False,
+        save_best_model=True,
+    )
+    folder = Path(result["best_model"])
+    card = (folder / "README.md").read_text()
+    assert "pipeline_tag: text-classification" in card and "- headless" in card
+    assert "glue:mrpc" in card and "corpus" in card  # the base encoder's run facts
+
+    rows = _shared_rows("glue:mrpc", 24)
+    spec = TASKS["glue:mrpc"]
+    model, _ = load_classifier(folder, spec, torch.device("cpu"))
+    encoder = PairEncoder(load_tokenizer(encoders["headless"]), settings.max_length)
+    ours = predict(
+        model,
+        _encode(encoder, rows, spec),
+        spec,
+        batch_size=8,
+        pad_id=encoder.pad_id,
+        device=torch.device("cpu"),
+    )
+    clf = pipeline("text-classification", model=str(folder), device="cpu")
+    pairs = [{"text": r.text_a, "text_pair": r.text_b} for r in rows]
+    theirs = clf(pairs, batch_size=8, truncation=True)  # training truncated to max_length too
+    assert [model.config.label2id[p["label"]] for p in theirs] == ours.tolist()

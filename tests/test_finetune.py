@@ -117,6 +117,8 @@ def test_bad_finetune_requests_say_what_to_do(vanilla_run, headless_run, tmp_pat
         resolve_model_dir(tmp_path)
     with pytest.raises(HLMError, match="does not exist"):
         resolve_model_dir(tmp_path / "nope")
+    assert main(["finetune", "--task", "clm", "--model", str(headless_run), "--alias", "a"]) == 2
+    assert "give --register NAME too" in capsys.readouterr().err
     assert main(["finetune", "--task", "glue:sst2", "--model", str(vanilla_run)]) == 2
     assert "needs an encoder" in capsys.readouterr().err
     assert main(["finetune", "--task", "squad", "--model", str(vanilla_run)]) == 2
@@ -126,23 +128,45 @@ def test_bad_finetune_requests_say_what_to_do(vanilla_run, headless_run, tmp_pat
 
 
 def test_register_and_load_from_the_registry(vanilla_run):
+    import mlflow
+
+    from hlm_ray.model_card import write_model_card
     from hlm_ray.tracking import download_model, register_model
 
+    write_model_card(vanilla_run / "model")
     name, version = register_model(
         vanilla_run / "model",
         "test-registry",
         extra_files=[vanilla_run / "config.yaml"],
         results={"lambada/accuracy": 0.5},
+        alias="champion",
     )
     assert name == "test-registry" and version >= 1
-    pre = load_pretrained(f"models:/{name}/{version}")
-    assert pre.family == "decoder" and pre.run_config is not None
-    files = {p.name for p in download_model(f"models:/{name}/{version}").iterdir()}
+    uri = f"models:/{name}/{version}"
+    # hlm's loaders, by version and by alias: the flavor's model/ folder with every hlm file.
+    for ref in (uri, f"models:/{name}@champion"):
+        pre = load_pretrained(ref)
+        assert pre.family == "decoder" and pre.run_config is not None
+    folder = download_model(uri)
+    files = {p.name for p in folder.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "eval_results.json"} <= files
+    assert {"token_bytes.npy", "config.yaml", "README.md"} <= files
+    # MLflow's own API: a transformers-flavor text-generation model with a signature.
+    model = mlflow.pyfunc.load_model(uri)
+    assert model.metadata.signature.inputs.input_types() == [mlflow.types.DataType.string]
+    assert model.metadata.flavors["transformers"]["task"] == "text-generation"
+    (text,) = model.predict(["The king said"], params={"max_new_tokens": 4})
+    assert text.startswith("The king said") and len(text) > len("The king said")
+    pipe = mlflow.transformers.load_model(f"models:/{name}@champion")
+    assert type(pipe).__name__ == "TextGenerationPipeline"
+    client = mlflow.MlflowClient()
+    assert client.get_model_version(name, str(version)).tags["result.lambada/accuracy"] == "0.5"
     with pytest.raises(HLMError, match="cannot be loaded from the registry"):
         load_pretrained("models:/no-such-model/1")
     with pytest.raises(HLMError, match="not a registry URI"):
         load_pretrained("models:/only-a-name")
+    with pytest.raises(HLMError, match="text-generation, text-classification"):
+        register_model(vanilla_run / "model", "test-registry", task="fill-mask")
 
 
 def test_cli_finetune_clm_then_eval_from_the_registry(headless_run, tmp_path, capsys):
@@ -150,10 +174,14 @@ def test_cli_finetune_clm_then_eval_from_the_registry(headless_run, tmp_path, ca
 
     out = tmp_path / "gen"
     argv = ["finetune", "--task", "clm", "--model", str(headless_run), "--local"]
-    argv += ["--output", str(out), "--register", "cli-gen", "--eval-limit", "50"]
-    assert main(argv) == 0
+    argv += ["--output", str(out), "--register", "cli-gen", "--alias", "candidate"]
+    assert main([*argv, "--eval-limit", "50"]) == 0
     printed = capsys.readouterr().out
     assert "registered cli-gen version" in printed and "lambada" in printed
+    assert "models:/cli-gen@candidate" in printed
+    card = (out / "model" / "README.md").read_text()
+    assert "pipeline_tag: text-generation" in card and "lambada/accuracy" in card
+    assert "fine-tuned from" in card and "must be fine-tuned" not in card
     facts = json.loads((out / "finetune.json").read_text())
     assert facts["recipe"] == "tiny" and facts["finetune_tokens"] > 0
 
@@ -164,8 +192,73 @@ def test_cli_finetune_clm_then_eval_from_the_registry(headless_run, tmp_path, ca
     (version,) = mlflow.MlflowClient().search_model_versions("name='cli-gen'")
     assert version.run_id == run_id
 
+    model_id = version.source.removeprefix("models:/")  # the logged model the version is
+    logged = mlflow.MlflowClient().get_logged_model(model_id)
+    assert {"eval/lambada/accuracy", "metrics.lambada/accuracy"} <= {m.key for m in logged.metrics}
+    assert load_pretrained("models:/cli-gen@candidate").finetuned == "clm"
     uri = f"models:/cli-gen/{version.version}"
     argv = ["eval", "--model", uri, "--task", "lambada", "--limit", "20"]
     assert main([*argv, "--output", str(tmp_path / "eval")]) == 0
     assert (tmp_path / "eval" / "eval_lambada.json").is_file()
     assert "lambada" in capsys.readouterr().out
+
+
+def test_raw_headless_decoder_card_says_it_must_be_fine_tuned(headless_run, vanilla_run):
+    from hlm_ray.model_card import model_card_text
+
+    card = model_card_text(headless_run / "model")
+    front, _, body = card.partition("\n---\n")
+    assert "pipeline_tag: feature-extraction" in front and "- headless" in front
+    top = body.strip().splitlines()[2]  # bold, right under the title
+    assert top.startswith("**This is a raw headless decoder: it cannot generate text yet.**")
+    assert "tied input embedding" in top and "hlm finetune --task clm" in top
+    assert "| training steps | 60 |" in card and "| corpus |" in card
+    vanilla = model_card_text(vanilla_run / "model")
+    assert "pipeline_tag: text-generation" in vanilla and "- vanilla" in vanilla
+    assert "cannot generate" not in vanilla
+
+
+@pytest.mark.slow
+def test_mlflow_models_serve_answers_a_registered_generator(vanilla_run, tmp_path):
+    """`mlflow models serve` (MLflow's own server, not hlm's) on a registered version: about
+    15 s to start on a shared 2-core machine."""
+    import os
+    import shutil
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import requests
+
+    from hlm_ray.tracking import register_model
+
+    name, version = register_model(vanilla_run / "model", "test-serve")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    bin_dir = Path(sys.executable).parent  # it starts `uvicorn` from PATH
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    mlflow_cli = shutil.which("mlflow", path=env["PATH"])
+    cmd = [mlflow_cli, "models", "serve", "-m", f"models:/{name}/{version}"]
+    cmd += ["--env-manager", "local", "--host", "127.0.0.1", "--port", str(port)]
+    server = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            assert server.poll() is None, server.stderr.read().decode()[-2000:]
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/ping", timeout=1).ok:
+                    break
+            except requests.ConnectionError:
+                time.sleep(0.5)
+        body = {"inputs": ["The king said"], "params": {"max_new_tokens": 4}}
+        reply = requests.post(f"http://127.0.0.1:{port}/invocations", json=body, timeout=30)
+        assert reply.status_code == 200, reply.text
+        (text,) = reply.json()["predictions"]
+        assert text.startswith("The king said")
+    finally:
+        os.killpg(server.pid, 15)  # the server and its uvicorn worker: the group it leads
+        server.wait(timeout=30)

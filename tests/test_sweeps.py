@@ -274,6 +274,17 @@ def sweep_server(tmp_path_factory, mlflow_store):
             os.environ["MLFLOW_TRACKING_URI"] = mlflow_store
 
 
+@pytest.mark.slow
+def test_a_temporary_server_prints_no_links_that_die_with_it(sweep_server, capsys):
+    """MLflow prints "View run ... at: <server>" when a run ends on an HTTP store; the sweep's
+    own server is gone minutes later, so while it runs those lines are off."""
+    from hlm_ray.tracking import MlflowTracker
+
+    run = MlflowTracker(EXPERIMENT, "quiet", tracking_uri=sweep_server)
+    run.finish()
+    assert run.active and "View run" not in capsys.readouterr().out
+
+
 def _runs(uri, sweep):
     from mlflow import MlflowClient
 
@@ -293,12 +304,13 @@ def _summary(folder):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_vocab_sweep_end_to_end_then_resumes_without_retraining(
-    ray_cluster, sweep_server, mlflow_store, tmp_path, monkeypatch
+    ray_cluster, sweep_server, mlflow_store, tmp_path, monkeypatch, capsys
 ):
     monkeypatch.chdir(tmp_path)
     main = _sweep_main("vocab")
     argv = ["--preset", "tiny", "--name", "vocab-e2e", *_set(FAST)]
     assert main(argv) == 0
+    printed = capsys.readouterr().out
     folder = tmp_path / "runs" / "sweeps" / "vocab-e2e"
     rows = _summary(folder)
     assert sorted((r["objective"], r["vocab_size"]) for r in rows) == [
@@ -331,6 +343,20 @@ def test_vocab_sweep_end_to_end_then_resumes_without_retraining(
         parent.data.metrics
     )
     assert parent.data.metrics["measured/mean_overhead_s"] > 0
+    # The results as charts (one step per vocabulary size) and the description; the link printed
+    # is the parent run's page on the store's server, MLflow's own links are off.
+    for objective in ("headless", "vanilla"):
+        history = client.get_metric_history(
+            parent.info.run_id, f"ablation/downstream_score/{objective}"
+        )
+        assert sorted(m.step for m in history) == [512, 1024]
+    assert (
+        "| vocab (asked) | downstream score, headless |" in parent.data.tags["mlflow.note.content"]
+    )
+    experiment = client.get_experiment(parent.info.experiment_id)
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    assert f"/#/experiments/{experiment.experiment_id}/runs/{parent.info.run_id}" in printed
+    assert "View run" not in printed
     assert len(children) == 4
     for child in children:
         assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id

@@ -66,6 +66,11 @@ def tracking_warnings(caplog) -> list[str]:
 def test_default_tracking_uri(monkeypatch, tmp_path):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("HLM_MLFLOW_DIR", raising=False)
+    monkeypatch.delenv("HLM_WORK_DIR", raising=False)
+    # The current directory, as for `mlflow ui`'s own default (not the package's folder).
+    monkeypatch.chdir(tmp_path)
+    assert default_tracking_uri() == f"sqlite:///{tmp_path.resolve() / 'mlflow.db'}"
+    monkeypatch.chdir(PROJECT_ROOT)
     assert default_tracking_uri() == f"sqlite:///{PROJECT_ROOT / 'mlflow.db'}"
     monkeypatch.setenv("HLM_MLFLOW_DIR", str(tmp_path))
     assert default_tracking_uri() == f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -19,7 +19,8 @@ encoder weights of a bare `BertModel` (headless) or a `*ForMaskedLM` (vanilla) f
 new pooler + classifier (seeded per run); the load is checked so that no encoder weight is left
 randomly initialised. Inputs are ``[cls] a [sep]`` or ``[cls] a [sep] b [sep]`` built here, since
 hlm_ray's byte-level tokenizers add no special tokens themselves (a tokenizer that does, such
-as a hub BERT's, encodes the pair itself); pairs are truncated longest-first to
+as a hub BERT's, encodes the pair itself); pairs are truncated longest-first (as the
+`tokenizers` library does, so the saved tokenizer matches: `classify/template.py`) to
 min(max_length, model positions); batches are padded per batch with an attention mask, and
 segment ids stay 0 (hlm_ray pretraining never uses a second segment).
 
@@ -47,9 +48,11 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from hlm_ray.classify.loss import LOSSES, regression_mse
 from hlm_ray.classify.metrics import task_metrics
 from hlm_ray.classify.tasks import GLUE_EVAL, Example, TaskSpec, get_task, load_task
+from hlm_ray.classify.template import adds_special_tokens, special_ids, with_classifier_template
 from hlm_ray.config import ClassifyConfig
 from hlm_ray.device import resolve_device
 from hlm_ray.errors import HLMError, one_line
+from hlm_ray.model_card import write_model_card
 from hlm_ray.models import max_input_positions
 from hlm_ray.pretrained import model_info, resolve_model_dir
 from hlm_ray.tokenizer import load_tokenizer
@@ -77,28 +80,21 @@ def recipe(name: str, task: str) -> ClassifyConfig:
 # ----------------------------------------------------------------------------- inputs
 
 
-def _adds_special_tokens(tokenizer: PreTrainedTokenizerFast) -> bool:
-    """Whether the tokenizer's own post-processor wraps inputs (hub BERT does, hlm_ray's not)."""
-    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
-    return tokenizer("a")["input_ids"] != plain
-
-
 def _truncate_pair(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
-    """Longest-first truncation: trim the longer text, then both alternately (a first)."""
-    excess = len_a + len_b - budget
-    if excess <= 0:
+    """Longest-first truncation exactly as the `tokenizers` library does it (so a saved
+    tokenizer called with ``truncation=True`` builds the same inputs): a text no longer than
+    half the budget is kept whole and the other gets the rest; otherwise the shorter gets
+    budget // 2 and the longer the rest (the second text, when both are equally long)."""
+    if len_a + len_b <= budget:
         return len_a, len_b
-    if len_a >= len_b:
-        cut = min(excess, len_a - len_b)
-        len_a, excess = len_a - cut, excess - cut
+    short = min(len_a, len_b)
+    if short <= budget // 2:
+        keep_short, keep_long = short, budget - short
     else:
-        cut = min(excess, len_b - len_a)
-        len_b, excess = len_b - cut, excess - cut
-    return len_a - (excess + 1) // 2, len_b - excess // 2
-
-
-def _first_id(*ids: int | None) -> int | None:
-    return next((i for i in ids if i is not None), None)
+        keep_short, keep_long = budget // 2, budget - budget // 2
+    if len_a > len_b:
+        return min(len_a, keep_long), min(len_b, keep_short)
+    return min(len_a, keep_short), min(len_b, keep_long)
 
 
 class PairEncoder:
@@ -108,13 +104,12 @@ class PairEncoder:
         if max_len < 8:
             raise HLMError(f"max_length={max_len} is too short for a classifier input; use >= 8")
         self.tokenizer, self.max_len = tokenizer, max_len
-        self.own_specials = _adds_special_tokens(tokenizer)
+        self.own_specials = adds_special_tokens(tokenizer)
         # A tokenizer without cls / sep (a decoder's) falls back to bos / eos, then to none.
-        cls = _first_id(tokenizer.cls_token_id, tokenizer.bos_token_id)
-        sep = _first_id(tokenizer.sep_token_id, tokenizer.eos_token_id)
+        cls, sep = special_ids(tokenizer)
         self.prefix = [cls] if cls is not None else []
         self.sep = [sep] if sep is not None else []
-        self.pad_id = _first_id(tokenizer.pad_token_id, sep, 0)
+        self.pad_id = next(i for i in (tokenizer.pad_token_id, sep, 0) if i is not None)
 
     def __call__(self, examples: Sequence[Example]) -> list[list[int]]:
         texts_a = [e.text_a for e in examples]
@@ -243,6 +238,28 @@ def constant_with_warmup(
 
 
 @torch.no_grad()
+def predict(
+    model: PreTrainedModel,
+    split: EncodedSplit,
+    spec: TaskSpec,
+    *,
+    batch_size: int,
+    pad_id: int,
+    device: torch.device,
+) -> np.ndarray:
+    """(N,) predicted class ids (scores for regression) of an encoded split, in its order."""
+    model.eval()
+    order = np.argsort([len(ids) for ids in split.ids], kind="stable")  # less padding
+    preds = []
+    for ids_BL, mask_BL, _ in _batches(split, order, batch_size, pad_id, device):
+        logits_BC = model(input_ids=ids_BL, attention_mask=mask_BL).logits.float()
+        preds.append(logits_BC.squeeze(-1) if spec.regression else logits_BC.argmax(-1))
+    preds_sorted = torch.cat(preds).cpu().numpy()
+    preds_N = np.empty_like(preds_sorted)
+    preds_N[order] = preds_sorted
+    return preds_N
+
+
 def evaluate(
     model: PreTrainedModel,
     split: EncodedSplit,
@@ -253,15 +270,7 @@ def evaluate(
     device: torch.device,
 ) -> dict[str, float]:
     """The task's metrics on one encoded split (eval mode, no gradients)."""
-    model.eval()
-    order = np.argsort([len(ids) for ids in split.ids], kind="stable")  # less padding
-    preds = []
-    for ids_BL, mask_BL, _ in _batches(split, order, batch_size, pad_id, device):
-        logits_BC = model(input_ids=ids_BL, attention_mask=mask_BL).logits.float()
-        preds.append(logits_BC.squeeze(-1) if spec.regression else logits_BC.argmax(-1))
-    preds_sorted = torch.cat(preds).cpu().numpy()
-    preds_N = np.empty_like(preds_sorted)
-    preds_N[order] = preds_sorted
+    preds_N = predict(model, split, spec, batch_size=batch_size, pad_id=pad_id, device=device)
     return task_metrics(spec, preds_N, split.labels.numpy())
 
 
@@ -388,7 +397,10 @@ def _save_model(model: PreTrainedModel, run: _Run, seed: int, epoch: int) -> Non
     model.config.hlm_classify = {"seed": seed, "epoch": epoch, run.main_key: run.best_main}
     with _quiet_transformers():
         model.save_pretrained(str(run.best_dir))
-        run.tokenizer.save_pretrained(str(run.best_dir))
+        # The saved tokenizer adds [cls]/[sep] itself, as PairEncoder did: a transformers
+        # pipeline on the folder feeds the model what it was trained on.
+        tokenizer = with_classifier_template(run.tokenizer, max_length=run.settings["max_length"])
+        tokenizer.save_pretrained(str(run.best_dir))
 
 
 def _summary(seeds: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -401,7 +413,7 @@ def _summary(seeds: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _limit(examples: list[Example], limit: int | None) -> list[Example]:
+def limit_examples(examples: list[Example], limit: int | None) -> list[Example]:
     """A fixed random subset (the same rows for every XNLI language: equal lengths)."""
     if limit is None or len(examples) <= limit:
         return examples
@@ -467,9 +479,10 @@ def finetune_classifier(
     tokenizer = load_tokenizer(folder)
     positions = max_input_positions(json.loads((folder / "config.json").read_text())) or 512
     encoder = PairEncoder(tokenizer, min(settings.max_length, positions))
-    train = _encode(encoder, _limit(data.train, settings.train_limit), spec)
+    train = _encode(encoder, limit_examples(data.train, settings.train_limit), spec)
     evals = {
-        k: _encode(encoder, _limit(v, settings.eval_limit), spec) for k, v in data.eval.items()
+        k: _encode(encoder, limit_examples(v, settings.eval_limit), spec)
+        for k, v in data.eval.items()
     }
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
@@ -522,6 +535,14 @@ def finetune_classifier(
     }
     path = output_dir / f"classify_{slug}.json"
     path.write_text(json.dumps(result, indent=1) + "\n")
+    if run.best_dir is not None:
+        note = (
+            f"Fine-tuned from `{model_ref}` on {task} ({data.note}). Scores: the mean over "
+            f"seeds {list(seeds)} at each seed's best epoch; the saved weights are the best "
+            "(seed, epoch) in `config.json`'s `hlm_classify`."
+        )
+        scores = {k: v["mean"] for k, v in summary.items()}
+        write_model_card(run.best_dir, scores=scores, notes=[note], base=folder)
     best = {f"best/{k}": v["mean"] for k, v in summary.items()}
     best |= {f"best/{k}_std": v["std"] for k, v in summary.items()}
     tracker.log_metrics(best, step=epochs)

@@ -4,7 +4,8 @@ importing it stays cheap).
 - `base`: the five-method `Tracker` contract (its no-op is used on non-zero ranks and in tests),
   `JsonlTracker` (metrics.jsonl + params.json), `MultiTracker`, `read_metrics`, and the run
   folder's reference to its MLflow run (`read_run_ref` / `write_run_ref`);
-- `store`: where the MLflow store is (`default_tracking_uri`), the reachability probe, limits;
+- `store`: where the MLflow store is (`default_tracking_uri`), the reachability probe, limits,
+  how to open a run in the browser afterwards (`browse_hint`);
 - `mlflow_tracker`: `MlflowTracker`, one MLflow run that never stops training;
 - `registry`: `register_model` / `download_model` (``models:/NAME/VERSION``);
 - `server`: the local ``mlflow server`` a sweep's concurrent trials log through.
@@ -28,6 +29,7 @@ from hlm_ray.tracking.registry import REGISTRY_SCHEME, download_model, register_
 from hlm_ray.tracking.store import (
     MLFLOW_DIR_ENV,
     TRACKING_URI_ENV,
+    browse_hint,
     default_tracking_uri,
     mlflow_dir,
 )
@@ -42,6 +44,7 @@ __all__ = [
     "MlflowTracker",
     "MultiTracker",
     "Tracker",
+    "browse_hint",
     "default_tracking_uri",
     "download_model",
     "mlflow_dir",

@@ -52,6 +52,12 @@ from hlm_ray.tracking.store import (
 log = logging.getLogger(__name__)
 
 RUN_STATUSES = ("FINISHED", "FAILED", "KILLED")
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+# MLflow 3.x's UI opens an experiment without this tag on its GenAI pages (traces, an assistant);
+# "custom_model_development" opens runs, charts and models: what a training experiment is.
+EXPERIMENT_TAGS = {EXPERIMENT_KIND_TAG: "custom_model_development"}
+NOTE_TAG = "mlflow.note.content"
+"""A run's description (Markdown), shown first on its page."""
 
 
 class MlflowTracker(Tracker):
@@ -79,6 +85,7 @@ class MlflowTracker(Tracker):
         self.experiment = experiment
         self.tracking_uri = tracking_uri or default_tracking_uri()
         self.run_id: str | None = None
+        self.experiment_id: str | None = None
         self.disabled_reason: str | None = None
         self._client: Any = None
         try:
@@ -187,14 +194,16 @@ class MlflowTracker(Tracker):
             if run.info.status != "RUNNING":
                 client.update_run(run_id, status="RUNNING")
             log_tags(client, run_id, extra)
+            self.experiment_id = run.info.experiment_id
             self.run_id = run_id
             return
         defaults = {"mlflow.user": mlflow_user()}
         commit = git_commit()
         if commit:
             defaults["mlflow.source.git.commit"] = commit
+        self.experiment_id = self._experiment_id(client)
         run = client.create_run(
-            self._experiment_id(client),
+            self.experiment_id,
             start_time=int(time.time() * 1000),
             tags={**defaults, **extra},
             run_name=run_name,
@@ -206,7 +215,9 @@ class MlflowTracker(Tracker):
         if exp is None:
             try:
                 return client.create_experiment(
-                    self.experiment, artifact_location=artifact_location(self.tracking_uri)
+                    self.experiment,
+                    artifact_location=artifact_location(self.tracking_uri),
+                    tags=EXPERIMENT_TAGS,
                 )
             except Exception:
                 # Another process may have created it between the lookup and the create.
@@ -216,6 +227,10 @@ class MlflowTracker(Tracker):
         if exp.lifecycle_stage == "deleted":
             # A deleted experiment still owns its name; bring it back rather than fail.
             client.restore_experiment(exp.experiment_id)
+        if EXPERIMENT_KIND_TAG not in exp.tags:  # made before hlm said what it is, or by hand
+            client.set_experiment_tag(
+                exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_TAGS[EXPERIMENT_KIND_TAG]
+            )
         return exp.experiment_id
 
     def _get_client(self):

@@ -1,8 +1,15 @@
 """The MLflow model registry: register a model folder as a version, download one back.
 
     name, version = register_model(out / "model", "hlm-tiny-generator", run_id=run_id,
-                                   results={"lambada/accuracy": 0.2})
+                                   task="text-generation", input_example="The king said",
+                                   results={"lambada/accuracy": 0.2}, alias="champion")
     folder = download_model("models:/hlm-tiny-generator/1")     # or models:/NAME@alias
+
+A version is an MLflow *transformers-flavor* model (task, signature, input example, tokenizer,
+card), so MLflow's own tools use it as they use any model:
+
+    mlflow.pyfunc.load_model("models:/hlm-tiny-generator/1").predict(["The king said"])
+    mlflow models serve -m models:/hlm-tiny-generator/1 --env-manager local
 
 Unlike training, registration is what the user asked for: failures raise `HLMError`.
 """
@@ -11,73 +18,157 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from hlm_ray.config import flatten
 from hlm_ray.errors import HLMError, one_line
+from hlm_ray.model_card import CARD_FILE
 from hlm_ray.tracking import store
 from hlm_ray.tracking.mlflow_tracker import MlflowTracker
 from hlm_ray.tracking.store import MAX_TAG_VALUE, clip, default_tracking_uri, is_number, redact
 
 REGISTRY_SCHEME = "models:/"
-REGISTERED_ARTIFACT = "registered_model"
+FLAVOR_SUBDIR = "model"  # where the transformers flavor keeps the weights (save_pretrained)
+TASKS = ("text-generation", "text-classification")
+DEFAULT_EXAMPLE = "The old man looked at the sea and said"
+# Files of an hlm model folder that the flavor's save_pretrained does not write: they are added
+# to its model/ folder so that hlm's loaders read a registered model like a run's model folder.
+_KEEP = ("config.json", "model.safetensors", "generation_config.json")
+
+
+def _signature(task: str, pair: bool):
+    """The model's inputs and outputs as MLflow records them (and checks at serving time)."""
+    from mlflow.models import ModelSignature
+    from mlflow.types import ColSpec, DataType, ParamSchema, ParamSpec, Schema
+
+    if task == "text-generation":
+        return ModelSignature(
+            inputs=Schema([ColSpec(DataType.string)]),
+            outputs=Schema([ColSpec(DataType.string)]),
+            params=ParamSchema(
+                [
+                    ParamSpec("max_new_tokens", DataType.long, 32),
+                    ParamSpec("do_sample", DataType.boolean, False),
+                    ParamSpec("temperature", DataType.double, 1.0),
+                ]
+            ),
+        )
+    inputs = (
+        [ColSpec(DataType.string, "text"), ColSpec(DataType.string, "text_pair")]
+        if pair
+        else [ColSpec(DataType.string)]
+    )
+    return ModelSignature(
+        inputs=Schema(inputs),
+        outputs=Schema([ColSpec(DataType.string, "label"), ColSpec(DataType.double, "score")]),
+    )
+
+
+def _requirements() -> list[str]:
+    """Pinned to this environment (MLflow's default would also demand torchvision)."""
+    from importlib.metadata import version
+
+    return [
+        f"{name}=={version(name).split('+')[0]}" for name in ("torch", "transformers", "tokenizers")
+    ]
+
+
+def _log_flavor(folder: Path, task: str, input_example: Any, card: Path | None):
+    """Log the model folder through mlflow.transformers into the active run; its ModelInfo."""
+    import mlflow
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    cls = AutoModelForCausalLM if task == "text-generation" else AutoModelForSequenceClassification
+    model = cls.from_pretrained(str(folder))
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    model_card = None
+    if card is not None and card.is_file():
+        from huggingface_hub import ModelCard
+
+        model_card = ModelCard(card.read_text())  # else MLflow asks the hub for one
+    pair = isinstance(input_example, dict)
+    return mlflow.transformers.log_model(
+        {"model": model, "tokenizer": tokenizer},
+        name=FLAVOR_SUBDIR,
+        task=task,
+        signature=_signature(task, pair),
+        input_example=input_example,
+        pip_requirements=_requirements(),
+        model_card=model_card,
+        model_config={"max_new_tokens": 32} if task == "text-generation" else None,
+    )
 
 
 def register_model(
     model_dir: str | Path,
     name: str,
     *,
+    task: str = "text-generation",
+    input_example: Any = None,
     run_id: str | None = None,
     experiment: str = "hlm_ray",
     tracking_uri: str | None = None,
     extra_files: Iterable[str | Path] = (),
     results: dict[str, Any] | None = None,
     tags: dict[str, Any] | None = None,
+    alias: str | None = None,
 ) -> tuple[str, int]:
-    """Register the model folder as a new version of `name`; returns (name, version).
+    """Register the model folder as a new version of `name` through MLflow's transformers
+    flavor; returns (name, version).
 
-    The folder (weights, config, tokenizer) plus `extra_files` (e.g. the hlm_ray config) and
-    `results` (written as ``eval_results.json``) are logged under the run's
-    ``registered_model/`` artifact, and that artifact is the version's source, so
-    ``download_model("models:/NAME/VERSION")`` gives back a folder `load_pretrained` reads.
-    Without `run_id` a run is created to hold the artifacts. Unlike training, registration is
-    what the user asked for: failures raise (HLMError) rather than being skipped."""
+    `task` is the pipeline it serves (``text-generation`` or ``text-classification``);
+    `input_example` a prompt (a string, or ``{"text": a, "text_pair": b}`` for a pair task;
+    default: a fixed sentence).
+    The logged model has a signature, the example, the tokenizer and config, and the folder's
+    README.md as its card, so ``mlflow.pyfunc.load_model("models:/NAME/VERSION")``,
+    ``mlflow.transformers.load_model`` and ``mlflow models serve`` work on it. The folder's
+    other files (tokenizer, `extra_files` such as the hlm_ray config, `results` written as
+    ``eval_results.json``) are added to the flavor's ``model/`` folder, which
+    `download_model` returns to hlm's loaders. Numeric `results` become metrics of the logged
+    model (and of the run) and ``result.*`` tags of the version; `tags` are version tags;
+    `alias` points ``models:/NAME@alias`` at the new version. Without `run_id` a run is created
+    to hold the model. Unlike training, registration is what the user asked for: failures raise
+    (HLMError) rather than being skipped."""
     import shutil
     import tempfile
 
+    if task not in TASKS:
+        raise HLMError(f"task={task!r} cannot be registered; use one of {', '.join(TASKS)}")
+    if input_example is None:
+        input_example = DEFAULT_EXAMPLE
     uri = tracking_uri or default_tracking_uri()
     try:
         store.probe(uri)
+        import mlflow
         from mlflow import MlflowClient
-        from mlflow.exceptions import MlflowException
 
         client = MlflowClient(tracking_uri=uri)
         if run_id is None:
             run_id = MlflowTracker(experiment, f"register-{name}", tracking_uri=uri).run_id
             if run_id is None:
                 raise HLMError(f"cannot open an MLflow run at {redact(uri)} to register {name}")
-            client.set_terminated(run_id, "FINISHED")
-        with tempfile.TemporaryDirectory(prefix="hlm-register-") as tmp:
-            folder = Path(tmp) / REGISTERED_ARTIFACT
-            shutil.copytree(model_dir, folder)
+        metrics = {k: float(v) for k, v in flatten(results or {}) if is_number(v)}
+        with tempfile.TemporaryDirectory(prefix="hlm-register-") as tmp, _tracking_uri(uri):
+            extras = Path(tmp) / FLAVOR_SUBDIR
+            shutil.copytree(model_dir, extras, ignore=shutil.ignore_patterns(*_KEEP))
             for extra in extra_files:
-                shutil.copy(extra, folder / Path(extra).name)
+                shutil.copy(extra, extras / Path(extra).name)
             if results is not None:
-                (folder / "eval_results.json").write_text(json.dumps(results, indent=1))
-            client.log_artifacts(run_id, str(folder), REGISTERED_ARTIFACT)
-        source = f"{client.get_run(run_id).info.artifact_uri}/{REGISTERED_ARTIFACT}"
-        try:
-            client.create_registered_model(name)
-        except MlflowException as err:
-            if "RESOURCE_ALREADY_EXISTS" not in str(err.error_code):
-                raise
-        version_tags = {k: clip(str(v), MAX_TAG_VALUE) for k, v in flatten(tags or {})}
-        for key, value in flatten(results or {}):
-            if is_number(value):
-                version_tags[f"result.{key}"] = str(value)
-        version = client.create_model_version(name, source=source, run_id=run_id, tags=version_tags)
+                (extras / "eval_results.json").write_text(json.dumps(results, indent=1))
+            with mlflow.start_run(run_id=run_id):
+                info = _log_flavor(Path(model_dir), task, input_example, extras / CARD_FILE)
+                client.log_model_artifacts(info.model_id, str(extras), FLAVOR_SUBDIR)
+                if metrics:
+                    mlflow.log_metrics(metrics, model_id=info.model_id)
+            version_tags = {k: clip(str(v), MAX_TAG_VALUE) for k, v in flatten(tags or {})}
+            version_tags |= {f"result.{k}": str(v) for k, v in metrics.items()}
+            version_tags["hlm.task"] = task
+            version = mlflow.register_model(info.model_uri, name, tags=version_tags)
+        if alias:
+            client.set_registered_model_alias(name, alias, version.version)
     except HLMError:
         raise
     except Exception as err:
@@ -88,8 +179,25 @@ def register_model(
     return name, int(version.version)
 
 
+@contextmanager
+def _tracking_uri(uri: str) -> Iterator[None]:
+    """MLflow's fluent API (log_model needs it) pointed at `uri`, then back, environment
+    included (setting the URI writes MLFLOW_TRACKING_URI; restoring None would delete it)."""
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    try:
+        with _use_tracking_uri(uri):
+            yield
+    finally:
+        if env is not None:
+            os.environ["MLFLOW_TRACKING_URI"] = env
+
+
 def download_model(uri: str, *, tracking_uri: str | None = None) -> Path:
-    """A local folder with the files of ``models:/NAME/VERSION`` or ``models:/NAME@alias``.
+    """The local model folder (config.json, weights, tokenizer, extra files) of
+    ``models:/NAME/VERSION`` or ``models:/NAME@alias``: the ``model/`` folder of a
+    transformers-flavor version, the whole artifact of one registered as a plain folder.
 
     Versions are immutable, so each is downloaded once into the cache (an alias is resolved to
     its version first: moving the alias serves the new version)."""
@@ -117,6 +225,7 @@ def download_model(uri: str, *, tracking_uri: str | None = None) -> Path:
             shutil.rmtree(target, ignore_errors=True)
             (inner if inner.is_dir() else tmp).rename(target)
             shutil.rmtree(tmp, ignore_errors=True)
+            _complete_flavor_folder(target)
             done.touch()
     except Exception as err:
         raise HLMError(
@@ -124,7 +233,21 @@ def download_model(uri: str, *, tracking_uri: str | None = None) -> Path:
             f"{type(err).__name__}: {one_line(err, limit=300, empty='(no message)')}; list versions with "
             "`mlflow ui` or register one with `hlm finetune --task clm --register NAME`"
         ) from None
-    return target
+    return target / FLAVOR_SUBDIR if (target / "MLmodel").is_file() else target
+
+
+def _complete_flavor_folder(target: Path) -> None:
+    """A transformers-flavor model keeps its tokenizer under components/tokenizer/; copy it
+    beside the weights (a version logged by hlm has it there already, one logged by other code
+    may not), so that the model/ folder is what hlm's loaders read."""
+    import shutil
+
+    weights, tokenizer = target / FLAVOR_SUBDIR, target / "components" / "tokenizer"
+    if not (target / "MLmodel").is_file() or not tokenizer.is_dir():
+        return
+    for path in tokenizer.iterdir():
+        if path.is_file() and not (weights / path.name).exists():
+            shutil.copy(path, weights / path.name)
 
 
 def parse_model_uri(uri: str) -> tuple[str, str]:

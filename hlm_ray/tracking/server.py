@@ -11,6 +11,10 @@ same sqlite store and artifact folder the embedded tracker uses
 shows the sweep afterwards; it is stopped when the block exits (and at interpreter exit), and
 runs under `hlm_ray.watchdog`, so it also dies with a driver killed by SIGKILL.
 
+MLflow prints a "View run ... at: http://127.0.0.1:PORT/..." line whenever a run ends on an
+HTTP store: links to this server die with it. While it runs, `QUIET_LINKS` is set in this
+process (and a sweep passes it to its trials); the sweep prints `store.browse_hint` instead.
+
 The server runs as ``python -m mlflow server`` (a subprocess: this module does not import
 mlflow). Start-up takes 10-45 s on a busy 2-core machine (more on a fresh store: it migrates).
 """
@@ -34,6 +38,7 @@ from hlm_ray.tracking.store import default_tracking_uri, sqlite_path
 from hlm_ray.watchdog import spawn_guarded, stop_group
 
 START_TIMEOUT_S = 180.0
+QUIET_LINKS = {"MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
 
 
 @contextmanager
@@ -56,7 +61,9 @@ def tracking_server(
         return
     # The artifact folder `MlflowTracker` gives experiments it creates on a sqlite store.
     server = LocalServer(db, db.resolve().parent / "mlartifacts", log_file)
+    saved = {key: os.environ.get(key) for key in QUIET_LINKS}
     try:
+        os.environ.update(QUIET_LINKS)
         server.spawn()
         if while_starting is not None:
             while_starting()
@@ -64,6 +71,11 @@ def tracking_server(
         yield server.uri
     finally:
         server.stop()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 class LocalServer:

@@ -5,9 +5,11 @@ request limits and the small helpers the tracker, the registry and the local ser
     sqlite_path(uri)                      # the database file of a sqlite URI, else None
     probe(uri)                            # ConnectionError at once if an HTTP server is not there
     redact(uri)                           # without user:password, for messages
+    print(browse_hint(uri, experiment_id, run_id))  # how to open a run once this process exits
 
 Without a tracking server everything lands in `<root>/mlflow.db` with artifacts in
-`<root>/mlartifacts` (`<root>` is the project folder, or ``$HLM_MLFLOW_DIR``).
+`<root>/mlartifacts`: `<root>` is ``$HLM_MLFLOW_DIR``, else `hlm_ray.paths.work_dir()` (the
+current directory, as for ``mlflow ui``'s own default ``sqlite:///mlflow.db``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hlm_ray.paths import project_root
+from hlm_ray.paths import work_dir
 
 MLFLOW_DIR_ENV = "HLM_MLFLOW_DIR"
 TRACKING_URI_ENV = "MLFLOW_TRACKING_URI"
@@ -49,9 +51,10 @@ def bound_http_waits() -> None:
 
 
 def mlflow_dir() -> Path:
-    """The folder of the embedded store: ``$HLM_MLFLOW_DIR``, else the project root."""
+    """The folder of the embedded store: ``$HLM_MLFLOW_DIR``, else `work_dir()` (the current
+    directory; the installed checkout inside a `ray job submit --working-dir .` copy)."""
     value = os.environ.get(MLFLOW_DIR_ENV)
-    return Path(value).expanduser().resolve() if value else project_root()
+    return Path(value).expanduser().resolve() if value else work_dir()
 
 
 def default_tracking_uri() -> str:
@@ -131,6 +134,35 @@ def redact(uri: str) -> str:
     if parts.port:
         netloc += f":{parts.port}"
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+UI_URL = "http://127.0.0.1:5000"
+"""Where ``mlflow ui`` serves by default."""
+# MLflow 3's UI opens on its GenAI pages unless the page says otherwise (its "Model training"
+# switch, remembered per browser): the links hlm prints say it.
+UI_QUERY = "?workflowType=machine_learning"
+
+
+def browse_hint(uri: str, experiment_id: str | None = None, run_id: str | None = None) -> str:
+    """How to open a run in MLflow's browser, valid after this process exits: the server's own
+    page for an HTTP store, else the ``mlflow ui`` command for the store and the page to open
+    (never the URL of a temporary server)."""
+    page = ""
+    if experiment_id is not None:
+        page = f"/#/experiments/{experiment_id}" + (f"/runs/{run_id}" if run_id else "")
+        page += UI_QUERY
+    if uri.startswith(("http://", "https://")):
+        return f"MLflow: {redact(uri).rstrip('/')}{page}"
+    db = sqlite_path(uri)
+    store = f"sqlite:///{db.resolve()}" if db is not None else redact(uri)
+    return f"MLflow: mlflow ui --backend-store-uri {store}\n  then open {UI_URL}{page}"
+
+
+def artifact_url(run_id: str, path: str) -> str:
+    """A run's artifact as the MLflow UI serves it, relative to the UI's page: for Markdown
+    images in a run's description."""
+    query = urllib.parse.urlencode({"path": path, "run_uuid": run_id})
+    return f"get-artifact?{query}"
 
 
 def mlflow_user() -> str:

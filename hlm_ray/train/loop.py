@@ -36,7 +36,7 @@ from hlm_ray.budget import (
 from hlm_ray.config import Config
 from hlm_ray.data import BlockSampler
 from hlm_ray.device import autocast, autocast_dtype, resolve_device
-from hlm_ray.flops import config_step_flops, describe, device_peak_flops, mfu
+from hlm_ray.flops import config_step_flops, describe, device_peak_flops, k_tags, mfu
 from hlm_ray.models import build_model, init_from_pretrained, num_parameters
 from hlm_ray.tokenizer import token_byte_lengths
 from hlm_ray.tracking import JsonlTracker, MultiTracker, Tracker, read_metrics
@@ -119,8 +119,7 @@ class _Run:
     window_steps: int = 0
     loss_sum: torch.Tensor | None = None
     grad_norm: float = math.nan
-    num_rows: float = math.nan
-    """K of the last micro-batch (rows scored by the loss)."""
+    rows_sum: torch.Tensor | None = None  # loss rows (K) per micro-batch, summed over the window
     setup_s: float = 0.0
     checkpoint_s: float = 0.0
     entered: float = 0.0
@@ -270,6 +269,7 @@ def _setup(cfg, env, reporter, tracking, resume_from) -> _Run:
         accum=accum,
         start=start,
         loss_sum=torch.zeros((), device=env.device),
+        rows_sum=torch.zeros((), device=env.device),
         best_val=_best_val_loss(out_dir / BEST) if start else math.inf,
         budget=budget,
         prior_seconds=prior_seconds,
@@ -316,6 +316,8 @@ def _step(run: _Run, step: int) -> None:
             out = run.module(input_ids, labels, negative_ids=negatives, negative_seed=seed)["loss"]
         run.scaler.scale(out.loss / run.accum).backward()
         run.loss_sum += out.loss.detach() / run.accum
+        # An int for CWT and decoders, a 0-d tensor for the masked vanilla loss: no sync here.
+        run.rows_sum += out.num_rows / run.accum
     run.scaler.unscale_(run.optimizer)
     # Sparse-aware (the lazy embedding update's gradient): torch's clip_grad_norm_ raises.
     run.grad_norm = clip_grad_norm(run.model.parameters(), cfg.optim.grad_clip or float("inf"))
@@ -323,7 +325,6 @@ def _step(run: _Run, step: int) -> None:
     run.scaler.update()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
-    run.num_rows = out.num_rows
     run.last_batch = (input_ids, labels, negatives)  # for the measured U at log steps
     run.train_time += time.perf_counter() - step_start
     run.window_steps += 1
@@ -333,14 +334,16 @@ def _log_window(run: _Run, done: int) -> None:
     """The metrics of the steps since the last log line (the one sync per window)."""
     elapsed = time.perf_counter() - run.window_start
     steps = run.window_steps
+    # The loss and K per micro-batch, averaged over workers and steps (one collective).
+    loss_sum, rows_sum = global_mean(torch.stack([run.loss_sum, run.rows_sum])).tolist()
+    rows, before = rows_sum / steps, run.last.get("train/K")
     run.last = {
-        # The loss averaged over workers.
-        "train/loss": global_mean(run.loss_sum).item() / steps,
+        "train/loss": loss_sum / steps,
         "train/lr": run.scheduler.get_last_lr()[0],
         "train/grad_norm": float(run.grad_norm),
         "train/step_time_s": elapsed / steps,
         "train/tokens_per_s": run.tokens_per_step * steps / elapsed,
-        "train/K": float(run.num_rows),
+        "train/K": rows,  # a masked LM's K varies by micro-batch (~15% of positions): the mean
         **_peak_memory(run.env.device),
     }
     # Measured U: distinct ids among the last micro-batch's negatives (all workers' with
@@ -355,7 +358,10 @@ def _log_window(run: _Run, done: int) -> None:
     if utilisation is not None:
         run.last["train/mfu"] = utilisation / run.env.world_size  # peak is per device
     run.tracker.log_metrics(run.last, step=done)
+    if rows != before:  # the tags say what the metric says
+        run.tracker.set_tags(k_tags(rows, len(run.tokenizer)))
     run.loss_sum.zero_()
+    run.rows_sum.zero_()
     run.window_steps, run.window_start = 0, time.perf_counter()
 
 
@@ -549,8 +555,7 @@ def _log_artifacts(tracker: Tracker, out_dir: Path, cfg: Config) -> None:
 
 def _tags(cfg: Config, tokenizer, env: WorkerEnv, model, step_cost) -> dict[str, Any]:
     return {
-        "K": step_cost.target_rows,
-        "K_over_V": round(step_cost.target_rows / len(tokenizer), 4),
+        **k_tags(step_cost.target_rows, len(tokenizer)),
         "head_flop_share": round(step_cost.head_share, 4),
         "cross_worker_negatives": cfg.objective.cross_worker_negatives,
         "objective": cfg.objective.name,

@@ -14,6 +14,8 @@
 only this record. A value may set more than its field (`settings`: the batch-size axis also
 sets the global batch; the negatives axis maps "own" / "all_workers" / N to two objective
 fields). Values are numbers or short strings; string values are plotted as categories.
+`arm_settings` adds what differs between the arms of one value (the headline comparison gives
+the vanilla decoder the headless arm's fine-tuning share on top of the common budget).
 """
 
 from __future__ import annotations
@@ -55,6 +57,9 @@ class Axis:
     settings: Callable[[Value, int], dict[str, Any]] | None = None
     """(value, workers per trial) -> the dotted config overrides the value stands for; None:
     just `{field: value}`."""
+    arm_settings: Callable[[Value, str], dict[str, Any]] | None = None
+    """(value, objective) -> overrides of that arm on top of `settings`; every arm of a value
+    must set the same keys. None: the arms differ only in `objective.name`."""
     check: Callable[[Any], None] | None = None
     """(the `SweepSpec`) -> raise `HLMError` for values that can never run; called before Ray
     starts."""
@@ -64,11 +69,12 @@ class Axis:
     log_x: bool = True
     """Plot numeric values on a log2 axis."""
 
-    def overrides(self, value: Value, workers: int) -> dict[str, Any]:
-        """The config overrides of one value of the axis."""
-        if self.settings is None:
-            return {self.field: value}
-        return self.settings(value, workers)
+    def overrides(self, value: Value, workers: int, objective: str | None = None) -> dict[str, Any]:
+        """The config overrides of one value of the axis (of one arm, given its objective)."""
+        out = {self.field: value} if self.settings is None else self.settings(value, workers)
+        if objective is not None and self.arm_settings is not None:
+            out = {**out, **self.arm_settings(value, objective)}
+        return out
 
     def identity(self) -> dict[str, Any]:
         return {"name": self.name, "field": self.field}

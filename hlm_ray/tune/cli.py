@@ -50,7 +50,11 @@ def build_parser(
     p.add_argument("--workers-per-trial", type=int, help="Ray Train workers of each trial")
     p.add_argument("--cpus-per-worker", type=float, help="CPUs of each Train worker")
     p.add_argument("--gpus-per-worker", type=float, help="GPUs of each Train worker (0: CPU)")
-    p.add_argument("--max-failures", type=int, help="retries of a failed trial")
+    p.add_argument(
+        "--max-failures",
+        type=int,
+        help="restarts of a trial's failed worker group, and retries of a failed trial",
+    )
     p.add_argument(
         "--search",
         action="store_true",

@@ -52,14 +52,16 @@ class SweepSpec:
     """Seeds 0..num_seeds-1 (run.seed) per (value, objective)."""
     overrides: tuple[str, ...] = ()
     """Dotted config overrides on the base preset, `optim.max_steps=20`."""
-    recipe: Literal["tiny", "paper"] = "tiny"
-    """Downstream protocol size (`hlm_ray.downstream.DOWNSTREAM`)."""
+    recipe: Literal["tiny", "paper", "headline-tiny", "headline-cpu", "headline-paper"] = "tiny"
+    """Downstream protocol (`hlm_ray.downstream.DOWNSTREAM`); the headline-* ones are
+    `sweeps/headline.py`'s (more GLUE tasks, the generator's fine-tuning share)."""
     workers_per_trial: int = 1
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
     max_failures: int = 1
-    """Retries of a failed trial (it resumes from its last checkpoint) before it counts as
-    failed."""
+    """Restarts of a trial's failed Train worker group (a worker or its node lost), and retries
+    of a failed trial (its process lost, a downstream error); both resume from the trial's last
+    checkpoint. A trial that still fails counts as failed."""
     allow_smaller_vocab: bool = False
     """When BPE training stops below a requested size (the corpus has too few merges): run at
     the real size (recorded in the summary) instead of stopping with an error."""
@@ -125,7 +127,7 @@ class SweepSpec:
     def cell_config(self, value: Value, objective: str, seed: int) -> Config:
         """The config of one trial, as Tune resolves `param_space` for it."""
         extra = {
-            **self.axis.overrides(value, self.workers_per_trial),
+            **self.axis.overrides(value, self.workers_per_trial, objective),
             "objective.name": objective,
             "run.seed": seed,
         }
@@ -154,10 +156,18 @@ class SweepSpec:
             config["objective"]["name"] = tune.grid_search(list(self.objectives))
             config["run"]["seed"] = tune.grid_search(list(range(self.num_seeds)))
         # Each field a value sets is resolved from the value (grid values resolve first).
-        keys = {k for v in self.values for k in self.axis.overrides(v, self.workers_per_trial)}
+        keys = {
+            k
+            for v in self.values
+            for o in self.objectives
+            for k in self.axis.overrides(v, self.workers_per_trial, o)
+        }
         for key in sorted(keys):
-            section, name = key.split(".")
-            config[section][name] = tune.sample_from(
+            *sections, name = key.split(".")  # "optim.lr", or a top-level "preset"
+            target = config
+            for section in sections:
+                target = target[section]
+            target[name] = tune.sample_from(
                 partial(_axis_setting, self.axis, self.workers_per_trial, key)
             )
         return {"config": config, "value": value}
@@ -203,8 +213,10 @@ def get_sweep(
 
 
 def _axis_setting(axis: Axis, workers: int, key: str, resolved: dict[str, Any]) -> Any:
-    """`sample_from` callback: Tune passes the space resolved so far (the grid's value)."""
-    return axis.overrides(resolved["value"], workers).get(key)
+    """`sample_from` callback: Tune passes the space resolved so far (the grid's value and
+    objective)."""
+    objective = resolved["config"]["objective"]["name"]
+    return axis.overrides(resolved["value"], workers, objective).get(key)
 
 
 def _plain(value: Any) -> Any:

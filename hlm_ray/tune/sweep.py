@@ -14,7 +14,10 @@ What `run_sweep` does, in order; everything that can be wrong fails before any t
 3. opens the parent MLflow run (through a local tracking server unless one is configured) and
    runs the `Tuner`, or `Tuner.restore`s it when `runs/sweeps/<name>/tune` exists: finished
    trials are kept, unfinished and failed ones run again (each up to `max_failures` retries);
-4. writes the summary (one row per trial) and the figures, logs them to the parent run.
+4. writes the summary (one row per trial) and the figures, logs them to the parent run with
+   the results as charts (`results/<score>/<objective>`, one step per swept value) and a
+   description (the per-value table), then prints how to open it (`mlflow ui ...`: the local
+   tracking server the trials used is gone by then).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from typing import Any
 from hlm_ray.config import Config
 from hlm_ray.errors import HLMError, one_line
 from hlm_ray.paths import CACHE_ENV, resolve_output
-from hlm_ray.tracking import TRACKING_URI_ENV
+from hlm_ray.tracking import TRACKING_URI_ENV, browse_hint, default_tracking_uri
+from hlm_ray.tracking.server import QUIET_LINKS
 from hlm_ray.tune import summary as summary_mod
 from hlm_ray.tune.spec import SweepSpec
 from hlm_ray.tune.trial import TRIAL_RESOURCES, TrialRuntime, run_name, run_trial
@@ -189,9 +193,16 @@ def run_sweep(
 
         plan_mod.log_sweep_plan(parent, spec, name, assumptions, concurrency, folder, search)
         folder.mkdir(parents=True, exist_ok=True)
+        same_parent = state is not None and state.get("parent_run_id") == parent.run_id
         (folder / STATE_FILE).write_text(
             json.dumps(
-                {"spec": spec.identity(), "search": search, "parent_run_id": parent.run_id},
+                {
+                    "spec": spec.identity(),
+                    "search": search,
+                    "parent_run_id": parent.run_id,
+                    # what `_log_results` logged on this parent run already
+                    "results": state.get("results", {}) if same_parent else {},
+                },
                 indent=1,
             )
         )
@@ -207,6 +218,7 @@ def run_sweep(
             gpus_per_worker=spec.gpus_per_worker,
             env=_trial_env(uri),
             short=spec.axis.short,
+            max_failures=spec.max_failures,
         )
         resumed = _tuner_exists(folder)
         print(
@@ -228,6 +240,7 @@ def run_sweep(
         files = summary_mod.write_summary(rows, folder, axis=spec.axis, figures=not search)
         for path in files:
             parent.log_artifact(path)
+        _log_results(parent, rows, spec, name, folder, files)
         counts = {s: sum(r["status"] == s for r in rows) for s in ("FINISHED", "FAILED")}
         parent.log_metrics({f"trials_{k.lower()}": v for k, v in counts.items()}, step=0)
         seconds = time.perf_counter() - started
@@ -238,6 +251,8 @@ def run_sweep(
         stopping = time.perf_counter()
     phases["mlflow_stop"] = time.perf_counter() - stopping
     print("sweep time (s): " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
+    if parent.run_id is not None:  # the store, not the server that just exited
+        print(browse_hint(default_tracking_uri(), parent.experiment_id, parent.run_id))
     table = summary_mod.markdown_table(rows, spec.axis)
     return SweepOutcome(
         name=name,
@@ -278,8 +293,41 @@ def _open_parent(spec, name, uri, state, search, concurrency, real_vocab):
     return parent
 
 
+def _log_results(
+    parent, rows, spec: SweepSpec, name: str, folder: Path, files: list[Path] = ()
+) -> None:
+    """The results on the parent run: a metric per (score, objective) over the swept values
+    (its chart compares the arms with no clicks) and the description, with the figures among
+    `files` shown in it. A resumed sweep logs only the points that changed (kept in
+    sweep.json): a step logged twice draws twice."""
+    from hlm_ray.tracking.mlflow_tracker import NOTE_TAG
+    from hlm_ray.tracking.store import artifact_url
+
+    path = folder / STATE_FILE
+    state = json.loads(path.read_text())
+    logged = state.get("results", {})
+    for step, metrics in sorted(summary_mod.result_metrics(rows, spec.axis).items()):
+        before = logged.get(str(step), {})
+        new = {k: v for k, v in metrics.items() if before.get(k) != v}
+        if new:
+            parent.log_metrics(new, step=step)
+        logged[str(step)] = {**before, **metrics}
+    logged_files = {p.name for p in files}  # the figures were logged as artifacts just before
+    images = [
+        (f.label, artifact_url(parent.run_id, f.filename))
+        for f in spec.axis.figures
+        if parent.run_id is not None and f.filename in logged_files
+    ]
+    note = summary_mod.results_note(rows, spec.axis, name, images)
+    parent.set_tags({NOTE_TAG: note})
+    if parent.active:  # the note is kept for a report that adds to it (sweeps/headline.py)
+        path.write_text(json.dumps({**state, "results": logged, "note": note}, indent=1))
+
+
 def _trial_env(uri: str) -> dict[str, str]:
     env = {TRACKING_URI_ENV: uri}
+    # MLflow's "View run" links to the sweep's temporary server would be dead once it exits.
+    env.update({k: os.environ[k] for k in QUIET_LINKS if k in os.environ})
     if os.environ.get(CACHE_ENV):  # else every process on this machine uses the same default
         env[CACHE_ENV] = str(Path(os.environ[CACHE_ENV]).expanduser().resolve())
     return env

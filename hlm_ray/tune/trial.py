@@ -51,6 +51,8 @@ class TrialRuntime:
     the driver's cache folder (where the tokenizers and corpora were prepared)."""
     short: str = ""
     """The axis's run-name prefix (`Axis.short`)."""
+    max_failures: int = 0
+    """Restarts of the trial's Train worker group (`sweep.max_failures`)."""
 
 
 def run_name(objective: str, short: str, value: Any, seed: int, trial_id: str) -> str:
@@ -138,7 +140,11 @@ def _pretrain(cfg: Config, runtime: TrialRuntime, out_dir: Path, trial_id: str) 
         use_gpu=runtime.gpus_per_worker > 0,
         cpus_per_worker=runtime.cpus_per_worker,
         gpus_per_worker=runtime.gpus_per_worker,
-        max_failures=0,  # Tune retries the trial, which continues from the last checkpoint
+        # A lost worker (its node gone): Train restarts the group from the last checkpoint,
+        # waiting until it can be placed again. Tune retries the trial itself (its actor lost,
+        # training failing `max_failures` times), which continues from the same checkpoints;
+        # a retried trial fails at once when the cluster has too few CPUs left.
+        max_failures=runtime.max_failures,
         experiment=runtime.experiment,
         resume=True,  # a fresh folder starts fresh; a retried trial's folder continues
         parent_run_id=runtime.parent_run_id,

@@ -1,0 +1,256 @@
+"""The report of a headless-vs-vanilla comparison over seeds: a table, a verdict per family, a figure.
+
+    trials = [Trial(family="bert-cpu", objective="headless", seed=0, scores={...}), ...]
+    scores = [Score("glue:sst2/score", "SST-2 acc", "bert-cpu", baseline=0.5086), ...]
+    rows = compare(trials, scores)                    # per score: each arm, Δ [95% CI], verdict
+    text = markdown(rows, title="...", notes=[...])   # the report.md table and its verdicts
+    plot_arms(rows, trials, Path("headline.png"), title="headline, preset cpu, 3 seeds")
+
+Per arm: mean ± sample sd over seeds. The difference is headless − vanilla with Welch's 95% t
+interval (unpaired): a seed fixes the data order and the initial weights of both arms, but
+nothing says a seed that is lucky for one objective is lucky for the other, and Welch does not
+need it to be (`paired=True` gives the paired-by-seed interval instead). A row's verdict:
+"holds" when the interval excludes 0 in the paper's direction (headless better: higher accuracy,
+lower perplexity and bits per byte), "reversed" when it excludes 0 the other way, else "cannot be
+told apart from noise". An arm whose 95% interval of the mean includes the score's baseline
+(chance, majority class) is marked "≈ chance".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hlm_ray.tune import stats
+
+ARMS = ("vanilla", "headless")
+NEAR_CHANCE = "≈ chance"
+
+
+@dataclass(frozen=True)
+class Trial:
+    family: str
+    objective: str
+    seed: int
+    scores: dict[str, float]
+
+
+@dataclass(frozen=True)
+class Score:
+    """One row of the report: a trial score of one family."""
+
+    key: str
+    """The trial's metric (`downstream.json`), e.g. "lambada/accuracy"."""
+    label: str
+    family: str
+    higher_is_better: bool = True
+    baseline: float | None = None
+    """What a model that learnt nothing scores (None: no chance level, e.g. perplexity)."""
+    baseline_note: str = ""
+    headline: bool = False
+    """The family's verdict sentence is about this row (GLUE average, LAMBADA accuracy)."""
+    fmt: str = "{:.4f}"
+
+
+@dataclass(frozen=True)
+class Row:
+    score: Score
+    arms: dict[str, stats.Summary]
+    values: dict[str, list[float]]
+    diff: stats.Difference
+    verdict: str
+    near_chance: dict[str, bool] = field(default_factory=dict)
+
+
+def compare(trials: Sequence[Trial], scores: Sequence[Score], *, paired: bool = False) -> list[Row]:
+    """One row per score: each arm over its seeds, the difference, the verdict."""
+    rows = []
+    for score in scores:
+        values = {}
+        for arm in ARMS:
+            mine = sorted(
+                (t for t in trials if t.family == score.family and t.objective == arm),
+                key=lambda t: t.seed,
+            )
+            values[arm] = [t.scores.get(score.key, math.nan) for t in mine]
+        if paired and len(values["headless"]) != len(values["vanilla"]):
+            raise ValueError(f"{score.family}: paired by seed needs the same seeds in both arms")
+        arms = {arm: stats.describe(values[arm]) for arm in ARMS}
+        diff = stats.difference(values["headless"], values["vanilla"], paired_by_seed=paired)
+        rows.append(
+            Row(
+                score=score,
+                arms=arms,
+                values=values,
+                diff=diff,
+                verdict=stats.verdict(diff, higher_is_better=score.higher_is_better),
+                near_chance={
+                    a: stats.near_baseline(
+                        arms[a], score.baseline, higher_is_better=score.higher_is_better
+                    )
+                    for a in ARMS
+                },
+            )
+        )
+    return rows
+
+
+def _num(value: float, fmt: str) -> str:
+    return fmt.format(value) if value is not None and math.isfinite(value) else "–"
+
+
+def arm_cell(row: Row, arm: str) -> str:
+    s = row.arms[arm]
+    if s.n == 0:
+        return "no finished trial"
+    text = _num(s.mean, row.score.fmt) + (f" ± {_num(s.sd, row.score.fmt)}" if s.n > 1 else "")
+    return text + (f" ({NEAR_CHANCE})" if row.near_chance.get(arm) else "")
+
+
+def diff_cell(row: Row) -> str:
+    d, fmt = row.diff, row.score.fmt
+    if not math.isfinite(d.estimate):
+        return "–"
+    sign = "+" if d.estimate >= 0 else ""
+    interval = f" [{_num(d.low, fmt)}, {_num(d.high, fmt)}]" if math.isfinite(d.low) else ""
+    return f"{sign}{_num(d.estimate, fmt)}{interval}"
+
+
+def markdown_rows(rows: Sequence[Row]) -> str:
+    lines = [
+        "| family | score | vanilla | headless | Δ headless − vanilla [95% CI] | baseline | "
+        "verdict |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        s = row.score
+        direction = "↑" if s.higher_is_better else "↓"
+        base = _num(s.baseline, s.fmt) if s.baseline is not None else "none"
+        if s.baseline_note:
+            base += f" ({s.baseline_note})"
+        cells = [
+            s.family,
+            f"{s.label} {direction}",
+            arm_cell(row, "vanilla"),
+            arm_cell(row, "headless"),
+            diff_cell(row),
+            base,
+            row.verdict,
+        ]
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def verdict_sentence(row: Row, scale: str) -> str:
+    """One sentence: does the paper's direction hold for this family at this scale?"""
+    s, d = row.score, row.diff
+    n = f"{row.arms['headless'].n} + {row.arms['vanilla'].n} seeds"
+    if not math.isfinite(d.estimate):
+        return f"**{s.family}**: no comparison ({s.label} missing in an arm)."
+    measured = f"headless − vanilla on {s.label} = {diff_cell(row)} ({n})"
+    better = "higher" if s.higher_is_better else "lower"
+    if row.verdict == stats.HOLDS:
+        what = f"the paper's direction (headless {better}) **holds** at {scale}"
+    elif row.verdict == stats.REVERSED:
+        what = f"the paper's direction is **reversed** at {scale} (vanilla is better)"
+    else:
+        what = f"the difference **cannot be told apart from noise** at {scale}"
+        if not math.isfinite(d.low):
+            what += " (one seed per arm gives no interval)"
+    chance = [a for a in ARMS if row.near_chance.get(a)]
+    tail = (
+        f"; {' and '.join(chance)} {'is' if len(chance) == 1 else 'are'} ≈ chance" if chance else ""
+    )
+    return f"**{s.family}**: {measured}: {what}{tail}."
+
+
+def markdown(
+    rows: Sequence[Row], *, title: str, scale: str, notes: Sequence[str] = (), figure: str = ""
+) -> str:
+    """The whole report: title, verdicts (one per family, on its headline row), table, notes."""
+    verdicts = [verdict_sentence(r, scale) for r in rows if r.score.headline]
+    parts = [f"# {title}", "", *(f"- {v}" for v in verdicts), "", markdown_rows(rows), ""]
+    parts += [
+        "Cells: mean ± sample sd over seeds. Δ: Welch 95% t interval of the difference of means "
+        "(unpaired). Verdict: *holds* when the interval excludes 0 in the paper's direction "
+        "(headless better; ↑ higher is better, ↓ lower), *reversed* when it excludes 0 the other "
+        f"way. *{NEAR_CHANCE}*: the arm's 95% interval of the mean (one seed: its score) "
+        "includes the baseline, or its mean is no better than the baseline.",
+    ]
+    if notes:
+        parts += ["", *(f"- {n}" for n in notes)]
+    if figure:
+        parts += ["", f"![{title}]({figure})"]
+    return "\n".join(parts) + "\n"
+
+
+def plot_arms(rows: Sequence[Row], out_png: Path, *, title: str) -> Path:
+    """One panel per score: a bar per arm (mean), error bars of ±1 sd across seeds, each seed a
+    dot, the baseline as a dashed line."""
+    from matplotlib.figure import Figure
+
+    cols = min(4, max(1, len(rows)))
+    nrows = math.ceil(len(rows) / cols) if rows else 1
+    fig = Figure(figsize=(3.0 * cols, 2.8 * nrows + 0.6), layout="constrained")
+    fig.suptitle(title)
+    colors = {"vanilla": "tab:orange", "headless": "tab:blue"}
+    for i, row in enumerate(rows):
+        ax = fig.add_subplot(nrows, cols, i + 1)
+        for x, arm in enumerate(ARMS):
+            s = row.arms[arm]
+            if s.n == 0:
+                continue
+            err = s.sd if math.isfinite(s.sd) else 0.0
+            ax.bar(x, s.mean, color=colors[arm], alpha=0.6, yerr=err, capsize=4)
+            seeds = [v for v in row.values[arm] if math.isfinite(v)]
+            ax.scatter([x] * len(seeds), seeds, color="k", s=10, zorder=3)
+        if row.score.baseline is not None:
+            ax.axhline(row.score.baseline, color="gray", ls="--", lw=1, label="baseline")
+            ax.legend(fontsize=7, loc="lower right")
+        ax.set_xticks(range(len(ARMS)), ARMS)
+        arrow = "↑" if row.score.higher_is_better else "↓"
+        ax.set_title(f"{row.score.family}: {row.score.label} {arrow}", fontsize=9)
+        ax.grid(alpha=0.3, axis="y")
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=100)
+    return out_png
+
+
+def read_trials(folder: Path, value_column: str) -> list[Trial]:
+    """The finished trials of the sweep in `folder`: its summary.csv rows (`value_column`: the
+    axis's CSV column) with every score of their `downstream.json`."""
+    import csv
+    import json
+
+    trials = []
+    with (folder / "summary.csv").open(newline="") as f:
+        for row in csv.DictReader(f):
+            path = folder / "trials" / row["run"] / "downstream.json"
+            if row["status"] != "FINISHED" or not path.is_file():
+                continue
+            scores = {k: float(v) for k, v in json.loads(path.read_text()).items()}
+            trials.append(Trial(row[value_column], row["objective"], int(row["seed"]), scores))
+    return trials
+
+
+def log_to_parent(folder: Path, files: Sequence[Path], description: str, experiment: str) -> None:
+    """The report's files as artifacts of the sweep's parent MLflow run (its id in sweep.json),
+    and the report at the top of the run's description, above the sweep's own per-value table
+    and figures (kept in sweep.json); the run is closed again as it was."""
+    import json
+
+    from hlm_ray.tracking import MlflowTracker
+
+    state = json.loads((folder / "sweep.json").read_text())
+    run_id = state.get("parent_run_id")
+    if not run_id:
+        return
+    parent = MlflowTracker(experiment, run_id=run_id)
+    for path in files:
+        parent.log_artifact(path)
+    if state.get("note"):
+        description = f"{description}\n\n---\n\n{state['note']}"
+    parent.set_tags({"mlflow.note.content": description})
+    parent.finish("FINISHED")

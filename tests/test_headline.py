@@ -1,0 +1,234 @@
+"""The headline comparison (sweeps/headline.py): its statistics against scipy on made-up scores,
+the baselines, the report, the equal-budget arithmetic, then the tiny sweep end to end."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from hlm_ray.classify.baselines import chance_baseline, majority_baseline, majority_scores
+from hlm_ray.classify.finetune import limit_examples
+from hlm_ray.classify.tasks import load_task
+from hlm_ray.downstream import share_steps
+from hlm_ray.errors import HLMError
+from hlm_ray.tune import report, stats
+from hlm_ray.tune.spec import get_sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("sweep_headline", ROOT / "sweeps/headline.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+HEADLINE = _script()
+A = [0.81, 0.84, 0.80, 0.83]
+B = [0.70, 0.78, 0.74]
+
+
+# ------------------------------------------------------------------------------ statistics
+
+
+def test_describe_is_the_t_interval_of_the_mean():
+    s = stats.describe(A)
+    low, high = sps.t.interval(0.95, len(A) - 1, loc=np.mean(A), scale=sps.sem(A))
+    assert (s.n, s.mean, s.sd) == (4, pytest.approx(np.mean(A)), pytest.approx(np.std(A, ddof=1)))
+    assert (s.low, s.high) == (pytest.approx(low), pytest.approx(high))
+    one = stats.describe([0.5, math.nan])  # NaN scores (a failed metric) are left out
+    assert one.n == 1 and one.mean == 0.5 and math.isnan(one.sd) and math.isnan(one.low)
+
+
+def test_welch_and_paired_intervals_match_scipy():
+    d = stats.difference(A, B)
+    ci = sps.ttest_ind(A, B, equal_var=False).confidence_interval(0.95)
+    assert d.method == "welch" and d.estimate == pytest.approx(np.mean(A) - np.mean(B))
+    assert (d.low, d.high) == (pytest.approx(ci.low), pytest.approx(ci.high))
+    b4 = [0.79, 0.80, 0.78, 0.82]
+    p = stats.difference(A, b4, paired_by_seed=True)
+    ci = sps.ttest_rel(A, b4).confidence_interval(0.95)
+    assert p.method == "paired" and (p.low, p.high) == (
+        pytest.approx(ci.low),
+        pytest.approx(ci.high),
+    )
+    with pytest.raises(ValueError, match="equal lengths"):
+        stats.paired(A, B)
+    single = stats.difference([0.9], [0.1])  # one seed: an estimate, no interval
+    assert single.estimate == pytest.approx(0.8) and math.isnan(single.low)
+
+
+def test_verdicts_follow_the_papers_direction():
+    up, down = [0.9, 0.91, 0.92], [0.5, 0.51, 0.52]
+    assert stats.verdict(stats.difference(up, down), higher_is_better=True) == stats.HOLDS
+    assert stats.verdict(stats.difference(down, up), higher_is_better=True) == stats.REVERSED
+    # Perplexity: lower is better, so headless lower holds.
+    assert stats.verdict(stats.difference(down, up), higher_is_better=False) == stats.HOLDS
+    assert stats.verdict(stats.difference(A, A[::-1]), higher_is_better=True) == stats.NOISE
+    assert stats.verdict(stats.difference([0.9], [0.1]), higher_is_better=True) == stats.NOISE
+
+
+def test_near_baseline_uses_the_interval_or_the_single_score():
+    assert stats.near_baseline(stats.describe([0.5862, 0.5862]), 0.5862)  # collapsed classifier
+    assert stats.near_baseline(stats.describe([0.55, 0.62, 0.58]), 0.5862)
+    assert not stats.near_baseline(stats.describe([0.80, 0.81, 0.82]), 0.5862)
+    assert stats.near_baseline(stats.describe([0.5862]), 0.5862)
+    assert not stats.near_baseline(stats.describe([0.7]), 0.5862)
+    assert stats.near_baseline(stats.describe([0.48]), 0.5312)  # below the majority class
+    assert stats.near_baseline(stats.describe([400.0]), 300.0, higher_is_better=False)
+    assert not stats.near_baseline(stats.describe([0.7, 0.8]), None)
+
+
+# ------------------------------------------------------------------------------ baselines
+
+
+def test_majority_class_scores_are_what_a_collapsed_classifier_gets():
+    labels = [1, 1, 0, 1, 0]
+    assert majority_scores("glue:sst2", labels) == {"accuracy": pytest.approx(0.6)}
+    assert majority_scores("glue:cola", labels) == {"mcc": 0.0, "accuracy": pytest.approx(0.6)}
+    assert majority_scores("glue:mrpc", labels)["f1"] == pytest.approx(2 * 3 / (2 * 3 + 2))
+    rows = limit_examples(load_task("glue:sst2").eval["eval"], 64)
+    share = max(np.bincount([e.label for e in rows])) / len(rows)
+    assert majority_baseline("glue:sst2", eval_limit=64) == pytest.approx(share)
+    assert majority_baseline("glue:cola") == 0.0
+    assert chance_baseline("xnli:en") == pytest.approx(1 / 3)
+
+
+# ------------------------------------------------------------------------------ the report
+
+
+def _trials():
+    """Made-up scores: encoders clearly apart (headless better), decoders within noise, the
+    headless SST-2 stuck at its majority class."""
+    out = []
+    for seed, (h, v) in enumerate([(0.80, 0.70), (0.82, 0.71), (0.81, 0.69)]):
+        out.append(report.Trial("enc", "headless", seed, {"avg": h, "sst2": 0.5862}))
+        out.append(report.Trial("enc", "vanilla", seed, {"avg": v, "sst2": 0.75 + seed / 100}))
+    for seed, (h, v) in enumerate([(0.10, 0.12), (0.13, 0.09), (0.11, 0.11)]):
+        out.append(report.Trial("dec", "headless", seed, {"acc": h, "ppl": 300.0 + seed}))
+        out.append(report.Trial("dec", "vanilla", seed, {"acc": v, "ppl": 200.0 + seed}))
+    return out
+
+
+SCORES = [
+    report.Score("avg", "GLUE avg", "enc", baseline=0.55, headline=True),
+    report.Score("sst2", "SST-2 acc", "enc", baseline=0.5862, baseline_note="majority class"),
+    report.Score("acc", "LAMBADA acc", "dec", baseline=0.0, headline=True),
+    report.Score("ppl", "LAMBADA ppl", "dec", higher_is_better=False, fmt="{:.4g}"),
+]
+
+
+def test_the_report_table_verdicts_and_figure(tmp_path):
+    rows = report.compare(_trials(), SCORES)
+    verdicts = {r.score.key: r.verdict for r in rows}
+    assert verdicts == {
+        "avg": stats.HOLDS,
+        "sst2": stats.REVERSED,
+        "acc": stats.NOISE,
+        "ppl": stats.REVERSED,  # headless perplexity higher: the other way
+    }
+    sst2 = rows[1]
+    assert sst2.near_chance == {"vanilla": False, "headless": True}
+    assert report.arm_cell(sst2, "headless") == "0.5862 ± 0.0000 (≈ chance)"
+    text = report.markdown(rows, title="t", scale="the test scale", figure="h.png")
+    assert "| enc | GLUE avg ↑ | 0.7000 ± 0.0100 | 0.8100 ± 0.0100 | +0.1100 [" in text
+    assert "0.5862 (majority class)" in text and "| none |" in text
+    assert "**enc**: headless − vanilla on GLUE avg = +0.1100" in text and "**holds**" in text
+    assert "**dec**" in text and "cannot be told apart from noise" in text
+    png = report.plot_arms(rows, tmp_path / "h.png", title="t")
+    assert png.stat().st_size > 1000
+    one_seed = [t for t in _trials() if t.seed == 0]
+    (row,) = report.compare(one_seed, SCORES[:1])
+    assert row.verdict == stats.NOISE and "one seed per arm" in report.verdict_sentence(row, "x")
+
+
+# ------------------------------------------------------------------------------ the sweep
+
+
+def test_equal_budget_arms_and_the_generator_share():
+    assert share_steps(1_228_800, 0.02, 2048) == 12  # floor(24,576 / 2,048)
+    assert share_steps(1000, 0.02, 2048) == 1  # at least one step
+    with pytest.raises(HLMError, match="clm_share"):
+        share_steps(1000, 2.0, 10)
+    spec = get_sweep(HEADLINE.PRESETS, "cpu")
+    enc = {o: spec.cell_config("bert-cpu", o, 0) for o in ("headless", "vanilla")}
+    dec = {o: spec.cell_config("gpt2-cpu", o, 0) for o in ("headless", "vanilla")}
+    assert enc["headless"].model == enc["vanilla"].model and enc["headless"].model.arch == "bert"
+    assert enc["headless"].budget.tokens == enc["vanilla"].budget.tokens == 600 * 32 * 64
+    assert dec["headless"].model.arch == "gpt2" and dec["headless"].optim.max_steps == 600
+    # The vanilla decoder pretrains on the headless arm's fine-tuning tokens too.
+    assert dec["vanilla"].optim.max_steps == 600 + 12
+    assert dec["vanilla"].budget.tokens == dec["headless"].budget.tokens + 12 * 32 * 64
+    with pytest.raises(HLMError, match="unknown family"):
+        HEADLINE.check_families(get_sweep(HEADLINE.PRESETS, "tiny", ["sweep.values=[nope]"]))
+
+
+def test_every_headline_preset_resolves_in_the_tune_space():
+    from ray.tune.search.variant_generator import generate_variants
+
+    from hlm_ray.config import Config
+
+    for preset in HEADLINE.PRESETS:
+        spec = get_sweep(HEADLINE.PRESETS, preset)
+        resolved = [Config.from_dict(v["config"]) for _, v in generate_variants(spec.param_space())]
+        assert len(resolved) == len(spec.cells())
+        for cell in spec.cells():
+            assert resolved.count(spec.cell_config(**cell)) == 1, (preset, cell)
+
+
+def test_the_paper_preset_dry_run_prints_its_cost(capsys):
+    # The multilingual family's hub tokenizer is not here (its hub look-up takes minutes).
+    argv = ["--preset", "paper", "--dry-run", "--set", "sweep.values=[bert-base,pythia-70m]"]
+    assert HEADLINE.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "pythia-70m" in out and "GPU-hours" in out
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_headline_tiny_end_to_end(ray_cluster, mlflow_store, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert HEADLINE.main(["--preset", "tiny", "--num-seeds", "1", "--name", "hl"]) == 0
+    folder = tmp_path / "runs" / "sweeps" / "hl"
+    text = (folder / "report.md").read_text()
+    for needle in ("GLUE avg (RTE excluded)", "SST-2 acc", "RTE acc", "LAMBADA acc", "bits per"):
+        assert needle in text
+    assert text.count("cannot be told apart from noise") >= 2  # one seed: no interval
+    assert (folder / "headline.png").stat().st_size > 1000
+    trials = report.read_trials(folder, "family")
+    assert len(trials) == 4
+    dec = {t.objective: t.scores for t in trials if t.family == "tiny-gpt2"}
+    assert dec["headless"]["finetune/steps"] == 1 and "finetune/tokens" in dec["headless"]
+    from mlflow import MlflowClient
+
+    client = MlflowClient(mlflow_store)
+    exp = client.get_experiment_by_name("hlm_ray-sweeps")
+    (parent,) = client.search_runs(
+        [exp.experiment_id], "tags.sweep = 'hl' and tags.sweep_role = 'parent'"
+    )
+    assert parent.info.status == "FINISHED"
+    note = parent.data.tags["mlflow.note.content"]
+    assert note.startswith(text + "\n\n---\n\n") and "|" in note[len(text) :]  # report, then table
+    assert {"report.md", "headline.png"} <= {
+        a.path for a in client.list_artifacts(parent.info.run_id)
+    }
+
+
+def test_sweep_figures_carry_a_title_and_error_bars_across_seeds(tmp_path):
+    from hlm_ray.tune.axis import Axis, Figure
+    from hlm_ray.tune.summary import _sd, write_summary
+
+    axis = Axis("toy", "optim.lr", "lr", "learning rate", ("lr", "lr"),
+                figures=(Figure("toy.png", "downstream/score", "score"),))  # fmt: skip
+    rows = [
+        {"status": "FINISHED", "objective": o, "value": v, "seed": s, "run": "r", "trial_id": "t",
+         "downstream/score": 0.5 + v / 100 + s / 50}
+        for o in ("headless", "vanilla") for v in (1, 2) for s in (0, 1)
+    ]  # fmt: skip
+    paths = write_summary(rows, tmp_path / "toy-tiny", axis=axis)
+    assert paths[-1].name == "toy.png" and paths[-1].stat().st_size > 1000
+    assert _sd([0.5, 0.52]) == pytest.approx(np.std([0.5, 0.52], ddof=1)) and _sd([1.0]) == 0.0
