@@ -25,7 +25,6 @@ Bad input prints one line, ``error: ...``, and exits with status 2; Ctrl-C stops
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 from pathlib import Path
 
@@ -313,7 +312,7 @@ def _run(cfg, args, *, resume: Path | None = None, resume_from: Path | None = No
     )
 
 
-def cmd_train(args) -> int:
+def cmd_train(args, argv: list[str]) -> int:
     from hlm_ray.train.checkpoint import refuse_existing, resolve_resume
     from hlm_ray.train.launch import check_output, check_workers
     from hlm_ray.train.resume import resumed_config, save_launch
@@ -368,17 +367,12 @@ def cmd_train(args) -> int:
     try:
         summary = _run(cfg, args, resume=resume, resume_from=resume_from)
     except KeyboardInterrupt:
-        again = " ".join(
-            ["hlm train --resume", shlex.quote(str(output))]
-            + (["--config", shlex.quote(args.config)] if args.config else [])
-            + [f"--set {shlex.quote(s)}" for s in args.set]
-        )
-        print(
-            f"\ninterrupted: the run is stopped and marked KILLED; the checkpoints in {output} "
-            f"are intact; continue with: {again}",
-            file=sys.stderr,
-        )
-        return 130
+        from hlm_ray.train.interrupt import EXIT_INTERRUPTED, continue_message
+
+        run_dir = Path(cfg.run.output_dir)
+        said = continue_message(run_dir, str(output), argv, args.config, args.set)
+        print(f"\ninterrupted: {said}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(format_summary([summary]))
     return 0
 
@@ -543,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     handler = {
-        "train": cmd_train,
+        "train": lambda args: cmd_train(args, argv),
         "compare": cmd_compare,
         "presets": cmd_presets,
         "finetune": cmd_finetune,

@@ -6,6 +6,7 @@ import http.server
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -135,6 +136,19 @@ def test_resume_uses_the_runs_own_config_and_refuses_another_model(tmp_path, cap
         check_compatible(other, folder)
 
 
+def test_resume_keeps_the_runs_launch_settings_unless_given_again(tmp_path):
+    """`hlm train --resume RUN` with no flags: the workers, CPUs and experiment it started
+    with (launch.json), not today's defaults; a flag given again wins."""
+    from hlm_ray.train.resume import LAUNCH_DEFAULTS, launch_settings, save_launch
+
+    started = {**LAUNCH_DEFAULTS, "num_workers": 2, "cpus_per_worker": 0.5, "experiment": "e"}
+    save_launch(tmp_path, {**started, "preset": "ignored"})
+    none_given = dict.fromkeys(LAUNCH_DEFAULTS)
+    assert launch_settings(tmp_path, none_given) == started
+    assert launch_settings(tmp_path, {**none_given, "num_workers": 4})["num_workers"] == 4
+    assert launch_settings(tmp_path / "no-launch-file", none_given) == LAUNCH_DEFAULTS
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -185,42 +199,81 @@ def test_bad_input_gives_one_line_and_no_running_run(args, message, tmp_path, ca
     unwritable_dir.chmod(0o700)
 
 
+@pytest.mark.parametrize("checkpointed", [True, False], ids=["after-a-checkpoint", "before-any"])
 def test_ctrl_c_on_a_local_run_marks_it_killed_and_prints_the_command(
-    tmp_path, capsys, monkeypatch, mlflow_store
+    checkpointed, tmp_path, capsys, monkeypatch, mlflow_store
 ):
+    """After a checkpoint the command resumes the run; before the first one `--resume` would
+    refuse the folder, so the command is the same one again (it starts over)."""
     from mlflow import MlflowClient
 
     import hlm_ray.train.loop as loop
 
+    out = tmp_path / "run"
+
     def interrupted(*args, **kwargs):
+        if checkpointed:
+            fake_checkpoint(out, 10)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(loop, "train_worker", interrupted)
-    out = tmp_path / "run"
-    code = main(
-        [
-            "train",
-            "--local",
-            "--output",
-            str(out),
-            "--experiment",
-            "ctrl-c",
-            "--set",
-            f"data.sources=[{SHAKESPEARE}]",
-            "--set",
-            "tokenizer.vocab_size=512",
-        ]
-    )
+    experiment = f"ctrl-c-{checkpointed}"
+    argv = ["train", "--local", "--output", str(out), "--experiment", experiment]
+    argv += ["--set", f"data.sources=[{SHAKESPEARE}]", "--set", "tokenizer.vocab_size=512"]
+    code = main(argv)
     err = capsys.readouterr().err
     assert code == 130
-    assert (
-        f"continue with: hlm train --resume {out} --set 'data.sources=[{SHAKESPEARE}]' "
-        "--set tokenizer.vocab_size=512" in err
-    )
+    if checkpointed:
+        assert (
+            f"continue with: hlm train --resume {out} --set 'data.sources=[{SHAKESPEARE}]' "
+            "--set tokenizer.vocab_size=512" in err
+        )
+    else:
+        assert "before its first checkpoint; continue with: " + shlex.join(["hlm", *argv]) in err
+        monkeypatch.undo()  # the printed command is accepted: it trains (2 steps here)
+        again = shlex.split(err.split("continue with: ")[1].splitlines()[0])[1:]
+        assert main([*again, "--set", "optim.max_steps=2"]) == 0
     client = MlflowClient(mlflow_store)
-    (run,) = client.search_runs([client.get_experiment_by_name("ctrl-c").experiment_id])
-    assert run.info.status == "KILLED"
+    runs = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    statuses = sorted(r.info.status for r in runs)
+    assert statuses == (["KILLED"] if checkpointed else ["FINISHED", "KILLED"])
     assert json.loads((out / "launch.json").read_text())["local"] is True
+
+
+@pytest.mark.parametrize("where", ["writing the run reference", "building the trainer"])
+def test_ctrl_c_between_the_mlflow_run_and_fit_marks_it_killed(
+    where, tmp_path, capsys, monkeypatch, mlflow_store
+):
+    """The window of `launch` where the MLflow run is open and Ray's fit() has not yet taken
+    SIGINT over: a Ctrl-C there (raised by the step it interrupts) ends the run KILLED.
+    The cluster is not needed before that point: `connect` and the resource check are
+    skipped."""
+    from mlflow import MlflowClient
+
+    import hlm_ray.tracking as tracking
+    import hlm_ray.train.interrupt as interrupt
+    import hlm_ray.train.launch as launch_mod
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch_mod, "connect", lambda: None)
+    monkeypatch.setattr(launch_mod, "check_resources", lambda *a, **k: None)
+    monkeypatch.setattr("ray.cluster_resources", lambda: {"CPU": 2.0})
+    if where == "building the trainer":
+        monkeypatch.setattr(interrupt, "trainer_class", ctrl_c)
+    else:
+        monkeypatch.setattr(tracking, "write_run_ref", ctrl_c)
+    out = tmp_path / "run"
+    experiment = f"ctrl-c-window-{where.split()[-1]}"
+    args = ["--output", str(out), "--experiment", experiment, "--num-workers", "1"]
+    code = main(["train", *args, "--set", f"data.sources=[{SHAKESPEARE}]"])
+    err = capsys.readouterr().err
+    assert code == 130  # no checkpoint yet: the same command again
+    assert "continue with: hlm train --output" in err
+    client = MlflowClient(mlflow_store)
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert run.info.status == "KILLED"
 
 
 def test_ctrl_c_on_a_sweep_stops_tune_and_says_so():

@@ -13,12 +13,40 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
+from pathlib import Path
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
 
 
 class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C ended a run or sweep cleanly: its processes are stopped, its runs marked KILLED."""
+
+
+def continue_message(
+    run_dir: Path, output: str, argv: list[str], config: str | None, sets: list[str]
+) -> str:
+    """What `hlm train` says after Ctrl-C: `--resume` (with the --config/--set given again)
+    when the run folder holds a valid checkpoint; before the first one there is nothing to
+    resume (`--resume` would refuse the folder), so the same command again, which starts over
+    (a folder without checkpoints is accepted, its metrics.jsonl rewritten)."""
+    import shlex
+
+    from hlm_ray.train.checkpoint import latest_valid
+
+    if run_dir.is_dir() and latest_valid(run_dir, warn=False) is not None:
+        again = " ".join(
+            ["hlm train --resume", shlex.quote(output)]
+            + (["--config", shlex.quote(config)] if config else [])
+            + [f"--set {shlex.quote(s)}" for s in sets]
+        )
+        return (
+            f"the run is stopped and marked KILLED; the checkpoints in {output} are intact; "
+            f"continue with: {again}"
+        )
+    return (
+        "the run is stopped and marked KILLED before its first checkpoint; "
+        f"continue with: {shlex.join(['hlm', *argv])}"
+    )
 
 
 def trainer_class():

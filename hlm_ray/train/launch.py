@@ -252,9 +252,13 @@ def open_mlflow_run(
         parent_run_id=parent_run_id,
         tags=tags,
     )
-    if tracker.run_id is not None:
-        write_run_ref(out_dir, tracker.run_id, uri)
-        tracker.set_tags({"launcher": "ray_train"})
+    try:
+        if tracker.run_id is not None:
+            write_run_ref(out_dir, tracker.run_id, uri)
+            tracker.set_tags({"launcher": "ray_train"})
+    except BaseException as err:  # a Ctrl-C here must not leave the run RUNNING
+        finish(tracker, out_dir, "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED")
+        raise
     return tracker, {"experiment": experiment, "uri": uri, "run_id": tracker.run_id}
 
 
@@ -373,22 +377,26 @@ def launch(
     resources = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if use_gpu else {})}
     cache = os.environ.get(CACHE_ENV)
     env = {CACHE_ENV: str(Path(cache).expanduser().resolve())} if cache else {}
-    trainer = trainer_class()(
-        _ray_worker,
-        train_loop_config={"config": cfg.to_dict(), "tracking": tracking, "env": env},
-        scaling_config=ray.train.ScalingConfig(
-            num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources
-        ),
-        run_config=ray.train.RunConfig(
-            name=out_dir.name,
-            storage_path=storage,
-            checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
-            failure_config=ray.train.FailureConfig(max_failures=max_failures),
-            callbacks=callbacks,
-        ),
-    )
+    trainer = None
     fit_at = time.time()
+    # The MLflow run is open from here: a Ctrl-C anywhere below, building the trainer included
+    # (before fit() installs its handler), ends it KILLED, never RUNNING.
     try:
+        trainer = trainer_class()(
+            _ray_worker,
+            train_loop_config={"config": cfg.to_dict(), "tracking": tracking, "env": env},
+            scaling_config=ray.train.ScalingConfig(
+                num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources
+            ),
+            run_config=ray.train.RunConfig(
+                name=out_dir.name,
+                storage_path=storage,
+                checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
+                failure_config=ray.train.FailureConfig(max_failures=max_failures),
+                callbacks=callbacks,
+            ),
+        )
+        fit_at = time.time()
         with restore_sigint():
             result = trainer.fit()
         if trainer.interrupted:
@@ -397,7 +405,7 @@ def launch(
         finish(tracker, out_dir, "KILLED")
         raise RunInterrupted() from None
     except Exception as err:
-        if trainer.interrupted:  # Ray's abort surfaced as an error: still a Ctrl-C
+        if trainer is not None and trainer.interrupted:  # Ray's abort surfaced as an error
             finish(tracker, out_dir, "KILLED")
             raise RunInterrupted() from None
         finish(tracker, out_dir, "FAILED")
