@@ -189,65 +189,70 @@ def run_sweep(
         concurrency, real_vocab = ready["concurrency"], ready["real_vocab"]
         phases["until_mlflow_ready"] = time.perf_counter() - started
         parent = _open_parent(spec, name, uri, state, search, concurrency, real_vocab)
-        from hlm_ray import plan as plan_mod
-
-        plan_mod.log_sweep_plan(parent, spec, name, assumptions, concurrency, folder, search)
-        folder.mkdir(parents=True, exist_ok=True)
-        same_parent = state is not None and state.get("parent_run_id") == parent.run_id
-        (folder / STATE_FILE).write_text(
-            json.dumps(
-                {
-                    "spec": spec.identity(),
-                    "search": search,
-                    "parent_run_id": parent.run_id,
-                    # what `_log_results` logged on this parent run already
-                    "results": state.get("results", {}) if same_parent else {},
-                },
-                indent=1,
-            )
-        )
-        runtime = TrialRuntime(
-            sweep=name,
-            kind=spec.axis.name,
-            experiment=spec.experiment,
-            parent_run_id=parent.run_id,
-            trials_dir=str(folder / "trials"),
-            recipe=spec.recipe,
-            workers=spec.workers_per_trial,
-            cpus_per_worker=spec.cpus_per_worker,
-            gpus_per_worker=spec.gpus_per_worker,
-            env=_trial_env(uri),
-            short=spec.axis.short,
-            max_failures=spec.max_failures,
-        )
-        resumed = _tuner_exists(folder)
-        print(
-            f"sweep {name}: {'resuming' if resumed else 'starting'} {num_trials} trial(s), "
-            f"{concurrency} at a time, in {folder}"
-        )
-        from hlm_ray.train.interrupt import tune_interrupt
-
-        phases["before_trials"] = time.perf_counter() - started
+        # From here on a Ctrl-C (before the trials start, during them, or while the summary is
+        # written) ends the parent run KILLED and an error FAILED, never RUNNING.
         try:
+            from hlm_ray import plan as plan_mod
+
+            plan_mod.log_sweep_plan(parent, spec, name, assumptions, concurrency, folder, search)
+            folder.mkdir(parents=True, exist_ok=True)
+            same_parent = state is not None and state.get("parent_run_id") == parent.run_id
+            (folder / STATE_FILE).write_text(
+                json.dumps(
+                    {
+                        "spec": spec.identity(),
+                        "search": search,
+                        "parent_run_id": parent.run_id,
+                        # what `_log_results` logged on this parent run already
+                        "results": state.get("results", {}) if same_parent else {},
+                    },
+                    indent=1,
+                )
+            )
+            runtime = TrialRuntime(
+                sweep=name,
+                kind=spec.axis.name,
+                experiment=spec.experiment,
+                parent_run_id=parent.run_id,
+                trials_dir=str(folder / "trials"),
+                recipe=spec.recipe,
+                workers=spec.workers_per_trial,
+                cpus_per_worker=spec.cpus_per_worker,
+                gpus_per_worker=spec.gpus_per_worker,
+                env=_trial_env(uri),
+                short=spec.axis.short,
+                max_failures=spec.max_failures,
+            )
+            resumed = _tuner_exists(folder)
+            print(
+                f"sweep {name}: {'resuming' if resumed else 'starting'} {num_trials} trial(s), "
+                f"{concurrency} at a time, in {folder}"
+            )
+            from hlm_ray.train.interrupt import tune_interrupt
+
+            phases["before_trials"] = time.perf_counter() - started
             with tune_interrupt() as stop:
                 results = _tuner(spec, folder, runtime, search, concurrency, verbose).fit()
-        except BaseException:
+            phases["trials"] = time.perf_counter() - started - phases["before_trials"]
+            rows = _rows(results, spec, runtime, search, interrupted=stop.interrupted)
+            _close_orphans(rows, spec, runtime)
+            files = summary_mod.write_summary(rows, folder, axis=spec.axis, figures=not search)
+            for path in files:
+                parent.log_artifact(path)
+            _log_results(parent, rows, spec, name, folder, files)
+            counts = {s: sum(r["status"] == s for r in rows) for s in ("FINISHED", "FAILED")}
+            parent.log_metrics({f"trials_{k.lower()}": v for k, v in counts.items()}, step=0)
+            seconds = time.perf_counter() - started
+            phases["after_trials"] = seconds - phases["before_trials"] - phases["trials"]
+            parent.log_metrics(plan_mod.measured_metrics(rows, seconds), step=0)
+            parent.log_metrics({f"sweep/{k}_s": v for k, v in phases.items()}, step=0)
+            parent.finish("KILLED" if stop.interrupted else "FINISHED")
+        except (KeyboardInterrupt, SystemExit):
             parent.finish("KILLED")
             raise
-        phases["trials"] = time.perf_counter() - started - phases["before_trials"]
-        rows = _rows(results, spec, runtime, search, interrupted=stop.interrupted)
-        _close_orphans(rows, spec, runtime)
-        files = summary_mod.write_summary(rows, folder, axis=spec.axis, figures=not search)
-        for path in files:
-            parent.log_artifact(path)
-        _log_results(parent, rows, spec, name, folder, files)
-        counts = {s: sum(r["status"] == s for r in rows) for s in ("FINISHED", "FAILED")}
-        parent.log_metrics({f"trials_{k.lower()}": v for k, v in counts.items()}, step=0)
-        seconds = time.perf_counter() - started
-        phases["after_trials"] = seconds - phases["before_trials"] - phases["trials"]
-        parent.log_metrics(plan_mod.measured_metrics(rows, seconds), step=0)
-        parent.log_metrics({f"sweep/{k}_s": v for k, v in phases.items()}, step=0)
-        parent.finish("KILLED" if stop.interrupted else "FINISHED")
+        except BaseException:
+            parent.finish("FAILED")
+            raise
         stopping = time.perf_counter()
     phases["mlflow_stop"] = time.perf_counter() - stopping
     print("sweep time (s): " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
@@ -399,6 +404,9 @@ def _rows(
 ) -> list[dict]:
     rows = []
     for result in results:
+        if result.config is None:  # cancelled before it ran (its actor never started)
+            print(f"sweep: trial {Path(result.path).name} never ran; resume the sweep to run it")
+            continue
         metrics = result.metrics or {}
         cfg = Config.from_dict(result.config["config"])
         value = result.config["value"]
