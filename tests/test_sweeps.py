@@ -389,6 +389,26 @@ def test_vocab_sweep_end_to_end_then_resumes_without_retraining(
 
 @pytest.mark.ray
 @pytest.mark.slow
+def test_ctrl_c_before_the_trials_start_leaves_the_parent_run_killed(
+    ray_cluster, sweep_server, tmp_path, monkeypatch, capsys
+):
+    """The parent run is opened seconds before Tune starts (the plan is logged, the grid
+    prepared): a Ctrl-C there ends it KILLED with the command to continue, never RUNNING."""
+    from hlm_ray import plan
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(plan, "log_sweep_plan", interrupted)
+    assert _sweep_main("vocab")(["--preset", "tiny", "--name", "vocab-window", *_set(FAST)]) == 130
+    assert "continue with: " in capsys.readouterr().err
+    _, parents, children = _runs(sweep_server, "vocab-window")
+    assert [p.info.status for p in parents] == ["KILLED"] and not children
+
+
+@pytest.mark.ray
+@pytest.mark.slow
 def test_batch_size_sweep_retries_a_failed_trial_from_its_checkpoint(
     ray_cluster, sweep_server, tmp_path, monkeypatch
 ):
