@@ -238,7 +238,8 @@ def test_recipes():
 
 def test_pairs_are_wrapped_in_cls_and_sep_and_truncated_longest_first(encoders):
     tok = load_tokenizer(encoders["headless"])
-    assert tok("a b")["input_ids"] == tok("a b", add_special_tokens=False)["input_ids"]
+    plain = tok("a b", add_special_tokens=False)["input_ids"]
+    assert tok("a b")["input_ids"] == [tok.cls_token_id, *plain, tok.sep_token_id]  # as framed
     encoder = PairEncoder(tok, 16)
     (ids,) = encoder(load_task("glue:rte", eval_file=_rte_file(encoders)).train[:1])
     a_ids = tok("premise words " * 20, add_special_tokens=False)["input_ids"]
@@ -432,8 +433,9 @@ def test_saved_tokenizer_builds_the_training_inputs(encoders, tmp_path, task):
     from hlm_ray.classify.template import with_classifier_template
 
     tok = load_tokenizer(encoders["headless"])
+    before = tok.backend_tokenizer.to_str()
     rows = _shared_rows(task, 20)  # real SST-2 sentences / MRPC pairs
-    training = PairEncoder(tok, 512)(rows)  # long enough: nothing is truncated
+    training = _hand_built(tok, 512)(rows)  # long enough: nothing is truncated
     with_classifier_template(tok, max_length=512).save_pretrained(tmp_path)
     saved = AutoTokenizer.from_pretrained(tmp_path)
     for row, ids in zip(rows, training, strict=True):
@@ -443,11 +445,19 @@ def test_saved_tokenizer_builds_the_training_inputs(encoders, tmp_path, task):
     assert saved.model_max_length == 512
     # Truncated as training truncates (longest first; 40 - 3 specials leaves an odd budget).
     short = with_classifier_template(tok, max_length=40)
-    for row, ids in zip(rows, PairEncoder(tok, 40)(rows), strict=True):
+    for row, ids in zip(rows, _hand_built(tok, 40)(rows), strict=True):
         args = (row.text_a,) if row.text_b is None else (row.text_a, row.text_b)
         assert short(*args, truncation=True)["input_ids"] == ids
-    # The in-memory tokenizer training uses is left as it was (no special tokens of its own).
-    assert tok("a b")["input_ids"] == tok("a b", add_special_tokens=False)["input_ids"]
+    # The tokenizer it was given is left as it was (the template goes on a copy).
+    assert tok.backend_tokenizer.to_str() == before
+
+
+def _hand_built(tok, max_len: int) -> PairEncoder:
+    """The encoder's hand-built path (ids without special tokens, then [CLS]/[SEP] and
+    longest-first truncation by hand): what a template must reproduce."""
+    encoder = PairEncoder(tok, max_len)
+    encoder.own_specials = False
+    return encoder
 
 
 @needs_shared

@@ -331,3 +331,30 @@ def test_a_retried_sweep_trial_reuses_a_finished_budgeted_run(tmp_path):
     assert _finished_summary(tmp_path, 150) is None  # stopped short of its budget
     write({**summary, "budget": {"budget/kind": "seconds", "budget/steps": 150}})
     assert _finished_summary(tmp_path, 150)["steps"] == 37  # stopped at its deadline
+
+
+def test_a_saved_encoder_tokenizer_frames_text_as_pretraining_did(tmp_path):
+    """The exported encoder's tokenizer adds [CLS] ... [SEP] (pairs too), as its pretraining
+    blocks and the classifiers' inputs are built; a decoder's adds nothing."""
+    from test_train import tiny_cfg
+    from transformers import AutoTokenizer
+
+    from hlm_ray.classify.template import special_ids
+    from hlm_ray.train.loop import train_worker
+
+    cfg = tiny_cfg("tiny-encoder", "headless", tmp_path / "enc", **{"optim.max_steps": 2})
+    train_worker(cfg.to_dict(), progress=False)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "enc" / "model"))
+    cls, sep = special_ids(tok)
+    a = tok("the cat sat", add_special_tokens=False)["input_ids"]
+    b = tok("on the mat", add_special_tokens=False)["input_ids"]
+    assert tok("the cat sat")["input_ids"] == [cls, *a, sep]
+    assert tok("the cat sat", "on the mat")["input_ids"] == [cls, *a, sep, *b, sep]
+    assert (tmp_path / "enc" / "model" / "README.md").is_file()
+
+    cfg = tiny_cfg("tiny-decoder", "headless", tmp_path / "dec", **{"optim.max_steps": 2})
+    train_worker(cfg.to_dict(), progress=False)
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "dec" / "model"))
+    assert (
+        tok("the cat sat")["input_ids"] == tok("the cat sat", add_special_tokens=False)["input_ids"]
+    )

@@ -77,7 +77,7 @@ def write_checkpoint(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     model.save_pretrained(tmp / "model")
-    save_tokenizer(tokenizer, tmp / "model")
+    save_tokenizer(_as_saved(model, tokenizer), tmp / "model")
     torch.save(train_state, tmp / "train_state.pt")
     (tmp / "config.yaml").write_text(config_yaml)
     write_manifest(tmp, meta)
@@ -85,6 +85,18 @@ def write_checkpoint(
         shutil.rmtree(folder)
     os.replace(tmp, folder)
     return folder
+
+
+def _as_saved(model, tokenizer):
+    """An encoder's saved tokenizer adds [CLS] ... [SEP] (pairs: [CLS] a [SEP] b [SEP]) as its
+    pretraining blocks were framed and as classifiers read them, so `tokenizer(text)` and
+    `pipeline(...)` on the folder feed it what it was trained on. Training itself never reads
+    this copy (the data path tokenizes with the run's own tokenizer, without special tokens)."""
+    if getattr(model.config, "hlm_family", None) != "encoder":
+        return tokenizer
+    from hlm_ray.classify.template import with_classifier_template  # a leaf module: no cycle
+
+    return with_classifier_template(tokenizer)
 
 
 def write_manifest(folder: Path, meta: dict[str, Any]) -> None:
