@@ -26,10 +26,16 @@ def _requests(gen: Generator) -> list[list]:
     return [
         gen.rows(PROMPTS[0], sampled, seed=7, n=2),
         gen.rows(PROMPTS[1], SamplingParams(max_new_tokens=5, temperature=0)),
-        gen.rows(PROMPTS[3], SamplingParams(max_new_tokens=9, temperature=0.8, top_k=50,
-                                            logprobs=2, stop=("e ",)), seed=1),  # fmt: skip
-        gen.rows(PROMPTS[2], SamplingParams(max_new_tokens=7, temperature=1.0,
-                                            prompt_logprobs=True, logprobs=0), seed=3),  # fmt: skip
+        gen.rows(
+            PROMPTS[3],
+            SamplingParams(max_new_tokens=9, temperature=0.8, top_k=50, logprobs=2, stop=("e ",)),
+            seed=1,
+        ),  # fmt: skip
+        gen.rows(
+            PROMPTS[2],
+            SamplingParams(max_new_tokens=7, temperature=1.0, prompt_logprobs=True, logprobs=0),
+            seed=3,
+        ),  # fmt: skip
     ]
 
 

@@ -179,6 +179,7 @@ def overhead(url: str, model: str, *, rounds: int, num_prompts: int, new_tokens:
     gen = Generator.load(model, device="cpu")
     texts = prompts(num_prompts)
     arms: dict[str, list[float]] = {"in_process": [], "served": []}
+    breakdowns: list[dict[str, float]] = []
 
     def in_process(seed: int) -> float:
         start = time.perf_counter()
@@ -188,10 +189,12 @@ def overhead(url: str, model: str, *, rounds: int, num_prompts: int, new_tokens:
     def served(seed: int) -> float:
         bodies = [{"prompt": p, "max_tokens": new_tokens, "temperature": 1.0, "seed": seed}
                   for p in texts]  # fmt: skip
+        before = health(url)
         start = time.perf_counter()
         answers = send(url, bodies, num_prompts)
         wall = time.perf_counter() - start
         assert all(s == 200 for s, _, _ in answers), Counter(s for s, _, _ in answers)
+        breakdowns.append(breakdown(before, health(url), wall, answers))
         return sum(t for _, _, t in answers) / wall
 
     in_process(0), served(0)  # warm-up (first batches, connections)
@@ -200,7 +203,7 @@ def overhead(url: str, model: str, *, rounds: int, num_prompts: int, new_tokens:
         for arm in order:
             arms[arm].append((in_process if arm == "in_process" else served)(r + 1))
         log(f"round {r + 1}: in-process {arms['in_process'][-1]:,.0f} tok/s, "
-            f"served {arms['served'][-1]:,.0f} tok/s")  # fmt: skip
+            f"served {arms['served'][-1]:,.0f} tok/s; replica: {breakdowns[-1]}")  # fmt: skip
     med = {arm: statistics.median(v) for arm, v in arms.items()}
     return {
         "rounds": rounds,
@@ -212,6 +215,32 @@ def overhead(url: str, model: str, *, rounds: int, num_prompts: int, new_tokens:
         "ratio": round(med["served"] / med["in_process"], 3),
         "in_process_all": [round(x) for x in arms["in_process"]],
         "served_all": [round(x) for x in arms["served"]],
+        # Of the served rounds (warm-up excluded), the median of each figure.
+        "breakdown": {k: statistics.median(b[k] for b in breakdowns[1:]) for k in breakdowns[0]},
+    }
+
+
+def health(url: str) -> dict[str, Any]:
+    import requests
+
+    return requests.get(f"{url}/healthz", timeout=30).json()
+
+
+def breakdown(before: dict, after: dict, wall: float, answers: list) -> dict[str, float]:
+    """Where a served round's wall time went, from the replica's counters (GET /healthz):
+    prefills and steps it ran, the mean rows per step, the share of the round its decode
+    thread was busy, and the clients' median latency."""
+    diff = {k: after[k] - before[k] for k in ("batches", "steps", "decoded_rows", "busy_s")}
+    steps = max(1, diff["steps"])
+    return {
+        "prefills": diff["batches"],
+        "steps": diff["steps"],
+        "rows_per_step": round(diff["decoded_rows"] / steps, 1),
+        "ms_per_step": round(1000 * diff["busy_s"] / (steps + diff["batches"]), 2),
+        "decode_busy_ms": round(1000 * diff["busy_s"], 1),
+        "wall_ms": round(1000 * wall, 1),
+        "busy_share": round(diff["busy_s"] / wall, 2),
+        "latency_p50_ms": round(1000 * statistics.median(lat for _, lat, _ in answers), 1),
     }
 
 
