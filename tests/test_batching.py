@@ -122,3 +122,54 @@ def test_a_failed_prefill_leaves_the_running_batch_as_it_was(gen):
     while batch.rows:
         batch.step()
     _same(rows[0].result, expected)
+
+
+# ----------------------------------------------------------------------------- the decode loop
+
+
+def _wait(jobs, timeout: float = 60.0) -> None:
+    import time
+
+    end = time.monotonic() + timeout
+    while not all(job.done for job in jobs):
+        assert time.monotonic() < end, "decode loop did not finish its jobs"
+        time.sleep(0.005)
+
+
+def test_decode_loop_streams_cancels_and_fails_requests_alone(gen):
+    """The server's decode thread (`hlm_ray.serve.engine.DecodeLoop`): requests submitted
+    while others decode get what they get alone (streamed deltas concatenate to it); a
+    cancelled request leaves the batch at the next step; one that cannot be decoded fails
+    alone."""
+    import threading
+
+    from hlm_ray.generate import Row
+    from hlm_ray.serve.engine import DecodeLoop
+
+    long = SamplingParams(max_new_tokens=60, temperature=1.0)
+    requests = _requests(gen)
+    expected = [_alone(gen, rows) for rows in requests]
+    engine = DecodeLoop(gen, max_rows=8)
+    try:
+        first_step = threading.Event()
+        cancelled = engine.submit(gen.rows(PROMPTS[1], long, seed=5), first_step.set, stream=True)
+        assert first_step.wait(30)  # it is decoding: the others join a running batch
+        poisoned = [Row([gen.vocab_size + 5], SamplingParams(max_new_tokens=3))]
+        jobs = [engine.submit(rows, lambda: None, stream=i == 2) for i, rows in enumerate(requests)]
+        bad = engine.submit(poisoned, lambda: None)
+        engine.cancel(cancelled)
+        _wait([*jobs, bad])
+        assert isinstance(bad.error, IndexError)
+        for job, want in zip(jobs, expected, strict=True):
+            assert job.error is None
+            for row, completion in zip(job.rows, want, strict=True):
+                _same(row.result, completion)
+        streamed = ["" for _ in jobs[2].rows]
+        for deltas in jobs[2].events:
+            for d in deltas:
+                streamed[d.index] += d.text
+        assert streamed == [c.text for c in expected[2]]
+        assert cancelled.rows[0].result is None and not cancelled.done
+        assert engine.stats["max_batch_requests"] >= 2
+    finally:
+        engine.close()
