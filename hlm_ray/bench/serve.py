@@ -8,7 +8,11 @@ Overhead: the same decoder and prompts (32 prompts x 32 new tokens, temperature 
 `Generator.generate` in this process (one batch) and served to 32 concurrent HTTP clients (one
 prompt each, `max_batch_size` 32); arms alternate (in, served, served, in, ...) in one run and
 each arm's figure is its median round, in completion tokens per second. The in-process arm
-uses the replica's torch thread count. Target: served / in-process >= 0.8.
+uses the replica's torch thread count. Target: served / in-process >= 0.8. Each served round
+also reads the replica's counters (`GET /healthz`) for where its time went (`breakdown`):
+prefills, steps and rows per step of the continuous batch, the decode thread's busy time and
+ms per step (against the in-process arm's), the lead from the first request sent to the first
+prefill (HTTP, proxy, routing, parsing) and the tail from the last step to the last answer.
 
 Soak: `--soak` requests (small completions, `--concurrency` clients) against the same server:
 throughput, p50/p95/p99 latency, every status code, and the resident memory (RSS) of the
@@ -190,11 +194,11 @@ def overhead(url: str, model: str, *, rounds: int, num_prompts: int, new_tokens:
         bodies = [{"prompt": p, "max_tokens": new_tokens, "temperature": 1.0, "seed": seed}
                   for p in texts]  # fmt: skip
         before = health(url)
-        start = time.perf_counter()
+        start, unix_start = time.perf_counter(), time.time()
         answers = send(url, bodies, num_prompts)
         wall = time.perf_counter() - start
         assert all(s == 200 for s, _, _ in answers), Counter(s for s, _, _ in answers)
-        breakdowns.append(breakdown(before, health(url), wall, answers))
+        breakdowns.append(breakdown(before, health(url), wall, unix_start, answers))
         return sum(t for _, _, t in answers) / wall
 
     in_process(0), served(0)  # warm-up (first batches, connections)
@@ -226,10 +230,14 @@ def health(url: str) -> dict[str, Any]:
     return requests.get(f"{url}/healthz", timeout=30).json()
 
 
-def breakdown(before: dict, after: dict, wall: float, answers: list) -> dict[str, float]:
+def breakdown(
+    before: dict, after: dict, wall: float, unix_start: float, answers: list
+) -> dict[str, float]:
     """Where a served round's wall time went, from the replica's counters (GET /healthz):
-    prefills and steps it ran, the mean rows per step, the share of the round its decode
-    thread was busy, and the clients' median latency."""
+    prefills and steps it ran, the mean rows per step, the time its decode thread was busy;
+    `lead_ms`: from the first request sent to the replica's first prefill (HTTP, proxy,
+    routing, parsing); `tail_ms`: from its last step to the last answer received (response
+    bodies back through the proxy)."""
     diff = {k: after[k] - before[k] for k in ("batches", "steps", "decoded_rows", "busy_s")}
     steps = max(1, diff["steps"])
     return {
@@ -240,6 +248,8 @@ def breakdown(before: dict, after: dict, wall: float, answers: list) -> dict[str
         "decode_busy_ms": round(1000 * diff["busy_s"], 1),
         "wall_ms": round(1000 * wall, 1),
         "busy_share": round(diff["busy_s"] / wall, 2),
+        "lead_ms": round(1000 * (after["busy_since"] - unix_start), 1),
+        "tail_ms": round(1000 * (unix_start + wall - after["idle_since"]), 1),
         "latency_p50_ms": round(1000 * statistics.median(lat for _, lat, _ in answers), 1),
     }
 
@@ -287,6 +297,17 @@ def markdown(result: dict[str, Any]) -> str:
             "thread(s)).",
             "",
         ]
+        if b := o.get("breakdown"):
+            in_ms = 1000 * o["prompts"] * o["new_tokens"] / o["in_process_tok_s"]
+            lines += [
+                "Where a served round goes (the replica's counters, median of the rounds): "
+                f"wall {b['wall_ms']} ms = lead {b['lead_ms']} ms (first request sent -> first "
+                f"prefill) + decoding {b['decode_busy_ms']} ms busy ({b['prefills']} prefills, "
+                f"{b['steps']} steps of {b['rows_per_step']} rows, {b['ms_per_step']} ms per "
+                f"forward) + tail {b['tail_ms']} ms (last step -> last answer), the rest "
+                f"waiting between steps; in process the same tokens take {in_ms:.0f} ms.",
+                "",
+            ]
     if s := result.get("soak"):
         lines += [
             f"Soak: {s['requests']:,} requests, {s['concurrency']} clients, {s['seconds']} s: "

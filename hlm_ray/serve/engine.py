@@ -67,7 +67,8 @@ class DecodeLoop:
         self.wait_s = wait_s
         """How long an idle loop waits for more requests before its first prefill."""
         self.stats = {"batches": 0, "steps": 0, "decoded_rows": 0, "max_batch_requests": 0,
-                      "max_batch_rows": 0, "busy_s": 0.0}  # fmt: skip
+                      "max_batch_rows": 0, "busy_s": 0.0,
+                      "busy_since": 0.0, "idle_since": 0.0}  # fmt: skip
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: deque[Job] = deque()
         self._running: dict[int, Job] = {}  # id(row) -> its job, for rows in the batch
@@ -97,6 +98,8 @@ class DecodeLoop:
 
     def _run(self) -> None:
         while self._receive(block=not self._batch.rows and not self._pending):
+            if self.stats["idle_since"] >= self.stats["busy_since"]:
+                self.stats["busy_since"] = time.time()
             start = time.perf_counter()
             try:
                 self._leave_cancelled()
@@ -110,6 +113,8 @@ class DecodeLoop:
                 self._running.clear()
                 self._batch = RunningBatch(self.gen)
             self.stats["busy_s"] += time.perf_counter() - start
+            if not self._batch.rows and not self._pending:
+                self.stats["idle_since"] = time.time()
 
     def _receive(self, *, block: bool) -> bool:
         """Move submitted jobs to the pending queue; when idle, wait for one (and then up to

@@ -205,6 +205,10 @@ class Health(BaseModel):
     """The most rows (prompts x n) decoded together in one step."""
     busy_s: float
     """Seconds the decode thread spent prefilling and stepping."""
+    busy_since: float
+    """Unix time the decode thread last left idle (its first prefill after an empty batch)."""
+    idle_since: float
+    """Unix time the batch last became empty (its last row finished)."""
 
 
 class AppArgs(BaseModel):
@@ -224,9 +228,9 @@ class AppArgs(BaseModel):
     """Serve a headless decoder that was never fine-tuned, with its raw Eᵀ head."""
     max_batch_size: int = Field(16, ge=1)
     """Rows (prompts x n, over concurrent requests) decoded together; also a request's limit."""
-    batch_wait_timeout_s: float = Field(0.02, ge=0.0)
+    batch_wait_timeout_s: float = Field(0.0, ge=0.0)
     """How long an idle replica waits, after a request arrives, for others to share its prefill
-    (requests arriving later join the running batch at its next step)."""
+    (requests arriving later join the running batch at its next step, so 0 loses nothing)."""
     max_prompt_tokens: int | None = Field(None, ge=1)
     """Longest prompt accepted, in tokens (default: the model's positions minus max_tokens)."""
     max_tokens_limit: int = Field(256, ge=1)
