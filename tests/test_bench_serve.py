@@ -8,12 +8,13 @@ from hlm_ray.bench.serve import breakdown, markdown
 
 def test_breakdown_of_a_served_round_from_the_replica_counters():
     before = {"batches": 10, "steps": 100, "decoded_rows": 900, "busy_s": 1.0,
-              "busy_since": 50.0, "idle_since": 60.0}  # fmt: skip
+              "busy_cpu_s": 0.5, "busy_since": 50.0, "idle_since": 60.0}  # fmt: skip
     after = {"batches": 13, "steps": 133, "decoded_rows": 900 + 33 * 30, "busy_s": 1.108,
-             "busy_since": 1000.05, "idle_since": 1000.19}  # fmt: skip
+             "busy_cpu_s": 0.58, "busy_since": 1000.05, "idle_since": 1000.19}  # fmt: skip
     answers = [(200, 0.1, 32), (200, 0.2, 32), (200, 0.3, 32)]
     b = breakdown(before, after, wall=0.2, unix_start=1000.0, answers=answers)
     assert b["prefills"] == 3 and b["steps"] == 33 and b["rows_per_step"] == 30.0
+    assert b["decode_cpu_ms"] == 80.0
     assert b["decode_busy_ms"] == 108.0 and b["ms_per_step"] == 3.0  # 108 ms / 36 forwards
     assert b["lead_ms"] == 50.0 and b["tail_ms"] == 10.0
     assert b["busy_share"] == 0.54 and b["latency_p50_ms"] == 200.0

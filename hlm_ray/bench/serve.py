@@ -173,8 +173,10 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def overhead(url: str, model: str, *, rounds: int, num_prompts: int, new_tokens: int,
-             threads: int, log=print) -> dict[str, Any]:  # fmt: skip
-    """Served vs in-process tokens/s, arms alternated; medians and the ratio."""
+             threads: int, pids: dict[str, int | None] | None = None,
+             log=print) -> dict[str, Any]:  # fmt: skip
+    """Served vs in-process tokens/s, arms alternated; medians and the ratio. `pids` (the
+    replica's and the proxy's, `serve_pids`) adds each process's CPU time per round."""
     import torch
 
     from hlm_ray.generate import Generator
@@ -185,20 +187,30 @@ def overhead(url: str, model: str, *, rounds: int, num_prompts: int, new_tokens:
     arms: dict[str, list[float]] = {"in_process": [], "served": []}
     breakdowns: list[dict[str, float]] = []
 
+    cpu_in: list[float] = []
+
     def in_process(seed: int) -> float:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         out = gen.generate(texts, max_new_tokens=new_tokens, temperature=1.0, seed=seed)
+        cpu_in.append(time.thread_time() - cpu)
         return sum(c.completion_tokens for c in out) / (time.perf_counter() - start)
 
     def served(seed: int) -> float:
         bodies = [{"prompt": p, "max_tokens": new_tokens, "temperature": 1.0, "seed": seed}
                   for p in texts]  # fmt: skip
-        before = health(url)
-        start, unix_start = time.perf_counter(), time.time()
+        before, cpu = health(url), cpu_seconds(pids or {})
+        start, unix_start, client = time.perf_counter(), time.time(), time.process_time()
         answers = send(url, bodies, num_prompts)
         wall = time.perf_counter() - start
+        client = time.process_time() - client
+        cpu = {k: v - cpu[k] for k, v in cpu_seconds(pids or {}).items()}
         assert all(s == 200 for s, _, _ in answers), Counter(s for s, _, _ in answers)
-        breakdowns.append(breakdown(before, health(url), wall, unix_start, answers))
+        b = breakdown(before, health(url), wall, unix_start, answers)
+        b["cpu_ms"] = {
+            "client": round(1000 * client),
+            **{k: round(1000 * v) for k, v in cpu.items()},
+        }
+        breakdowns.append(b)
         return sum(t for _, _, t in answers) / wall
 
     in_process(0), served(0)  # warm-up (first batches, connections)
@@ -220,8 +232,27 @@ def overhead(url: str, model: str, *, rounds: int, num_prompts: int, new_tokens:
         "in_process_all": [round(x) for x in arms["in_process"]],
         "served_all": [round(x) for x in arms["served"]],
         # Of the served rounds (warm-up excluded), the median of each figure.
-        "breakdown": {k: statistics.median(b[k] for b in breakdowns[1:]) for k in breakdowns[0]},
+        "breakdown": _medians(breakdowns[1:]),
+        "in_process_cpu_ms": round(1000 * statistics.median(cpu_in[1:])),
     }
+
+
+def _medians(rows: list[dict]) -> dict:
+    return {k: _medians([r[k] for r in rows]) if isinstance(v, dict)
+            else statistics.median(r[k] for r in rows) for k, v in rows[0].items()}  # fmt: skip
+
+
+def cpu_seconds(pids: dict[str, int | None]) -> dict[str, float]:
+    """User + system CPU seconds each process has used (Linux /proc; 10 ms ticks)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[name] = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, ValueError, IndexError, TypeError):
+            continue
+    return out
 
 
 def health(url: str) -> dict[str, Any]:
@@ -238,7 +269,8 @@ def breakdown(
     `lead_ms`: from the first request sent to the replica's first prefill (HTTP, proxy,
     routing, parsing); `tail_ms`: from its last step to the last answer received (response
     bodies back through the proxy)."""
-    diff = {k: after[k] - before[k] for k in ("batches", "steps", "decoded_rows", "busy_s")}
+    keys = ("batches", "steps", "decoded_rows", "busy_s", "busy_cpu_s")
+    diff = {k: after[k] - before[k] for k in keys}
     steps = max(1, diff["steps"])
     return {
         "prefills": diff["batches"],
@@ -246,6 +278,7 @@ def breakdown(
         "rows_per_step": round(diff["decoded_rows"] / steps, 1),
         "ms_per_step": round(1000 * diff["busy_s"] / (steps + diff["batches"]), 2),
         "decode_busy_ms": round(1000 * diff["busy_s"], 1),
+        "decode_cpu_ms": round(1000 * diff["busy_cpu_s"], 1),
         "wall_ms": round(1000 * wall, 1),
         "busy_share": round(diff["busy_s"] / wall, 2),
         "lead_ms": round(1000 * (after["busy_since"] - unix_start), 1),
@@ -302,10 +335,18 @@ def markdown(result: dict[str, Any]) -> str:
             lines += [
                 "Where a served round goes (the replica's counters, median of the rounds): "
                 f"wall {b['wall_ms']} ms = lead {b['lead_ms']} ms (first request sent -> first "
-                f"prefill) + decoding {b['decode_busy_ms']} ms busy ({b['prefills']} prefills, "
+                f"prefill) + decoding {b['decode_busy_ms']} ms busy, of which "
+                f"{b['decode_cpu_ms']} ms on a CPU ({b['prefills']} prefills, "
                 f"{b['steps']} steps of {b['rows_per_step']} rows, {b['ms_per_step']} ms per "
                 f"forward) + tail {b['tail_ms']} ms (last step -> last answer), the rest "
                 f"waiting between steps; in process the same tokens take {in_ms:.0f} ms.",
+                "",
+            ]
+        if cpu := (b or {}).get("cpu_ms"):
+            lines += [
+                "CPU per round (ms, median; 10 ms ticks): "
+                + ", ".join(f"{k} {v}" for k, v in cpu.items())
+                + f"; the in-process arm's decoding thread: {o.get('in_process_cpu_ms')}.",
                 "",
             ]
     if s := result.get("soak"):
@@ -339,6 +380,7 @@ def run(args: argparse.Namespace) -> int:
             result["overhead"] = overhead(
                 url, model, rounds=args.rounds, num_prompts=args.clients,
                 new_tokens=args.new_tokens, threads=max(1, int(args.num_cpus)),
+                pids=serve_pids(app),
             )  # fmt: skip
         if args.soak:
             result["soak"] = soak(url, app, num_requests=args.soak, concurrency=args.concurrency)

@@ -188,7 +188,11 @@ class CompletionServer:
 
     @api.get("/healthz")
     async def healthz(self) -> JSONResponse:
-        stats = {**self._engine.stats, "busy_s": round(self._engine.stats["busy_s"], 3)}
+        stats = dict(self._engine.stats)
+        stats["busy_s"], stats["busy_cpu_s"] = (
+            round(stats["busy_s"], 4),
+            round(stats["busy_cpu_s"], 4),
+        )
         health = Health(model=self.name, requests=self._requests, **stats)
         return self._json(health.model_dump())
 

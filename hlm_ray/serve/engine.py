@@ -67,7 +67,7 @@ class DecodeLoop:
         self.wait_s = wait_s
         """How long an idle loop waits for more requests before its first prefill."""
         self.stats = {"batches": 0, "steps": 0, "decoded_rows": 0, "max_batch_requests": 0,
-                      "max_batch_rows": 0, "busy_s": 0.0,
+                      "max_batch_rows": 0, "busy_s": 0.0, "busy_cpu_s": 0.0,
                       "busy_since": 0.0, "idle_since": 0.0}  # fmt: skip
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: deque[Job] = deque()
@@ -100,7 +100,7 @@ class DecodeLoop:
         while self._receive(block=not self._batch.rows and not self._pending):
             if self.stats["idle_since"] >= self.stats["busy_since"]:
                 self.stats["busy_since"] = time.time()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 self._leave_cancelled()
                 self._admit()
@@ -113,6 +113,7 @@ class DecodeLoop:
                 self._running.clear()
                 self._batch = RunningBatch(self.gen)
             self.stats["busy_s"] += time.perf_counter() - start
+            self.stats["busy_cpu_s"] += time.thread_time() - cpu
             if not self._batch.rows and not self._pending:
                 self.stats["idle_since"] = time.time()
 

@@ -205,6 +205,9 @@ class Health(BaseModel):
     """The most rows (prompts x n) decoded together in one step."""
     busy_s: float
     """Seconds the decode thread spent prefilling and stepping."""
+    busy_cpu_s: float
+    """CPU seconds the decode thread used meanwhile (busy_s - busy_cpu_s: time it waited for
+    a core or for the GIL)."""
     busy_since: float
     """Unix time the decode thread last left idle (its first prefill after an empty batch)."""
     idle_since: float
