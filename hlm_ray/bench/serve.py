@@ -79,7 +79,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model: str, *, num_cpus: float, max_batch_size: int, app: str) -> str:
+def start_server(
+    model: str, *, num_cpus: float, max_batch_size: int, app: str, max_tokens: int = 64
+) -> str:
     """Serve `model` on a free loopback port (the proxy's guard included); returns its URL."""
     import ray
     from ray import serve
@@ -95,7 +97,7 @@ def start_server(model: str, *, num_cpus: float, max_batch_size: int, app: str) 
         http_options={"host": "127.0.0.1", "port": port},
         controller_options=guard_controller_options(),
     )
-    args = AppArgs(model=model, max_batch_size=max_batch_size, max_tokens_limit=64)
+    args = AppArgs(model=model, max_batch_size=max_batch_size, max_tokens_limit=max(64, max_tokens))
     serve.run(make_app(args, num_cpus=num_cpus), name=app, route_prefix="/")
     return f"http://127.0.0.1:{port}"
 
@@ -373,7 +375,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"model": "tiny decoder" if not args.model else args.model}
     try:
         url = start_server(model, num_cpus=args.num_cpus, max_batch_size=args.max_batch_size,
-                           app=app)  # fmt: skip
+                           app=app, max_tokens=args.new_tokens)  # fmt: skip
         result["load"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
         result["cpus"] = os.cpu_count()
         if args.rounds:
