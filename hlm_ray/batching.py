@@ -107,19 +107,29 @@ class RunningBatch:
         events = self._expire()
         if not self.rows:
             return events
+        width = self._mask_BL.shape[1]
         ones_B1 = self._mask_BL.new_ones(len(self.rows), 1)
         mask_BL = torch.cat([self._mask_BL, ones_B1], dim=1)
-        out = self.gen.model(
-            input_ids=self._next_B[:, None],
-            attention_mask=mask_BL,
-            position_ids=self._position_B[:, None],
-            past_key_values=self._past,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        self._past, self._mask_BL = out.past_key_values, mask_BL
+        try:
+            out = self.gen.model(
+                input_ids=self._next_B[:, None],
+                attention_mask=mask_BL,
+                position_ids=self._position_B[:, None],
+                past_key_values=self._past,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            next_B, logprobs = self._choose(out.logits[:, -1].float())
+        except Exception:
+            # The forward appends to the cache in place: cut it back, so that the batch is as
+            # it was and its rows can step again (alone: `hlm_ray.serve.engine`). A row's
+            # generator draws only once its filters passed, the usual place to fail.
+            for layer in _layers(self._past):
+                layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
+            raise
+        self._mask_BL = mask_BL
         self._position_B = self._position_B + 1
-        return events + self._sample(out.logits[:, -1].float())
+        return events + self._push(next_B, logprobs)
 
     def _prefill(self, rows: list) -> list:
         gen = self.gen
@@ -151,18 +161,22 @@ class RunningBatch:
         for row in self.rows:
             if row.params.max_new_tokens == 0:
                 events.append((row, gen._finish(row, "", "length", row.index)))
-        return events + self._sample(logits_BV)
+        return events + self._push(*self._choose(logits_BV))
 
-    def _sample(self, logits_BV: torch.Tensor) -> list:
-        """Sample each running row's next token from its float32 logits (B, V), push it to the
-        row's text, and let finished rows leave."""
+    def _choose(self, logits_BV: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Each running row's next token (B,) from its float32 logits (B, V), and its
+        log-probability entries; changes no state but the rows' generators."""
         gen, rows = self.gen, self.rows
         params = [row.params for row in rows]
         logprobs = gen._logprobs(logits_BV, rows)  # raw logits: before any filter
         if gen.pad_id != gen.eos_id:
             logits_BV[:, gen.pad_id] = float("-inf")  # padding is never an answer
         add_logit_bias(logits_BV, params)
-        next_B = sample_next(logits_BV, params, self._draws)
+        return sample_next(logits_BV, params, self._draws), logprobs
+
+    def _push(self, next_B: torch.Tensor, logprobs: list) -> list:
+        """Add each row's token to its text; finished rows leave."""
+        gen, rows = self.gen, self.rows
         events = []
         for i, (row, token) in enumerate(zip(rows, next_B.tolist(), strict=True)):
             if row.result is not None:  # finished in the prefill (max_new_tokens=0)

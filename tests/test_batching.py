@@ -173,3 +173,54 @@ def test_decode_loop_streams_cancels_and_fails_requests_alone(gen):
         assert engine.stats["max_batch_requests"] >= 2
     finally:
         engine.close()
+
+
+def test_a_failed_step_leaves_the_batch_as_it_was(gen):
+    """A step that fails (here a row's logit_bias names a token past the vocabulary) leaves the
+    cache, mask and positions as they were: once the row that fails is dropped, the others go
+    on and decode what they decode alone."""
+    requests = _requests(gen)[:2]
+    expected = [_alone(gen, rows) for rows in requests]
+    poisoned = gen.rows(PROMPTS[3], SamplingParams(max_new_tokens=9, temperature=0))
+    batch = RunningBatch(gen)
+    batch.admit([*requests[0], *poisoned, *requests[1]])
+    batch.step()
+    width = batch._mask_BL.shape[1]
+    poisoned[0].params = SamplingParams(max_new_tokens=9, logit_bias=((gen.vocab_size + 5, 1.0),))
+    with pytest.raises(IndexError):
+        batch.step()
+    assert batch._mask_BL.shape[1] == width
+    assert {layer.keys.shape[2] for layer in batch._past.layers} == {width}
+    batch.drop(poisoned)
+    while batch.rows:
+        batch.step()
+    for rows, want in zip(requests, expected, strict=True):
+        for row, completion in zip(rows, want, strict=True):
+            _same(row.result, completion)
+
+
+def test_decode_loop_fails_a_request_whose_step_fails_and_the_others_go_on(gen):
+    """When a step of the shared batch fails, each request steps alone: the one that fails
+    gets the error, its batch-mates finish with the text they get alone."""
+    from hlm_ray.serve.engine import DecodeLoop
+
+    requests = _requests(gen)[:2]
+    expected = [_alone(gen, rows) for rows in requests]
+    bad_params = SamplingParams(max_new_tokens=40, logit_bias=((gen.vocab_size + 5, 1.0),))
+    victim = gen.rows(PROMPTS[3], SamplingParams(max_new_tokens=40, temperature=0))
+
+    def poison() -> None:  # runs on the decode thread, between steps
+        victim[0].params = bad_params
+
+    engine = DecodeLoop(gen, max_rows=8)
+    try:
+        jobs = [engine.submit(rows, lambda: None) for rows in requests]
+        bad = engine.submit(victim, poison, stream=True)
+        _wait([*jobs, bad])
+        assert isinstance(bad.error, IndexError) and bad.events  # it had decoded some text
+        for job, want in zip(jobs, expected, strict=True):
+            assert job.error is None
+            for row, completion in zip(job.rows, want, strict=True):
+                _same(row.result, completion)
+    finally:
+        engine.close()
