@@ -12,7 +12,8 @@ uses the replica's torch thread count. Target: served / in-process >= 0.8. Each 
 also reads the replica's counters (`GET /healthz`) for where its time went (`breakdown`):
 prefills, steps and rows per step of the continuous batch, the decode thread's busy time and
 ms per step (against the in-process arm's), the lead from the first request sent to the first
-prefill (HTTP, proxy, routing, parsing) and the tail from the last step to the last answer.
+prefill (HTTP, proxy, routing, parsing), the tail from the last step to the last answer, and
+the CPU time the clients, the proxy and the replica used (`/proc/PID/stat`).
 
 Soak: `--soak` requests (small completions, `--concurrency` clients) against the same server:
 throughput, p50/p95/p99 latency, every status code, and the resident memory (RSS) of the
