@@ -30,9 +30,7 @@ The server batches rows of several requests, each row with its own settings, thr
 from __future__ import annotations
 
 import math
-import random
 import secrets
-import time
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from hlm_ray.batching import RunningBatch
 from hlm_ray.detokenize import IncrementalText, text_offsets, token_strings
 from hlm_ray.device import device_name
 from hlm_ray.errors import HLMError
@@ -144,6 +143,8 @@ class Row:
     seed: int | None = None
     deadline: float | None = None
     result: Completion | None = None
+    index: int = 0
+    """The row's choice index in its request, reported in its `Delta`s."""
     # Decoding state.
     token_ids: list[int] = field(default_factory=list)
     emitted: str = ""
@@ -387,65 +388,20 @@ class Generator:
 
     # -- the decoding loop
 
-    @torch.inference_mode()
     def stream_rows(self, rows: list[Row]) -> Iterator[list[Delta]]:
-        """Decode `rows` as one left-padded batch with the KV cache; yields, per step, the rows'
-        new text (rows that produced none are left out). Sets `row.result` on each row."""
-        if not rows:
-            return
-        generators = [_generator(row, self.device) for row in rows]
-        params = [row.params for row in rows]
-        for row in rows:
-            row.text = IncrementalText(self._decode)
-        ids_BL, mask_BL = self._left_pad([row.prompt_ids for row in rows])
-        # Positions count real tokens only, so a padded row sees the positions it would alone.
-        positions_BL = (mask_BL.cumsum(-1) - 1).clamp(min=0)
-        next_position_B = mask_BL.sum(-1)
-        inputs_BL, past = ids_BL, None
-        for step in range(max(1, *(p.max_new_tokens for p in params))):
-            timed_out = self._expire(rows)
-            if timed_out:
-                yield timed_out
-            if all(row.result is not None for row in rows):
+        """Decode `rows` as one batch with the KV cache (`hlm_ray.batching.RunningBatch`: rows
+        leave as they finish); yields, per step, the rows' new text (rows that produced none are
+        left out; `Delta.index` is the row's place in `rows`). Sets `row.result` on each row."""
+        for i, row in enumerate(rows):
+            row.index = i
+        batch = RunningBatch(self)
+        events = batch.admit(rows)
+        while True:
+            if events:
+                yield [delta for _, delta in events]
+            if not batch.rows:
                 return
-            if step == 0 and any(p.prompt_logprobs for p in params):
-                logits_BV, past = self._prefill_scoring(rows, inputs_BL, mask_BL, positions_BL)
-            else:
-                out = self.model(
-                    input_ids=inputs_BL,
-                    attention_mask=mask_BL,
-                    position_ids=positions_BL,
-                    past_key_values=past,
-                    use_cache=True,
-                    logits_to_keep=1,
-                )
-                past, logits_BV = out.past_key_values, out.logits[:, -1].float()
-            if step == 0:  # rows asked for no new token: their prompt was all they wanted
-                done = [self._finish(r, "", "length", i) for i, r in enumerate(rows)
-                        if r.params.max_new_tokens == 0]  # fmt: skip
-                if done:
-                    yield done
-            # (B, V) float32, the raw logits: log-probabilities are taken before any filter.
-            logprobs = self._logprobs(logits_BV, rows)
-            if self.pad_id != self.eos_id:
-                logits_BV[:, self.pad_id] = float("-inf")  # padding is never an answer
-            add_logit_bias(logits_BV, params)
-            next_B = sample_next(logits_BV, params, generators)
-            deltas = []
-            for i, row in enumerate(rows):
-                if row.result is None:
-                    token = int(next_B[i])
-                    if logprobs[i] is not None:
-                        row.logprobs.append(logprobs[i](token))
-                    delta = self._push(row, token, i)
-                    if delta is not None:
-                        deltas.append(delta)
-            if deltas:
-                yield deltas
-            inputs_BL = next_B[:, None]
-            mask_BL = torch.cat([mask_BL, mask_BL.new_ones(len(rows), 1)], dim=1)
-            positions_BL = next_position_B[:, None]
-            next_position_B = next_position_B + 1
+            events = batch.step()
 
     def _prefill_scoring(self, rows, ids_BL, mask_BL, positions_BL):
         """The first forward pass when a row scores its prompt: the decoder's last hidden states
@@ -553,14 +509,6 @@ class Generator:
         row.emitted = text
         return Delta(index, delta, reason)
 
-    def _expire(self, rows: list[Row]) -> list[Delta]:
-        now = time.monotonic()
-        return [
-            self._finish(row, row.text.text + row.text.flush(), "timeout", i)
-            for i, row in enumerate(rows)
-            if row.result is None and row.deadline is not None and now > row.deadline
-        ]
-
     def _decode(self, token_ids: list[int]) -> str:
         if self._backend_decode is not None:
             return self._backend_decode(token_ids, skip_special_tokens=True)
@@ -570,12 +518,6 @@ class Generator:
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def _generator(row: Row, device: torch.device) -> random.Random | None:
-    if row.params.greedy:
-        return None
-    return random.Random(row.seed if row.seed is not None else secrets.randbits(63))
 
 
 def _first_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:

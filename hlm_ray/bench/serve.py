@@ -8,7 +8,12 @@ Overhead: the same decoder and prompts (32 prompts x 32 new tokens, temperature 
 `Generator.generate` in this process (one batch) and served to 32 concurrent HTTP clients (one
 prompt each, `max_batch_size` 32); arms alternate (in, served, served, in, ...) in one run and
 each arm's figure is its median round, in completion tokens per second. The in-process arm
-uses the replica's torch thread count. Target: served / in-process >= 0.8.
+uses the replica's torch thread count. Target: served / in-process >= 0.8. Each served round
+also reads the replica's counters (`GET /healthz`) for where its time went (`breakdown`):
+prefills, steps and rows per step of the continuous batch, the decode thread's busy time and
+ms per step (against the in-process arm's), the lead from the first request sent to the first
+prefill (HTTP, proxy, routing, parsing), the tail from the last step to the last answer, and
+the CPU time the clients, the proxy and the replica used (`/proc/PID/stat`).
 
 Soak: `--soak` requests (small completions, `--concurrency` clients) against the same server:
 throughput, p50/p95/p99 latency, every status code, and the resident memory (RSS) of the
@@ -75,7 +80,9 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model: str, *, num_cpus: float, max_batch_size: int, app: str) -> str:
+def start_server(
+    model: str, *, num_cpus: float, max_batch_size: int, app: str, max_tokens: int = 64
+) -> str:
     """Serve `model` on a free loopback port (the proxy's guard included); returns its URL."""
     import ray
     from ray import serve
@@ -91,7 +98,7 @@ def start_server(model: str, *, num_cpus: float, max_batch_size: int, app: str) 
         http_options={"host": "127.0.0.1", "port": port},
         controller_options=guard_controller_options(),
     )
-    args = AppArgs(model=model, max_batch_size=max_batch_size, max_tokens_limit=64)
+    args = AppArgs(model=model, max_batch_size=max_batch_size, max_tokens_limit=max(64, max_tokens))
     serve.run(make_app(args, num_cpus=num_cpus), name=app, route_prefix="/")
     return f"http://127.0.0.1:{port}"
 
@@ -169,8 +176,10 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def overhead(url: str, model: str, *, rounds: int, num_prompts: int, new_tokens: int,
-             threads: int, log=print) -> dict[str, Any]:  # fmt: skip
-    """Served vs in-process tokens/s, arms alternated; medians and the ratio."""
+             threads: int, pids: dict[str, int | None] | None = None,
+             log=print) -> dict[str, Any]:  # fmt: skip
+    """Served vs in-process tokens/s, arms alternated; medians and the ratio. `pids` (the
+    replica's and the proxy's, `serve_pids`) adds each process's CPU time per round."""
     import torch
 
     from hlm_ray.generate import Generator
@@ -179,19 +188,32 @@ def overhead(url: str, model: str, *, rounds: int, num_prompts: int, new_tokens:
     gen = Generator.load(model, device="cpu")
     texts = prompts(num_prompts)
     arms: dict[str, list[float]] = {"in_process": [], "served": []}
+    breakdowns: list[dict[str, float]] = []
+
+    cpu_in: list[float] = []
 
     def in_process(seed: int) -> float:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         out = gen.generate(texts, max_new_tokens=new_tokens, temperature=1.0, seed=seed)
+        cpu_in.append(time.thread_time() - cpu)
         return sum(c.completion_tokens for c in out) / (time.perf_counter() - start)
 
     def served(seed: int) -> float:
         bodies = [{"prompt": p, "max_tokens": new_tokens, "temperature": 1.0, "seed": seed}
                   for p in texts]  # fmt: skip
-        start = time.perf_counter()
+        before, cpu = health(url), cpu_seconds(pids or {})
+        start, unix_start, client = time.perf_counter(), time.time(), time.process_time()
         answers = send(url, bodies, num_prompts)
         wall = time.perf_counter() - start
+        client = time.process_time() - client
+        cpu = {k: v - cpu[k] for k, v in cpu_seconds(pids or {}).items()}
         assert all(s == 200 for s, _, _ in answers), Counter(s for s, _, _ in answers)
+        b = breakdown(before, health(url), wall, unix_start, answers)
+        b["cpu_ms"] = {
+            "client": round(1000 * client),
+            **{k: round(1000 * v) for k, v in cpu.items()},
+        }
+        breakdowns.append(b)
         return sum(t for _, _, t in answers) / wall
 
     in_process(0), served(0)  # warm-up (first batches, connections)
@@ -200,7 +222,7 @@ def overhead(url: str, model: str, *, rounds: int, num_prompts: int, new_tokens:
         for arm in order:
             arms[arm].append((in_process if arm == "in_process" else served)(r + 1))
         log(f"round {r + 1}: in-process {arms['in_process'][-1]:,.0f} tok/s, "
-            f"served {arms['served'][-1]:,.0f} tok/s")  # fmt: skip
+            f"served {arms['served'][-1]:,.0f} tok/s; replica: {breakdowns[-1]}")  # fmt: skip
     med = {arm: statistics.median(v) for arm, v in arms.items()}
     return {
         "rounds": rounds,
@@ -212,6 +234,59 @@ def overhead(url: str, model: str, *, rounds: int, num_prompts: int, new_tokens:
         "ratio": round(med["served"] / med["in_process"], 3),
         "in_process_all": [round(x) for x in arms["in_process"]],
         "served_all": [round(x) for x in arms["served"]],
+        # Of the served rounds (warm-up excluded), the median of each figure.
+        "breakdown": _medians(breakdowns[1:]),
+        "in_process_cpu_ms": round(1000 * statistics.median(cpu_in[1:])),
+    }
+
+
+def _medians(rows: list[dict]) -> dict:
+    return {k: _medians([r[k] for r in rows]) if isinstance(v, dict)
+            else statistics.median(r[k] for r in rows) for k, v in rows[0].items()}  # fmt: skip
+
+
+def cpu_seconds(pids: dict[str, int | None]) -> dict[str, float]:
+    """User + system CPU seconds each process has used (Linux /proc; 10 ms ticks)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            out[name] = (int(fields[11]) + int(fields[12])) / tick
+        except (OSError, ValueError, IndexError, TypeError):
+            continue
+    return out
+
+
+def health(url: str) -> dict[str, Any]:
+    import requests
+
+    return requests.get(f"{url}/healthz", timeout=30).json()
+
+
+def breakdown(
+    before: dict, after: dict, wall: float, unix_start: float, answers: list
+) -> dict[str, float]:
+    """Where a served round's wall time went, from the replica's counters (GET /healthz):
+    prefills and steps it ran, the mean rows per step, the time its decode thread was busy;
+    `lead_ms`: from the first request sent to the replica's first prefill (HTTP, proxy,
+    routing, parsing); `tail_ms`: from its last step to the last answer received (response
+    bodies back through the proxy)."""
+    keys = ("batches", "steps", "decoded_rows", "busy_s", "busy_cpu_s")
+    diff = {k: after[k] - before[k] for k in keys}
+    steps = max(1, diff["steps"])
+    return {
+        "prefills": diff["batches"],
+        "steps": diff["steps"],
+        "rows_per_step": round(diff["decoded_rows"] / steps, 1),
+        "ms_per_step": round(1000 * diff["busy_s"] / (steps + diff["batches"]), 2),
+        "decode_busy_ms": round(1000 * diff["busy_s"], 1),
+        "decode_cpu_ms": round(1000 * diff["busy_cpu_s"], 1),
+        "wall_ms": round(1000 * wall, 1),
+        "busy_share": round(diff["busy_s"] / wall, 2),
+        "lead_ms": round(1000 * (after["busy_since"] - unix_start), 1),
+        "tail_ms": round(1000 * (unix_start + wall - after["idle_since"]), 1),
+        "latency_p50_ms": round(1000 * statistics.median(lat for _, lat, _ in answers), 1),
     }
 
 
@@ -258,6 +333,25 @@ def markdown(result: dict[str, Any]) -> str:
             "thread(s)).",
             "",
         ]
+        if b := o.get("breakdown"):
+            in_ms = 1000 * o["prompts"] * o["new_tokens"] / o["in_process_tok_s"]
+            lines += [
+                "Where a served round goes (the replica's counters, median of the rounds): "
+                f"wall {b['wall_ms']} ms = lead {b['lead_ms']} ms (first request sent -> first "
+                f"prefill) + decoding {b['decode_busy_ms']} ms busy, of which "
+                f"{b['decode_cpu_ms']} ms on a CPU ({b['prefills']} prefills, "
+                f"{b['steps']} steps of {b['rows_per_step']} rows, {b['ms_per_step']} ms per "
+                f"forward) + tail {b['tail_ms']} ms (last step -> last answer), the rest "
+                f"waiting between steps; in process the same tokens take {in_ms:.0f} ms.",
+                "",
+            ]
+        if cpu := (b or {}).get("cpu_ms"):
+            lines += [
+                "CPU per round (ms, median; 10 ms ticks): "
+                + ", ".join(f"{k} {v}" for k, v in cpu.items())
+                + f"; the in-process arm's decoding thread: {o.get('in_process_cpu_ms')}.",
+                "",
+            ]
     if s := result.get("soak"):
         lines += [
             f"Soak: {s['requests']:,} requests, {s['concurrency']} clients, {s['seconds']} s: "
@@ -282,13 +376,14 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"model": "tiny decoder" if not args.model else args.model}
     try:
         url = start_server(model, num_cpus=args.num_cpus, max_batch_size=args.max_batch_size,
-                           app=app)  # fmt: skip
+                           app=app, max_tokens=args.new_tokens)  # fmt: skip
         result["load"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
         result["cpus"] = os.cpu_count()
         if args.rounds:
             result["overhead"] = overhead(
                 url, model, rounds=args.rounds, num_prompts=args.clients,
                 new_tokens=args.new_tokens, threads=max(1, int(args.num_cpus)),
+                pids=serve_pids(app),
             )  # fmt: skip
         if args.soak:
             result["soak"] = soak(url, app, num_requests=args.soak, concurrency=args.concurrency)

@@ -25,9 +25,11 @@ length in tokens against the model's positions, token ids against the vocabulary
 `model_not_found` for another model's id, 413 for a body over `max_body_bytes`, 422 for unknown
 fields, wrong types and out-of-range values. Over `max_queued_requests` Serve itself answers 503.
 
-Non-streaming requests are batched on the replica (`serve.batch`, counted in rows: prompts x n),
-each row decoding with its own settings and seed; a streamed request decodes alone. All decoding
-runs on one worker thread, so the event loop keeps accepting and queueing requests meanwhile.
+Requests are batched continuously on the replica (`hlm_ray.serve.engine.DecodeLoop`): one decode
+thread runs a batch of rows (prompts x n, up to `max_batch_size`), and the rows of requests that
+arrive, streamed or not, join it at the next step, each with its own settings and seed; finished
+rows leave, and so do the rows of a client that disconnects. The event loop only parses, queues
+and answers, so it keeps accepting requests while the batch decodes.
 One log line per request (`ray.serve` logger: id, status, latency, token counts).
 """
 
@@ -39,11 +41,11 @@ import hmac
 import json
 import logging
 import os
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -62,6 +64,7 @@ from hlm_ray.generate import (
     default_model_name,
 )
 from hlm_ray.pretrained import REGISTRY_SCHEME, model_info, resolve_model_dir
+from hlm_ray.serve.engine import DecodeLoop, Job
 from hlm_ray.serve.guard import error_body
 from hlm_ray.serve.protocol import (
     CHAT_TEMPLATE,
@@ -94,6 +97,7 @@ from hlm_ray.serve.schemas import (
 )
 
 log = logging.getLogger("ray.serve")
+SWITCH_INTERVAL_S = float(os.environ.get("HLM_SERVE_SWITCH_INTERVAL_S", "0.0005"))
 api = FastAPI(title="hlm_ray completions", version="1")  # completions and chat
 
 
@@ -123,23 +127,10 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     return JSONResponse(json.loads(error_body(422, str(exc.errors()[:1]))), 422)
 
 
-@dataclass
-class _Job:
-    """One request's rows, batched with other requests' rows; `error` is set when they could
-    not be decoded (they failed alone: their batch-mates were decoded without them)."""
-
-    rows: list[Row]
-    error: Exception | None = None
-
-
-def _num_rows(jobs: list[_Job]) -> int:
-    return sum(len(job.rows) for job in jobs)
-
-
 # Helpers the routes use are defined above the class: `serve.ingress` pickles the FastAPI app,
 # with its routes' globals, when the class is decorated.
 @serve.deployment(
-    # Enough in flight on a replica for batches to fill; beyond that requests wait in the
+    # Enough in flight on a replica for its batch to fill; beyond that requests wait in the
     # router's queue, and past max_queued_requests they are refused with 503.
     max_ongoing_requests=64,
     max_queued_requests=256,
@@ -158,6 +149,11 @@ class CompletionServer:
         self.args = AppArgs.model_validate(args) if isinstance(args, dict) else args
         if self.args.num_threads:
             torch.set_num_threads(self.args.num_threads)
+        # The decode thread releases the GIL in every torch op and must win it back, against the
+        # event loop and the tokenizing threads, hundreds of times per step; at Python's default
+        # 5 ms switch interval a busy event loop held it for whole steps (measured: steps took
+        # twice as long on the replica as in process while requests arrived).
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.generator = Generator.load(
             self.args.model,
             device=self.args.device,
@@ -166,7 +162,6 @@ class CompletionServer:
         )
         self.name = self.generator.name
         self.created = int(time.time())
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="decode")
         # Tokenizing a 1 MB prompt takes most of a second: never on the event loop, and not
         # behind the decoding thread either.
         self._prep_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="prepare")
@@ -174,9 +169,12 @@ class CompletionServer:
         key = key or os.environ.get(self.args.api_key_env, "")
         self._api_key = key.encode() if key else None
         self._mlflow_uri = self.args.model if self.args.model.startswith(REGISTRY_SCHEME) else None
-        self._complete_batch.set_max_batch_size(self.args.max_batch_size)
-        self._complete_batch.set_batch_wait_timeout_s(self.args.batch_wait_timeout_s)
-        self._stats = {"requests": 0, "batches": 0, "max_batch_requests": 0, "max_batch_rows": 0}
+        self._engine = DecodeLoop(
+            self.generator,
+            max_rows=self.args.max_batch_size,
+            wait_s=self.args.batch_wait_timeout_s,
+        )
+        self._requests = 0
         log.info(
             "serving %s (%s) from %s, %d positions, %s",
             self.name,
@@ -190,7 +188,17 @@ class CompletionServer:
 
     @api.get("/healthz")
     async def healthz(self) -> JSONResponse:
-        return self._json(Health(model=self.name, **self._stats).model_dump())
+        stats = dict(self._engine.stats)
+        stats["busy_s"], stats["busy_cpu_s"] = (
+            round(stats["busy_s"], 4),
+            round(stats["busy_cpu_s"], 4),
+        )
+        health = Health(model=self.name, requests=self._requests, **stats)
+        return self._json(health.model_dump())
+
+    def __del__(self) -> None:
+        if hasattr(self, "_engine"):
+            self._engine.close()
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
@@ -249,12 +257,14 @@ class CompletionServer:
         if req.stream:
             events = self._events(rid, req, rows, prompt_tokens, start)
             return StreamingResponse(events, media_type="text/event-stream", headers=self._headers)
-        job = _Job(rows)
+        done = asyncio.Event()
+        job = self._engine.submit(rows, lambda: loop.call_soon_threadsafe(done.set))
         try:
-            await self._complete_batch(job)
-        except Exception as err:  # a bug or the device failing, not the request: say so
-            job.error = err
-        if job.error is not None:
+            await done.wait()
+        except asyncio.CancelledError:  # the client went away: free its rows
+            self._engine.cancel(job)
+            raise
+        if job.error is not None:  # a bug or the device failing, not the request: say so
             err = job.error
             log.error("completion %s failed: %s", rid, one_line(err, with_type=True), exc_info=err)
             message = f"generation failed for request {rid}: {one_line(err, with_type=True)}"
@@ -284,23 +294,6 @@ class CompletionServer:
         choices = [completion_choice(self.generator, row, i, req) for i, row in enumerate(rows)]
         return CompletionResponse(choices=choices, **common)
 
-    # ------------------------------------------------------------------------- batching
-
-    @serve.batch(max_batch_size=16, batch_wait_timeout_s=0.02, batch_size_fn=_num_rows)
-    async def _complete_batch(self, jobs: list[_Job]) -> list[_Job]:
-        """Decode the rows of several requests as one batch (results land in the rows)."""
-        rows = [row for job in jobs for row in job.rows]
-        stats = self._stats
-        stats["batches"] += 1
-        stats["max_batch_requests"] = max(stats["max_batch_requests"], len(jobs))
-        stats["max_batch_rows"] = max(stats["max_batch_rows"], len(rows))
-        loop = asyncio.get_running_loop()
-        groups = [job.rows for job in jobs]
-        errors = await loop.run_in_executor(self._pool, self.generator.complete_groups, groups)
-        for job, error in zip(jobs, errors, strict=True):
-            job.error = error
-        return jobs
-
     # ------------------------------------------------------------------------- streaming
 
     async def _events(
@@ -310,7 +303,8 @@ class CompletionServer:
         `chat.completion.chunk` opened by a chunk with the role), then usage (if asked) and
         [DONE]."""
         loop = asyncio.get_running_loop()
-        steps = self.generator.stream_rows(rows)
+        wake = asyncio.Event()
+        job = self._engine.submit(rows, lambda: loop.call_soon_threadsafe(wake.set), stream=True)
         chat = isinstance(req, ChatRequest)
         common = {"id": rid, "created": int(time.time()), "model": self.name,
                   "system_fingerprint": self._fingerprint}  # fmt: skip
@@ -321,7 +315,7 @@ class CompletionServer:
                 opening = [ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))
                            for i in range(len(rows))]  # fmt: skip
                 yield _sse(ChatChunk(choices=opening, **common).model_dump())
-            while (deltas := await loop.run_in_executor(self._pool, next, steps, None)) is not None:
+            async for deltas in self._steps(job, wake):
                 if any(d.finish_reason == "timeout" for d in deltas):
                     status = 504
                     yield _sse(self._timeout_error().body())
@@ -353,11 +347,25 @@ class CompletionServer:
             message = f"generation failed for request {rid}: {one_line(err, with_type=True)}"
             yield _sse(ApiError(500, message).body())
         finally:
-            # On the decoding thread, after any step in progress: a client that went away
-            # stops its rows there.
-            self._pool.submit(steps.close)
+            if not job.done:  # a client that went away (or a timeout): its rows leave
+                self._engine.cancel(job)
             done = [row for row in rows if row.result is not None]
             self._log(rid, status, start, usage(prompt_tokens, done), len(rows), stream=True)
+
+    @staticmethod
+    async def _steps(job: Job, wake: asyncio.Event) -> AsyncIterator[list]:
+        """A streamed job's deltas, one list per decoding step, as the decode thread hands
+        them over; raises the job's error."""
+        while True:
+            await wake.wait()
+            wake.clear()
+            finished = job.done  # set after the job's last deltas were queued
+            while job.events:
+                yield job.events.popleft()
+            if job.error is not None:
+                raise job.error
+            if finished:
+                return
 
     # ------------------------------------------------------------------------- validation
 
@@ -421,7 +429,7 @@ class CompletionServer:
         stream: bool,
         reason: str = "",
     ) -> None:
-        self._stats["requests"] += 1
+        self._requests += 1
         log.info(
             "completion %s status=%d latency_ms=%.1f prompt_tokens=%d completion_tokens=%d "
             "rows=%d stream=%s model=%s%s",

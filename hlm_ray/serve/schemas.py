@@ -193,11 +193,25 @@ class Health(BaseModel):
     requests: int
     """Completion requests answered by this replica (any status)."""
     batches: int
-    """Batches of non-streaming requests decoded by this replica."""
+    """Prefills: forward passes that admitted requests' rows into the running batch (requests
+    that arrive together share one)."""
+    steps: int
+    """Decoding steps (one new token for every running row)."""
+    decoded_rows: int
+    """Rows summed over steps (decoded_rows / steps: the mean batch)."""
     max_batch_requests: int
-    """The most requests decoded together in one batch."""
+    """The most requests decoded together in one step."""
     max_batch_rows: int
-    """The most rows (prompts x n) decoded together in one batch."""
+    """The most rows (prompts x n) decoded together in one step."""
+    busy_s: float
+    """Seconds the decode thread spent prefilling and stepping."""
+    busy_cpu_s: float
+    """CPU seconds the decode thread used meanwhile (busy_s - busy_cpu_s: time it waited for
+    a core or for the GIL)."""
+    busy_since: float
+    """Unix time the decode thread last left idle (its first prefill after an empty batch)."""
+    idle_since: float
+    """Unix time the batch last became empty (its last row finished)."""
 
 
 class AppArgs(BaseModel):
@@ -217,8 +231,9 @@ class AppArgs(BaseModel):
     """Serve a headless decoder that was never fine-tuned, with its raw Eᵀ head."""
     max_batch_size: int = Field(16, ge=1)
     """Rows (prompts x n, over concurrent requests) decoded together; also a request's limit."""
-    batch_wait_timeout_s: float = Field(0.02, ge=0.0)
-    """How long the first request of a batch waits for others to join it."""
+    batch_wait_timeout_s: float = Field(0.0, ge=0.0)
+    """How long an idle replica waits, after a request arrives, for others to share its prefill
+    (requests arriving later join the running batch at its next step, so 0 loses nothing)."""
     max_prompt_tokens: int | None = Field(None, ge=1)
     """Longest prompt accepted, in tokens (default: the model's positions minus max_tokens)."""
     max_tokens_limit: int = Field(256, ge=1)

@@ -1,0 +1,226 @@
+"""Continuous batching (`hlm_ray.batching.RunningBatch`): rows that join a running batch at any
+step, leave it early, or are split off and merged back decode exactly what they decode alone
+with the same seed; the cache stays as wide as the longest running row."""
+
+from __future__ import annotations
+
+import pytest
+
+from hlm_ray.batching import RunningBatch
+from hlm_ray.generate import Generator, SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+PROMPTS = ["The cat sat on the", "Once", "", "In 1999 the city of New York had a population"]
+
+
+@pytest.fixture(scope="module")
+def gen(tiny_decoder_dir) -> Generator:
+    return Generator.load(tiny_decoder_dir)
+
+
+def _requests(gen: Generator) -> list[list]:
+    """Four requests of different lengths and settings (sampled with seeds, greedy, stop
+    sequences, logprobs, prompt scoring)."""
+    sampled = SamplingParams(max_new_tokens=12, temperature=1.0, top_p=0.9)
+    return [
+        gen.rows(PROMPTS[0], sampled, seed=7, n=2),
+        gen.rows(PROMPTS[1], SamplingParams(max_new_tokens=5, temperature=0)),
+        gen.rows(
+            PROMPTS[3],
+            SamplingParams(max_new_tokens=9, temperature=0.8, top_k=50, logprobs=2, stop=("e ",)),
+            seed=1,
+        ),  # fmt: skip
+        gen.rows(
+            PROMPTS[2],
+            SamplingParams(max_new_tokens=7, temperature=1.0, prompt_logprobs=True, logprobs=0),
+            seed=3,
+        ),  # fmt: skip
+    ]
+
+
+def _alone(gen: Generator, rows: list) -> list:
+    out = []
+    for row in rows:
+        fresh = type(row)(row.prompt_ids, row.params, row.seed)
+        out.append(gen.complete_rows([fresh])[0])
+    return out
+
+
+def _same(got, expected) -> None:
+    assert got.text == expected.text
+    assert got.token_ids == expected.token_ids
+    assert got.finish_reason == expected.finish_reason
+    assert got.completion_tokens == expected.completion_tokens
+    if expected.logprobs is not None:
+        assert [lp.token_id for lp in got.logprobs] == [lp.token_id for lp in expected.logprobs]
+        for a, b in zip(got.logprobs, expected.logprobs, strict=True):
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    if expected.prompt_logprobs is not None:
+        got_lp = [lp and lp.logprob for lp in got.prompt_logprobs]
+        assert got_lp == pytest.approx([lp and lp.logprob for lp in expected.prompt_logprobs],
+                                       abs=1e-4)  # fmt: skip
+
+
+def test_rows_joining_a_running_batch_decode_what_they_decode_alone(gen):
+    requests = _requests(gen)
+    expected = [_alone(gen, rows) for rows in requests]
+    batch = RunningBatch(gen)
+    batch.admit(requests[0])
+    for _ in range(3):
+        batch.step()
+    batch.admit(requests[1] + requests[2])  # two requests join at step 3, together
+    widths = []
+    for step in range(100):
+        if step == 2:
+            batch.admit(requests[3])  # the empty prompt (one EOS token) joins later still
+        widths.append(batch._mask_BL.shape[1])
+        batch.step()
+        if not batch.rows:
+            break
+    assert not batch.rows
+    for rows, want in zip(requests, expected, strict=True):
+        for row, completion in zip(rows, want, strict=True):
+            _same(row.result, completion)
+    assert len(set(widths)) > 1  # columns were trimmed as long rows left
+
+
+def test_dropped_rows_stop_and_split_batches_merge_back(gen):
+    requests = _requests(gen)
+    expected = [_alone(gen, rows) for rows in requests]
+    batch = RunningBatch(gen)
+    batch.admit([row for rows in requests for row in rows])
+    batch.step()
+    batch.drop(requests[1])  # its client went away
+    assert all(row.result is None for row in requests[1])
+    assert not any(row in batch.rows for row in requests[1])
+    part = batch.take(requests[0])  # decoded on its own for two steps, then merged back
+    part.step()
+    part.step()
+    batch.merge(part)
+    assert not part.rows
+    while batch.rows:
+        batch.step()
+    for i in (0, 2, 3):
+        for row, completion in zip(requests[i], expected[i], strict=True):
+            _same(row.result, completion)
+    # The cache is the longest running row's width: prompt plus the tokens generated so far.
+    batch.admit(gen.rows(PROMPTS[0], SamplingParams(max_new_tokens=4, temperature=0)))
+    row = batch.rows[0]
+    assert batch._mask_BL.shape[1] == len(row.prompt_ids) and batch._mask_BL.all()
+
+
+def test_a_failed_prefill_leaves_the_running_batch_as_it_was(gen):
+    rows = gen.rows(PROMPTS[0], SamplingParams(max_new_tokens=6, temperature=0))
+    [expected] = _alone(gen, rows)
+    batch = RunningBatch(gen)
+    batch.admit(rows)
+    poisoned = gen.rows([[1, 2]], SamplingParams(max_new_tokens=3, temperature=0))
+    poisoned[0].prompt_ids = [gen.vocab_size + 5]  # fails in the embedding
+    with pytest.raises(IndexError):
+        batch.admit(poisoned)
+    while batch.rows:
+        batch.step()
+    _same(rows[0].result, expected)
+
+
+# ----------------------------------------------------------------------------- the decode loop
+
+
+def _wait(jobs, timeout: float = 60.0) -> None:
+    import time
+
+    end = time.monotonic() + timeout
+    while not all(job.done for job in jobs):
+        assert time.monotonic() < end, "decode loop did not finish its jobs"
+        time.sleep(0.005)
+
+
+def test_decode_loop_streams_cancels_and_fails_requests_alone(gen):
+    """The server's decode thread (`hlm_ray.serve.engine.DecodeLoop`): requests submitted
+    while others decode get what they get alone (streamed deltas concatenate to it); a
+    cancelled request leaves the batch at the next step; one that cannot be decoded fails
+    alone."""
+    import threading
+
+    from hlm_ray.generate import Row
+    from hlm_ray.serve.engine import DecodeLoop
+
+    long = SamplingParams(max_new_tokens=60, temperature=1.0)
+    requests = _requests(gen)
+    expected = [_alone(gen, rows) for rows in requests]
+    engine = DecodeLoop(gen, max_rows=8)
+    try:
+        first_step = threading.Event()
+        cancelled = engine.submit(gen.rows(PROMPTS[1], long, seed=5), first_step.set, stream=True)
+        assert first_step.wait(30)  # it is decoding: the others join a running batch
+        poisoned = [Row([gen.vocab_size + 5], SamplingParams(max_new_tokens=3))]
+        jobs = [engine.submit(rows, lambda: None, stream=i == 2) for i, rows in enumerate(requests)]
+        bad = engine.submit(poisoned, lambda: None)
+        engine.cancel(cancelled)
+        _wait([*jobs, bad])
+        assert isinstance(bad.error, IndexError)
+        for job, want in zip(jobs, expected, strict=True):
+            assert job.error is None
+            for row, completion in zip(job.rows, want, strict=True):
+                _same(row.result, completion)
+        streamed = ["" for _ in jobs[2].rows]
+        for deltas in jobs[2].events:
+            for d in deltas:
+                streamed[d.index] += d.text
+        assert streamed == [c.text for c in expected[2]]
+        assert cancelled.rows[0].result is None and not cancelled.done
+        assert engine.stats["max_batch_requests"] >= 2
+    finally:
+        engine.close()
+
+
+def test_a_failed_step_leaves_the_batch_as_it_was(gen):
+    """A step that fails (here a row's logit_bias names a token past the vocabulary) leaves the
+    cache, mask and positions as they were: once the row that fails is dropped, the others go
+    on and decode what they decode alone."""
+    requests = _requests(gen)[:2]
+    expected = [_alone(gen, rows) for rows in requests]
+    poisoned = gen.rows(PROMPTS[3], SamplingParams(max_new_tokens=9, temperature=0))
+    batch = RunningBatch(gen)
+    batch.admit([*requests[0], *poisoned, *requests[1]])
+    batch.step()
+    width = batch._mask_BL.shape[1]
+    poisoned[0].params = SamplingParams(max_new_tokens=9, logit_bias=((gen.vocab_size + 5, 1.0),))
+    with pytest.raises(IndexError):
+        batch.step()
+    assert batch._mask_BL.shape[1] == width
+    assert {layer.keys.shape[2] for layer in batch._past.layers} == {width}
+    batch.drop(poisoned)
+    while batch.rows:
+        batch.step()
+    for rows, want in zip(requests, expected, strict=True):
+        for row, completion in zip(rows, want, strict=True):
+            _same(row.result, completion)
+
+
+def test_decode_loop_fails_a_request_whose_step_fails_and_the_others_go_on(gen):
+    """When a step of the shared batch fails, each request steps alone: the one that fails
+    gets the error, its batch-mates finish with the text they get alone."""
+    from hlm_ray.serve.engine import DecodeLoop
+
+    requests = _requests(gen)[:2]
+    expected = [_alone(gen, rows) for rows in requests]
+    bad_params = SamplingParams(max_new_tokens=40, logit_bias=((gen.vocab_size + 5, 1.0),))
+    victim = gen.rows(PROMPTS[3], SamplingParams(max_new_tokens=40, temperature=0))
+
+    def poison() -> None:  # runs on the decode thread, between steps
+        victim[0].params = bad_params
+
+    engine = DecodeLoop(gen, max_rows=8)
+    try:
+        jobs = [engine.submit(rows, lambda: None) for rows in requests]
+        bad = engine.submit(victim, poison, stream=True)
+        _wait([*jobs, bad])
+        assert isinstance(bad.error, IndexError) and bad.events  # it had decoded some text
+        for job, want in zip(jobs, expected, strict=True):
+            assert job.error is None
+            for row, completion in zip(job.rows, want, strict=True):
+                _same(row.result, completion)
+    finally:
+        engine.close()

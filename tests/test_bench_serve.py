@@ -1,0 +1,25 @@
+"""The serving benchmark's arithmetic (`hlm_ray.bench.serve`): the breakdown of a served round
+from the replica's counters, and its Markdown. The benchmark itself runs with `hlm bench`."""
+
+from __future__ import annotations
+
+from hlm_ray.bench.serve import breakdown, markdown
+
+
+def test_breakdown_of_a_served_round_from_the_replica_counters():
+    before = {"batches": 10, "steps": 100, "decoded_rows": 900, "busy_s": 1.0,
+              "busy_cpu_s": 0.5, "busy_since": 50.0, "idle_since": 60.0}  # fmt: skip
+    after = {"batches": 13, "steps": 133, "decoded_rows": 900 + 33 * 30, "busy_s": 1.108,
+             "busy_cpu_s": 0.58, "busy_since": 1000.05, "idle_since": 1000.19}  # fmt: skip
+    answers = [(200, 0.1, 32), (200, 0.2, 32), (200, 0.3, 32)]
+    b = breakdown(before, after, wall=0.2, unix_start=1000.0, answers=answers)
+    assert b["prefills"] == 3 and b["steps"] == 33 and b["rows_per_step"] == 30.0
+    assert b["decode_cpu_ms"] == 80.0
+    assert b["decode_busy_ms"] == 108.0 and b["ms_per_step"] == 3.0  # 108 ms / 36 forwards
+    assert b["lead_ms"] == 50.0 and b["tail_ms"] == 10.0
+    assert b["busy_share"] == 0.54 and b["latency_p50_ms"] == 200.0
+    overhead = {"in_process_tok_s": 10240, "served_tok_s": 5120, "ratio": 0.5,
+                "in_process_all": [10240], "served_all": [5120], "prompts": 32,
+                "new_tokens": 32, "torch_threads": 1, "breakdown": b}  # fmt: skip
+    text = markdown({"load": "1.0 1.0 1.0", "cpus": 2, "overhead": overhead})
+    assert "**0.5**" in text and "lead 50.0 ms" in text and "take 100 ms" in text
