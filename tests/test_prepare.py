@@ -204,6 +204,17 @@ def test_ray_data_tokens_equal_one_process_for_1_and_2_workers(ray_cluster, corp
     (bad / "ok.txt").write_text("fine text here\n\nmore fine text\n" * 50)
     (bad / "z.txt").write_bytes(b"ok\n\n" + b"\xff\xfe broken\n" * 50)
     gpt2 = _request(bad, tokenizer_kind="file", tokenizer_path="tokenizers/gpt2")
-    with pytest.raises(HLMError, match=r"z\.txt is not valid UTF-8"):  # raised in an actor
+    with pytest.raises(HLMError, match=r"z\.txt is not valid UTF-8") as caught:  # in an actor
         prepare(gpt2, tmp_path / "o", workers=2, progress=False)
     assert not os.listdir(tmp_path / "o")
+    # The failed preparation's actors give their CPUs back although the error is still held
+    # (a kept error once kept them alive, and a 2-worker run after it waited forever).
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + 30
+    while ray.available_resources().get("CPU", 0) < ray.cluster_resources()["CPU"]:
+        assert time.monotonic() < deadline, ray.available_resources()
+        time.sleep(0.5)
+    assert caught.value is not None

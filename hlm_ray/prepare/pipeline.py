@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import hashlib
 import json
 import logging
@@ -226,11 +227,16 @@ def _tokenized(pieces, fn_args: dict, workers: int | None) -> Iterator[tuple[int
         concurrency=workers,
         num_cpus=1,
     )
+    failure = None
     try:
         for table in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=4):
             yield from _rows(table, fn_args["dtype"])
     except Exception as err:
-        raise as_hlm_error(err) from err
+        failure = as_hlm_error(err)
+    if failure is not None:  # actors' handles sit in Ray's error, `ds` and reference cycles: a
+        del ds  # kept error kept the actors and their CPUs (a 2-worker run then waited forever)
+        gc.collect()
+        raise failure
 
 
 def _rows(table: pa.Table, dtype: str):
