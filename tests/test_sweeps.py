@@ -216,6 +216,49 @@ def test_final_metrics_carry_k_v_head_share_and_bits_per_byte():
     assert math.isnan(out["downstream/score"])
 
 
+@pytest.mark.parametrize("report_steps", [True, False])
+def test_only_a_searching_sweep_passes_each_step_to_tune(tmp_path, monkeypatch, report_steps):
+    """A grid sweep's trials report once, at the end: the TuneReportCallback (what ASHA needs)
+    costs one queue actor process per trial."""
+    import ray.tune.integration.ray_train as tune_train
+
+    from hlm_ray.train import launch as launch_mod
+    from hlm_ray.tune import trial as trial_mod
+
+    class TuneReportCallback:  # Ray's refuses to exist outside a Tune session
+        pass
+
+    seen = {}
+    monkeypatch.setattr(tune_train, "TuneReportCallback", TuneReportCallback)
+    monkeypatch.setattr(launch_mod, "launch", lambda cfg, **kw: seen.update(kw) or {"ok": 1})
+    runtime = TrialRuntime(
+        sweep="s", kind="vocab", experiment="e", parent_run_id=None, trials_dir=str(tmp_path),
+        recipe="tiny", workers=1, cpus_per_worker=1.0, gpus_per_worker=0.0,
+        report_steps=report_steps,
+    )  # fmt: skip
+    cfg = get_sweep("vocab", "tiny").cell_config(512, "vanilla", 0)
+    assert trial_mod._pretrain(cfg, runtime, tmp_path / "t", "t0") == {"ok": 1}
+    names = [type(cb).__name__ for cb in seen["callbacks"]]
+    assert names == (["TuneReportCallback"] if report_steps else [])
+
+
+def test_a_fit_without_ray_datasets_starts_no_dataset_manager():
+    """hlm's workers read their own data: Ray's DatasetsCallback (a DatasetManager actor per
+    fit) is left out unless the trainer is given Ray datasets."""
+    import ray.data
+    import ray.train
+    from ray.train.v2._internal.callbacks import DatasetsCallback
+
+    from hlm_ray.train.interrupt import trainer_class
+
+    def kinds(**kw):
+        trainer = trainer_class()(lambda: None, scaling_config=ray.train.ScalingConfig(), **kw)
+        return {type(cb) for cb in trainer._create_default_callbacks()}
+
+    assert DatasetsCallback not in kinds()
+    assert DatasetsCallback in kinds(datasets={"train": ray.data.from_items([{"x": 1}])})
+
+
 def test_the_summary_keeps_failed_trials(tmp_path):
     spec = get_sweep("vocab", "tiny")
     runtime = TrialRuntime("s", "vocab", EXPERIMENT, None, str(tmp_path), "tiny", 1, 1.0, 0.0)

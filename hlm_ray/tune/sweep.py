@@ -222,6 +222,7 @@ def run_sweep(
                 env=_trial_env(uri),
                 short=spec.axis.short,
                 max_failures=spec.max_failures,
+                report_steps=search,  # ASHA compares the steps' reports
             )
             resumed = _tuner_exists(folder)
             print(
