@@ -268,7 +268,13 @@ class Generator:
     def encode(self, prompt: str) -> list[int]:
         """Prompt ids; an empty prompt starts from EOS (the document separator), as in OpenAI's
         API where the default prompt is <|endoftext|>."""
-        ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        # The Rust tokenizer itself when there is one: the same ids as `tokenizer(prompt)` without
+        # its Python wrapping (a third of a served request's tokenizing time on a tiny model).
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:
+            ids = backend.encode(prompt, add_special_tokens=False).ids
+        else:
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         return ids or [self.eos_id]
 
     def check_length(self, num_prompt_tokens: int, max_new_tokens: int) -> None:

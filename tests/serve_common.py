@@ -65,6 +65,9 @@ def serve_app(ray_cluster, serve_model_uri):
         batch_wait_timeout_s=0.05,
         max_n=3,
         api_key=API_KEY,
+        # The tests run through the replica's decode process (`--decode-process`); the
+        # overload test's app (test_serve.py) decodes on the replica's thread.
+        decode_process=True,
     )
     try:
         serve.run(make_app(args, num_cpus=0.5), name="hlm-test", route_prefix="/")

@@ -136,20 +136,30 @@ def _wait(jobs, timeout: float = 60.0) -> None:
         time.sleep(0.005)
 
 
-def test_decode_loop_streams_cancels_and_fails_requests_alone(gen):
-    """The server's decode thread (`hlm_ray.serve.engine.DecodeLoop`): requests submitted
-    while others decode get what they get alone (streamed deltas concatenate to it); a
-    cancelled request leaves the batch at the next step; one that cannot be decoded fails
-    alone."""
+def _engine(kind: str, gen: Generator, model_dir: str):
+    """The replica's decode loop on a thread, or in a process of its own (`--decode-process`)."""
+    from hlm_ray.serve.decode_process import DecodeProcess
+    from hlm_ray.serve.engine import DecodeLoop
+
+    if kind == "thread":
+        return DecodeLoop(gen, max_rows=8)
+    return DecodeProcess(model_dir, device="cpu", max_rows=8, num_threads=1)
+
+
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_decode_loop_streams_cancels_and_fails_requests_alone(gen, tiny_decoder_dir, kind):
+    """The server's decode loop (`hlm_ray.serve.engine.DecodeLoop`, on the replica's thread
+    or in its own process): requests submitted while others decode get what they get alone
+    (streamed deltas concatenate to it); a cancelled request leaves the batch at the next
+    step; one that cannot be decoded fails alone, with its error's type."""
     import threading
 
     from hlm_ray.generate import Row
-    from hlm_ray.serve.engine import DecodeLoop
 
     long = SamplingParams(max_new_tokens=60, temperature=1.0)
     requests = _requests(gen)
     expected = [_alone(gen, rows) for rows in requests]
-    engine = DecodeLoop(gen, max_rows=8)
+    engine = _engine(kind, gen, tiny_decoder_dir)
     try:
         first_step = threading.Event()
         cancelled = engine.submit(gen.rows(PROMPTS[1], long, seed=5), first_step.set, stream=True)
@@ -171,6 +181,32 @@ def test_decode_loop_streams_cancels_and_fails_requests_alone(gen):
         assert streamed == [c.text for c in expected[2]]
         assert cancelled.rows[0].result is None and not cancelled.done
         assert engine.stats["max_batch_requests"] >= 2
+    finally:
+        engine.close()
+
+
+def test_a_decode_process_that_dies_fails_its_requests_and_says_so(tiny_decoder_dir):
+    """A decode process killed mid-request (out of memory, a crash): the requests in flight
+    and those that follow fail at once with the reason, and the replica's health check sees
+    it (Serve then replaces the replica)."""
+    import os
+    import signal
+
+    from hlm_ray.serve.decode_process import DecodeProcess
+
+    engine = DecodeProcess(tiny_decoder_dir, device="cpu", max_rows=8, num_threads=1)
+    gen_rows = Generator.load(tiny_decoder_dir).rows
+    try:
+        started = __import__("threading").Event()
+        long = SamplingParams(max_new_tokens=100, temperature=1.0)
+        job = engine.submit(gen_rows(PROMPTS[0], long, seed=1), started.set, stream=True)
+        assert started.wait(30) and engine.refresh_stats()["steps"] >= 1
+        os.kill(engine._proc.pid, signal.SIGKILL)
+        _wait([job])
+        assert "decode process exited" in str(job.error) and not engine.alive
+        late = engine.submit(gen_rows(PROMPTS[1], long, seed=2), lambda: None)
+        _wait([late])
+        assert "decode process" in str(late.error)
     finally:
         engine.close()
 

@@ -416,3 +416,13 @@ def test_scoring_only_and_logit_bias(gen):
     assert gen.generate([ids], max_new_tokens=5, temperature=0)[0].text == (
         gen.generate(PROMPTS[3], max_new_tokens=5, temperature=0)[0].text
     )
+
+
+def test_encode_through_the_rust_tokenizer_equals_the_tokenizer_call(gen):
+    """`Generator.encode` calls the fast tokenizer's backend directly (no Python wrapping):
+    the same ids as `tokenizer(text)` on plain, accented, CJK, emoji and whitespace text."""
+    texts = ["The cat sat.", "  leading spaces\tand tabs\n", "déjà vu, naïve café",
+             "東京は日本の首都です", "emoji 🙂👍🏽 mixed", "x" * 500]  # fmt: skip
+    for text in texts:
+        assert gen.encode(text) == gen.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert gen.encode("") == [gen.eos_id]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from serve_common import API_KEY, AUTH, BODY_TIMEOUT_S, post
+from serve_common import API_KEY, AUTH, BODY_TIMEOUT_S, free_port, post
 
 from hlm_ray.errors import HLMError
 from hlm_ray.generate import Generator
@@ -106,6 +106,20 @@ def test_cli_parser_and_early_errors(model_dir, monkeypatch):
         taken = parser.parse_args(["serve", "--model", model_dir, "--port", port])
         with pytest.raises(HLMError, match="another --port"):
             run(taken)
+        direct = ["serve", "--model", model_dir, "--port", str(free_port())]
+        with pytest.raises(HLMError, match="another --direct-port"):
+            run(parser.parse_args([*direct, "--direct-port", port]))
+    on_cluster = parser.parse_args([*direct, "--direct-port", "8100", "--address", "auto"])
+    with pytest.raises(HLMError, match="needs a Ray that starts here"):
+        run(on_cluster)
+
+
+def test_direct_ingress_settings_give_each_replica_a_port():
+    from hlm_ray.serve.cli import direct_ingress_env
+
+    env = direct_ingress_env(8100, replicas=3)
+    assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
+    assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == ("8100", "8102")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- over HTTP

@@ -31,11 +31,17 @@ import socket
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+CONFIGS = {
+    "fast": "hlm serve --direct-port P --decode-process: the replica answers HTTP itself and "
+    "decodes in a process of its own",
+    "proxy": "hlm serve: through Ray Serve's proxy, decoding on the replica's thread",
+}
 PROMPT_WORDS = ["cat", "house", "river", "Paris", "green", "music", "stone", "winter"]
 
 
@@ -81,26 +87,46 @@ def _free_port() -> int:
 
 
 def start_server(
-    model: str, *, num_cpus: float, max_batch_size: int, app: str, max_tokens: int = 64
+    model: str,
+    *,
+    num_cpus: float,
+    max_batch_size: int,
+    app: str,
+    max_tokens: int = 64,
+    fast: bool = False,
 ) -> str:
-    """Serve `model` on a free loopback port (the proxy's guard included); returns its URL."""
+    """Serve `model` on a free loopback port (the guard included); returns its URL. `fast`:
+    the throughput configuration of `hlm serve --direct-port P --decode-process` (see
+    `hlm_ray.serve.cli`): decoding in a process of its own, a 20 ms wait for a first batch
+    (as deploy/serve.yaml), and, when Ray starts here, the replica answering HTTP itself."""
     import ray
     from ray import serve
 
     from hlm_ray.serve.app import make_app
+    from hlm_ray.serve.cli import direct_ingress_env
     from hlm_ray.serve.guard import guard_controller_options
     from hlm_ray.serve.schemas import AppArgs
 
+    direct = None
     if not ray.is_initialized():
+        if fast:  # read by Serve's controller and replicas as they start
+            direct = _free_port()
+            os.environ.update(direct_ingress_env(direct, replicas=1))
         ray.init(address="local", num_cpus=2, log_to_driver=False, include_dashboard=False)
     port = _free_port()
     serve.start(
         http_options={"host": "127.0.0.1", "port": port},
         controller_options=guard_controller_options(),
     )
-    args = AppArgs(model=model, max_batch_size=max_batch_size, max_tokens_limit=max(64, max_tokens))
+    args = AppArgs(
+        model=model,
+        max_batch_size=max_batch_size,
+        max_tokens_limit=max(64, max_tokens),
+        decode_process=fast,
+        batch_wait_timeout_s=0.02 if fast else 0.0,
+    )
     serve.run(make_app(args, num_cpus=num_cpus), name=app, route_prefix="/")
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{direct or port}"
 
 
 def rss_mib(pid: int | None) -> float | None:
@@ -132,39 +158,77 @@ def serve_pids(app: str) -> dict[str, int | None]:
         (p for p, (c, pp) in procs.items() if "ProxyActor" in c and pp == parent and parent),
         None,
     )
-    return {"replica": replica, "proxy": proxy}
+    decode = next(
+        (p for p, (c, pp) in procs.items() if "spawn_main" in c and pp == replica and replica),
+        None,
+    )
+    return {"replica": replica, "proxy": proxy, **({"decode": decode} if decode else {})}
 
 
 # ----------------------------------------------------------------------------- the clients
 
 
-async def _requests(url: str, bodies: list[dict], concurrency: int) -> list[tuple[int, float, int]]:
-    """POST every body with `concurrency` keep-alive clients: (status, latency s, tokens)."""
+def _session(concurrency: int):
     import aiohttp
 
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120))
+
+
+async def _post_all(
+    session, url: str, bodies: list[dict], concurrency: int
+) -> list[tuple[int, float, int]]:
+    """POST every body with `concurrency` clients: (status, latency s, tokens)."""
     queue = list(reversed(bodies))
     out: list[tuple[int, float, int]] = []
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    timeout = aiohttp.ClientTimeout(total=120)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
 
-        async def client() -> None:
-            while queue:
-                body = queue.pop()
-                start = time.perf_counter()
-                async with session.post(f"{url}/v1/completions", json=body) as r:
-                    data = await r.read()
-                    tokens = (
-                        json.loads(data)["usage"]["completion_tokens"] if r.status == 200 else 0
-                    )
-                    out.append((r.status, time.perf_counter() - start, tokens))
+    async def client() -> None:
+        while queue:
+            body = queue.pop()
+            start = time.perf_counter()
+            async with session.post(f"{url}/v1/completions", json=body) as r:
+                data = await r.read()
+                tokens = json.loads(data)["usage"]["completion_tokens"] if r.status == 200 else 0
+                out.append((r.status, time.perf_counter() - start, tokens))
 
-        await asyncio.gather(*(client() for _ in range(concurrency)))
+    await asyncio.gather(*(client() for _ in range(concurrency)))
     return out
 
 
+async def _requests(url: str, bodies: list[dict], concurrency: int) -> list[tuple[int, float, int]]:
+    async with _session(concurrency) as session:
+        return await _post_all(session, url, bodies, concurrency)
+
+
 def send(url: str, bodies: list[dict], concurrency: int) -> list[tuple[int, float, int]]:
+    """`bodies` from `concurrency` new keep-alive clients (the soak)."""
     return asyncio.run(_requests(url, bodies, concurrency))
+
+
+class Clients:
+    """`concurrency` keep-alive clients kept across rounds, on an event loop of their own (as
+    OpenAI's client keeps its connections): a round pays for no connection set-up."""
+
+    def __init__(self, url: str, concurrency: int) -> None:
+        self.url, self.concurrency = url, concurrency
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._session = self._call(self._open())
+
+    async def _open(self):
+        return _session(self.concurrency)
+
+    def _call(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def send(self, bodies: list[dict]) -> list[tuple[int, float, int]]:
+        return self._call(_post_all(self._session, self.url, bodies, self.concurrency))
+
+    def close(self) -> None:
+        self._call(self._session.close())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -203,7 +267,7 @@ def overhead(url: str, model: str, *, rounds: int, num_prompts: int, new_tokens:
                   for p in texts]  # fmt: skip
         before, cpu = health(url), cpu_seconds(pids or {})
         start, unix_start, client = time.perf_counter(), time.time(), time.process_time()
-        answers = send(url, bodies, num_prompts)
+        answers = clients.send(bodies)
         wall = time.perf_counter() - start
         client = time.process_time() - client
         cpu = {k: v - cpu[k] for k, v in cpu_seconds(pids or {}).items()}
@@ -216,13 +280,17 @@ def overhead(url: str, model: str, *, rounds: int, num_prompts: int, new_tokens:
         breakdowns.append(b)
         return sum(t for _, _, t in answers) / wall
 
-    in_process(0), served(0)  # warm-up (first batches, connections)
-    for r in range(rounds):
-        order = ("in_process", "served") if r % 2 == 0 else ("served", "in_process")
-        for arm in order:
-            arms[arm].append((in_process if arm == "in_process" else served)(r + 1))
-        log(f"round {r + 1}: in-process {arms['in_process'][-1]:,.0f} tok/s, "
-            f"served {arms['served'][-1]:,.0f} tok/s; replica: {breakdowns[-1]}")  # fmt: skip
+    clients = Clients(url, num_prompts)
+    try:
+        in_process(0), served(0)  # warm-up (first batches, connections)
+        for r in range(rounds):
+            order = ("in_process", "served") if r % 2 == 0 else ("served", "in_process")
+            for arm in order:
+                arms[arm].append((in_process if arm == "in_process" else served)(r + 1))
+            log(f"round {r + 1}: in-process {arms['in_process'][-1]:,.0f} tok/s, "
+                f"served {arms['served'][-1]:,.0f} tok/s; replica: {breakdowns[-1]}")  # fmt: skip
+    finally:
+        clients.close()
     med = {arm: statistics.median(v) for arm, v in arms.items()}
     return {
         "rounds": rounds,
@@ -321,6 +389,8 @@ def soak(url: str, app: str, *, num_requests: int, concurrency: int, log=print) 
 
 def markdown(result: dict[str, Any]) -> str:
     lines = [f"## Serving (load {result['load']}, {result['cpus']} CPUs)", ""]
+    if result.get("config"):
+        lines += [f"Configuration: {result['config']}.", ""]
     if o := result.get("overhead"):
         lines += [
             "| arm | tokens/s (median) | rounds |",
@@ -375,8 +445,12 @@ def run(args: argparse.Namespace) -> int:
     started_here = not ray.is_initialized()
     result: dict[str, Any] = {"model": "tiny decoder" if not args.model else args.model}
     try:
+        fast = args.config == "fast"
         url = start_server(model, num_cpus=args.num_cpus, max_batch_size=args.max_batch_size,
-                           app=app, max_tokens=args.new_tokens)  # fmt: skip
+                           app=app, max_tokens=args.new_tokens, fast=fast)  # fmt: skip
+        result["config"] = CONFIGS[args.config] + (
+            "" if not fast or started_here else " (Ray was already running: through the proxy)"
+        )
         result["load"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
         result["cpus"] = os.cpu_count()
         if args.rounds:
@@ -408,6 +482,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=32, help="tokens per prompt (32)")
     p.add_argument("--max-batch-size", type=int, default=32, help="the replica's batch (32)")
     p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs of the replica (1)")
+    p.add_argument("--config", choices=sorted(CONFIGS), default="fast",
+                   help="how the model is served (fast: " + CONFIGS["fast"] + "; proxy: "
+                   + CONFIGS["proxy"] + ")")  # fmt: skip
     p.add_argument("--soak", type=int, default=10_000, help="soak requests (0: skip)")
     p.add_argument("--concurrency", type=int, default=32, help="soak clients (32)")
 

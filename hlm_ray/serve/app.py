@@ -64,6 +64,7 @@ from hlm_ray.generate import (
     default_model_name,
 )
 from hlm_ray.pretrained import REGISTRY_SCHEME, model_info, resolve_model_dir
+from hlm_ray.serve.decode_process import DecodeProcess
 from hlm_ray.serve.engine import DecodeLoop, Job
 from hlm_ray.serve.guard import error_body
 from hlm_ray.serve.protocol import (
@@ -97,6 +98,9 @@ from hlm_ray.serve.schemas import (
 )
 
 log = logging.getLogger("ray.serve")
+# Bodies up to this size are parsed into rows on the event loop (a 4 KiB prompt tokenizes in well
+# under a millisecond); bigger ones in a thread, so that a 1 MB prompt never stalls the loop.
+INLINE_BODY_BYTES = 4096
 SWITCH_INTERVAL_S = float(os.environ.get("HLM_SERVE_SWITCH_INTERVAL_S", "0.0005"))
 api = FastAPI(title="hlm_ray completions", version="1")  # completions and chat
 
@@ -156,7 +160,9 @@ class CompletionServer:
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.generator = Generator.load(
             self.args.model,
-            device=self.args.device,
+            # With a decode process, the replica only tokenizes and formats: the child alone
+            # holds the model on the device.
+            device="cpu" if self.args.decode_process else self.args.device,
             allow_raw_head=self.args.allow_raw_head,
             name=self.args.name,
         )
@@ -169,11 +175,23 @@ class CompletionServer:
         key = key or os.environ.get(self.args.api_key_env, "")
         self._api_key = key.encode() if key else None
         self._mlflow_uri = self.args.model if self.args.model.startswith(REGISTRY_SCHEME) else None
-        self._engine = DecodeLoop(
-            self.generator,
-            max_rows=self.args.max_batch_size,
-            wait_s=self.args.batch_wait_timeout_s,
-        )
+        if self.args.decode_process:
+            self._engine = DecodeProcess(
+                self.generator.info["path"],  # the local folder (a registry model downloaded)
+                device=self.args.device,
+                max_rows=self.args.max_batch_size,
+                wait_s=self.args.batch_wait_timeout_s,
+                allow_raw_head=self.args.allow_raw_head,
+                name=self.name,
+                num_threads=self.args.num_threads,
+                switch_interval_s=SWITCH_INTERVAL_S,
+            )
+        else:
+            self._engine = DecodeLoop(
+                self.generator,
+                max_rows=self.args.max_batch_size,
+                wait_s=self.args.batch_wait_timeout_s,
+            )
         self._requests = 0
         log.info(
             "serving %s (%s) from %s, %d positions, %s",
@@ -188,13 +206,23 @@ class CompletionServer:
 
     @api.get("/healthz")
     async def healthz(self) -> JSONResponse:
-        stats = dict(self._engine.stats)
+        if isinstance(self._engine, DecodeProcess):  # asks the child (a pipe round trip)
+            loop = asyncio.get_running_loop()
+            stats = await loop.run_in_executor(self._prep_pool, self._engine.refresh_stats)
+        else:
+            stats = self._engine.stats
+        stats = {k: v for k, v in stats.items() if not k.startswith("_")}
         stats["busy_s"], stats["busy_cpu_s"] = (
             round(stats["busy_s"], 4),
             round(stats["busy_cpu_s"], 4),
         )
         health = Health(model=self.name, requests=self._requests, **stats)
         return self._json(health.model_dump())
+
+    def check_health(self) -> None:
+        """Serve's periodic check: a replica whose decode process died is replaced."""
+        if isinstance(self._engine, DecodeProcess) and not self._engine.alive:
+            raise RuntimeError("the decode process exited: this replica cannot decode")
 
     def __del__(self) -> None:
         if hasattr(self, "_engine"):
@@ -245,10 +273,14 @@ class CompletionServer:
         try:
             if (denied := self._check_key(request)) is not None:
                 raise denied
-            req = parse_request(await self._read_body(request), model)
-            rows, prompt_tokens = await loop.run_in_executor(
-                self._prep_pool, make_rows, req, self.generator, self.args
-            )
+            body = await self._read_body(request)
+            req = parse_request(body, model)
+            if len(body) <= INLINE_BODY_BYTES:  # tokenized in microseconds: no thread hop
+                rows, prompt_tokens = make_rows(req, self.generator, self.args)
+            else:
+                rows, prompt_tokens = await loop.run_in_executor(
+                    self._prep_pool, make_rows, req, self.generator, self.args
+                )
         except ApiError as err:
             return self._fail(rid, err, start)
         except _ClientGone:
@@ -271,9 +303,12 @@ class CompletionServer:
             return self._fail(rid, ApiError(500, message), start)
         if any(row.result.finish_reason == "timeout" for row in rows):
             return self._fail(rid, self._timeout_error(), start)
-        body = await loop.run_in_executor(
-            self._prep_pool, self._body, rid, req, rows, prompt_tokens
-        )
+        if len(rows) == 1 and getattr(req, "logprobs", None) is None:
+            body = self._body(rid, req, rows, prompt_tokens)  # one plain choice: inline
+        else:  # logprobs of many rows take a while to format: not on the event loop
+            body = await loop.run_in_executor(
+                self._prep_pool, self._body, rid, req, rows, prompt_tokens
+            )
         self._log(rid, 200, start, body.usage, len(rows), stream=False)
         return self._json(body.model_dump())
 

@@ -88,7 +88,31 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=5,
         help="idle keep-alive connections are closed after this (default 5)",
     )
+    p.add_argument(
+        "--decode-process",
+        action="store_true",
+        help="decode in a child process of each replica: HTTP and decoding stop sharing one "
+        "Python lock (faster with small models and many clients)",
+    )
+    p.add_argument(
+        "--direct-port",
+        type=int,
+        help="also answer on this port (and the next ones, one per replica) straight from the "
+        "replicas, without the proxy hop (Ray Serve's direct ingress, set with "
+        "RAY_SERVE_THROUGHPUT_OPTIMIZED=1; replica logs then go to files only); local Ray only",
+    )
     p.add_argument("--address", help="Ray cluster to deploy onto (default: $RAY_ADDRESS or local)")
+
+
+def direct_ingress_env(port: int, replicas: int) -> dict[str, str]:
+    """Ray Serve's throughput settings (read by its controller and replicas as they start):
+    each ingress replica also serves HTTP itself on a port of [port, port + replicas), the
+    user code runs on the replica's own event loop, and replica logs are buffered to files."""
+    return {
+        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + replicas - 1),
+    }
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
             request_timeout_s=args.request_timeout_s,
             api_key=args.api_key or None,
             body_timeout_s=args.body_timeout_s,
+            decode_process=args.decode_process,
         )
     except ValidationError as err:
         first = err.errors()[0]
@@ -124,8 +149,18 @@ def run(args: argparse.Namespace) -> int:
         max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests,
     )
-    if not (args.address or os.environ.get("RAY_ADDRESS")):  # a local Ray starts the proxy
+    local = not (args.address or os.environ.get("RAY_ADDRESS"))
+    if local:  # a local Ray starts the proxy
         _check_port_free(args.host, args.port)
+    if args.direct_port is not None:
+        if not local:
+            raise HLMError(
+                "--direct-port needs a Ray that starts here: on a cluster, start it with "
+                "RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (deploy/README.md)"
+            )
+        for port in range(args.direct_port, args.direct_port + args.replicas):
+            _check_port_free(args.host, port, "--direct-port")
+        os.environ.update(direct_ingress_env(args.direct_port, args.replicas))
 
     import ray
     from ray import serve
@@ -148,6 +183,10 @@ def run(args: argparse.Namespace) -> int:
         except RuntimeError as err:
             raise HLMError(f"the application failed to start: {_last_line(err)}") from None
         _interrupt_on_signals()
+        if args.direct_port is not None:
+            last = args.direct_port + args.replicas - 1
+            ports = str(args.direct_port) + (f"-{last}" if last > args.direct_port else "")
+            print(f"replicas answer directly at http://{args.host}:{ports}/v1", flush=True)
         print(
             f"serving {model_name(app_args)} at http://{args.host}:{args.port}/v1 "
             "(POST /v1/completions, /v1/chat/completions, GET /v1/models, GET /healthz), "
@@ -176,13 +215,13 @@ def _interrupt_on_signals() -> None:
         signal.signal(sig, interrupt)
 
 
-def _check_port_free(host: str, port: int) -> None:
+def _check_port_free(host: str, port: int, flag: str = "--port") -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
             sock.bind((host, port))
         except OSError as err:
             raise HLMError(
-                f"cannot listen on {host}:{port} ({err.strerror}); pass another --port"
+                f"cannot listen on {host}:{port} ({err.strerror}); pass another {flag}"
             ) from None
 
 
