@@ -119,7 +119,7 @@ def test_direct_ingress_settings_give_each_replica_a_port():
 
     env = direct_ingress_env(8100, replicas=3)
     assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
-    assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == ("8100", "8102")  # fmt: skip
+    assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == ("8100", "8103")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- over HTTP

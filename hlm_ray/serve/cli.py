@@ -111,7 +111,7 @@ def direct_ingress_env(port: int, replicas: int) -> dict[str, str]:
     return {
         "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
-        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + replicas - 1),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + replicas),  # exclusive
     }
 
 
