@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -533,3 +534,43 @@ def test_a_client_that_leaves_mid_body_is_logged_as_such_not_as_a_500(server):
     assert "client disconnected while sending its request to /v1/completions" in text
     assert " 500 " not in text and "Traceback" not in text
     assert _post(server, {"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.slow
+def test_hlm_serve_direct_port_and_decode_process_answer_like_the_proxy(model_dir, tmp_path):
+    """`hlm serve --decode-process --direct-port Q` in a Ray of its own (a subprocess: Serve's
+    throughput settings are read as Ray starts): the replica answers on Q itself, the proxy
+    still on --port, both with the text the library gives; the guard runs on the direct port
+    too (a half-sent body is answered 408 and closed); Ctrl-C stops it cleanly."""
+    import signal
+    import subprocess
+    import sys
+
+    port, direct = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["HLM_SERVE_BODY_TIMEOUT_S"] = "2"
+    log = tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "hlm_ray.cli", "serve", "--model", model_dir, "--port",
+           str(port), "--direct-port", str(direct), "--decode-process", "--body-timeout-s", "2"]  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 180
+        while "Ctrl-C to stop" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.5)
+        assert f"replicas answer directly at http://127.0.0.1:{direct}/v1" in log.read_text()
+        body = {"prompt": "The cat", "max_tokens": 8, "temperature": 0}
+        want = Generator.load(model_dir).generate(["The cat"], max_new_tokens=8, temperature=0)
+        for where in (direct, port):
+            r = requests.post(f"http://127.0.0.1:{where}/v1/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == want[0].text
+        with socket.create_connection(("127.0.0.1", direct), timeout=30) as half:
+            half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
+                         b"Content-Type: application/json\r\n\r\n0123456789")  # fmt: skip
+            answer = half.recv(4096)
+        assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(60) == 0, log.read_text()[-3000:]
