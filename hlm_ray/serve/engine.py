@@ -53,12 +53,9 @@ class Job:
     """Every row has its result, or the job failed (then `error` is set)."""
     cancelled: bool = False
     id: int = -1
-    queued_at: float = 0.0
-    """`time.monotonic()` when the decode loop received it."""
     """The job's number in a `DecodeProcess` (its messages name it)."""
 
 
-ADMIT_WAIT_S = 0.01
 _WAKE = object()
 _STOP = object()
 
@@ -66,26 +63,11 @@ _STOP = object()
 class DecodeLoop:
     """The decode thread of a replica (module docstring)."""
 
-    def __init__(
-        self,
-        generator: Generator,
-        *,
-        max_rows: int,
-        wait_s: float = 0.0,
-        admit_rows: int | None = None,
-        admit_wait_s: float = ADMIT_WAIT_S,
-    ) -> None:
+    def __init__(self, generator: Generator, *, max_rows: int, wait_s: float = 0.0) -> None:
         self.gen = generator
         self.max_rows = max_rows
         self.wait_s = wait_s
         """How long an idle loop waits for more requests before its first prefill."""
-        self.admit_rows = admit_rows or max(1, max_rows // 4)
-        self.admit_wait_s = admit_wait_s
-        """While a batch runs, arrivals join it once `admit_rows` rows (or all the room left)
-        are waiting or the oldest has waited `admit_wait_s`: every join is a prefill, a merge
-        of the caches and, later, a cut when its rows finish at another step than the rest, and
-        joining one request per step made decoding 1.45x dearer than one batch of the same rows
-        (32 clients, a tiny decoder, 2 cores)."""
         self.stats = {"batches": 0, "steps": 0, "decoded_rows": 0, "max_batch_requests": 0,
                       "max_batch_rows": 0, "busy_s": 0.0, "busy_cpu_s": 0.0,
                       "busy_since": 0.0, "idle_since": 0.0}  # fmt: skip
@@ -108,7 +90,6 @@ class DecodeLoop:
         """Queue a job made by the caller (`DecodeProcess`'s child: `notify` refers to it)."""
         for i, row in enumerate(job.rows):
             row.index = i
-        job.queued_at = time.monotonic()
         self._inbox.put(job)
 
     def cancel(self, job: Job) -> None:
@@ -173,14 +154,8 @@ class DecodeLoop:
                 self._running.pop(id(row))
 
     def _admit(self) -> None:
-        """Prefill the pending jobs that fit in the batch, in arrival order (while a batch
-        runs, only enough of them at once: `admit_rows`)."""
+        """Prefill the pending jobs that fit in the batch, in arrival order."""
         jobs, room = [], self.max_rows - len(self._batch.rows)
-        if self._batch.rows and self._pending:
-            waiting = sum(len(job.rows) for job in self._pending)
-            oldest = time.monotonic() - self._pending[0].queued_at
-            if waiting < min(room, self.admit_rows) and oldest < self.admit_wait_s:
-                return
         while self._pending and (len(self._pending[0].rows) <= room or not self._batch.rows):
             job = self._pending.popleft()
             room -= len(job.rows)
