@@ -208,10 +208,9 @@ class CompletionServer:
     async def healthz(self) -> JSONResponse:
         if isinstance(self._engine, DecodeProcess):  # asks the child (a pipe round trip)
             loop = asyncio.get_running_loop()
-            stats = await loop.run_in_executor(self._prep_pool, self._engine.refresh_stats)
+            stats = dict(await loop.run_in_executor(self._prep_pool, self._engine.refresh_stats))
         else:
-            stats = self._engine.stats
-        stats = {k: v for k, v in stats.items() if not k.startswith("_")}
+            stats = dict(self._engine.stats)
         stats["busy_s"], stats["busy_cpu_s"] = (
             round(stats["busy_s"], 4),
             round(stats["busy_cpu_s"], 4),

@@ -82,7 +82,8 @@ class DecodeProcess:
         self._ids = itertools.count()
         self._send_lock = threading.Lock()
         self._fresh = threading.Condition()
-        self._stats_token = 0
+        self._stats_asked = 0  # the last stats request sent, and the last one answered
+        self._stats_answered = 0
         self._reader = threading.Thread(target=self._read, name="decode-reader", daemon=True)
         self._reader.start()
         self.refresh_stats()
@@ -114,13 +115,13 @@ class DecodeProcess:
     def refresh_stats(self, timeout_s: float = 2.0) -> dict[str, Any]:
         """The child's counters now (blocks up to `timeout_s`; the last known ones after)."""
         with self._fresh:
-            self._stats_token += 1
-            token = self._stats_token
+            self._stats_asked += 1
+            token = self._stats_asked
             try:
                 self._send(("stats", token))
             except (OSError, ValueError):
                 return self.stats
-            self._fresh.wait_for(lambda: self.stats.get("_token", -1) >= token, timeout_s)
+            self._fresh.wait_for(lambda: self._stats_answered >= token, timeout_s)
         return self.stats
 
     def close(self) -> None:
@@ -181,8 +182,8 @@ class DecodeProcess:
 
     def _set_stats(self, stats: dict[str, Any], token: int | None = None) -> None:
         with self._fresh:
-            keep = self.stats.get("_token", 0)
-            self.stats = {**stats, "_token": max(keep, token or 0)}
+            self.stats = stats
+            self._stats_answered = max(self._stats_answered, token or 0)
             self._fresh.notify_all()
 
 
