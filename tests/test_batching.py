@@ -185,6 +185,51 @@ def test_decode_loop_streams_cancels_and_fails_requests_alone(gen, tiny_decoder_
         engine.close()
 
 
+def test_a_burst_submitted_on_an_event_loop_crosses_to_the_decode_process_at_once(
+    gen, tiny_decoder_dir
+):
+    """Requests submitted in one turn of the replica's event loop reach the decode process as
+    one message (one write, one wake-up of the child), and its answers come back one message
+    per decoding pass; each request still gets what it gets alone, and one cancelled before
+    its turn ended is never decoded."""
+    import asyncio
+
+    from hlm_ray.serve.decode_process import DecodeProcess
+
+    requests = _requests(gen)
+    expected = [_alone(gen, rows) for rows in requests]
+    engine = DecodeProcess(tiny_decoder_dir, device="cpu", max_rows=8, num_threads=1)
+    sent: list[str] = []
+    send = engine._conn.send
+    engine._conn.send = lambda message: (sent.append(message[0]), send(message))[1]
+    try:
+
+        async def burst():
+            loop = asyncio.get_running_loop()
+            events = [asyncio.Event() for _ in requests]
+            jobs = [engine.submit(rows, lambda e=e: loop.call_soon_threadsafe(e.set))
+                    for rows, e in zip(requests, events, strict=True)]  # fmt: skip
+            dropped = engine.submit(
+                gen.rows(PROMPTS[0], SamplingParams(max_new_tokens=40)), lambda: None
+            )
+            engine.cancel(dropped)  # before the loop's turn ended
+            await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events)), 60)
+            return jobs, dropped
+
+        jobs, dropped = asyncio.run(burst())
+        assert sent.count("submit") == 1, sent
+        for job, want in zip(jobs, expected, strict=True):
+            assert job.error is None
+            for row, completion in zip(job.rows, want, strict=True):
+                _same(row.result, completion)
+        assert dropped.rows[0].result is None and not dropped.done
+        # Each kept row decodes at most one step per token it gave; the dropped row none of 40.
+        tokens = sum(c.completion_tokens for want in expected for c in want)
+        assert engine.refresh_stats()["decoded_rows"] <= tokens
+    finally:
+        engine.close()
+
+
 def test_a_decode_process_that_dies_fails_its_requests_and_says_so(tiny_decoder_dir):
     """A decode process killed mid-request (out of memory, a crash): the requests in flight
     and those that follow fail at once with the reason, and the replica's health check sees

@@ -126,6 +126,22 @@ def test_direct_ingress_settings_give_each_replica_a_port():
 # ----------------------------------------------------------------------------- over HTTP
 
 
+def test_completion_routes_skip_fastapi_but_keep_their_paths_and_docs():
+    """The two completion routes are dispatched past FastAPI's router (`_CompletionRoutes`),
+    under any route prefix Serve gives the app; FastAPI still documents both."""
+    from hlm_ray.serve.app import CompletionServer, _CompletionRoutes, _route_path, api
+
+    routes = _CompletionRoutes.ROUTES
+    assert _route_path({"path": "/v1/completions", "root_path": ""}) == "/v1/completions"
+    prefixed = {"path": "/lm/v1/chat/completions", "root_path": "/lm"}
+    assert routes[_route_path(prefixed)] == "chat_completions"
+    assert _route_path({"path": "/v1/completions/", "root_path": ""}) not in routes
+    documented = api.openapi()["paths"]
+    for path, method in routes.items():
+        assert "post" in documented[path]
+        assert callable(getattr(CompletionServer.func_or_class, method))
+
+
 @pytest.mark.ray
 def test_completion_over_http(server, model_uri):
     r = _post(server, {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0})

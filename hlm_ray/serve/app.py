@@ -30,7 +30,8 @@ thread runs a batch of rows (prompts x n, up to `max_batch_size`), and the rows 
 arrive, streamed or not, join it at the next step, each with its own settings and seed; finished
 rows leave, and so do the rows of a client that disconnects. The event loop only parses, queues
 and answers, so it keeps accepting requests while the batch decodes.
-One log line per request (`ray.serve` logger: id, status, latency, token counts).
+One log line per request (`ray.serve` logger: id, status, latency, token counts), written in
+batches when no request is in flight (at the latest 0.5 s later).
 """
 
 # No `from __future__ import annotations` in this module: Serve reads `build_app`'s parameter
@@ -43,14 +44,13 @@ import logging
 import os
 import sys
 import time
-import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.serve import Application
 from starlette.exceptions import HTTPException
@@ -101,6 +101,11 @@ log = logging.getLogger("ray.serve")
 # Bodies up to this size are parsed into rows on the event loop (a 4 KiB prompt tokenizes in well
 # under a millisecond); bigger ones in a thread, so that a 1 MB prompt never stalls the loop.
 INLINE_BODY_BYTES = 4096
+# Access lines are written in batches when no completion request is in flight, else at the
+# latest after LOG_FLUSH_S or LOG_BATCH_LINES lines: each line costs the event loop ~40 us in
+# Ray's log record factory and handlers, a tenth of a request's path there.
+LOG_FLUSH_S = 0.5
+LOG_BATCH_LINES = 256
 SWITCH_INTERVAL_S = float(os.environ.get("HLM_SERVE_SWITCH_INTERVAL_S", "0.0005"))
 api = FastAPI(title="hlm_ray completions", version="1")  # completions and chat
 
@@ -129,6 +134,45 @@ async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
 @api.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     return JSONResponse(json.loads(error_body(422, str(exc.errors()[:1]))), 422)
+
+
+class _CompletionRoutes:
+    """ASGI middleware: `POST /v1/completions` and `/v1/chat/completions` handed straight to the
+    replica's route methods, past FastAPI's router, dependency solver and exit stacks.
+
+    Those cost about 0.1 ms per request, a third of the request path the replica's one event
+    loop runs for every request (measured behind direct ingress with 32 kept-alive clients: a
+    trivial FastAPI route took 10.8-12.0 ms per round of 32 requests, the same answer given
+    here 7.3-7.4 ms). The FastAPI routes still declare both paths (OpenAPI, /docs) and run the
+    same methods; errors other than the API's own still reach FastAPI's 500 handler."""
+
+    ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            route = self.ROUTES.get(_route_path(scope))
+            if route is not None:
+                server = serve.get_replica_context().servable_object
+                server._in_flight += 1
+                try:
+                    response = await getattr(server, route)(Request(scope, receive))
+                    await response(scope, receive, send)
+                finally:
+                    server._request_done()
+                return
+        await self.app(scope, receive, send)
+
+
+def _route_path(scope) -> str:
+    """The path below the application's route prefix (Serve puts the prefix in `root_path`)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root) :] if root and path.startswith(root) else path
+
+
+api.add_middleware(_CompletionRoutes)
 
 
 # Helpers the routes use are defined above the class: `serve.ingress` pickles the FastAPI app,
@@ -193,6 +237,9 @@ class CompletionServer:
                 wait_s=self.args.batch_wait_timeout_s,
             )
         self._requests = 0
+        self._in_flight = 0  # requests on the completion routes not yet answered
+        self._log_lines: list[tuple] = []  # access lines waiting for a quiet moment
+        self._log_timer: asyncio.TimerHandle | None = None
         log.info(
             "serving %s (%s) from %s, %d positions, %s",
             self.name,
@@ -224,6 +271,8 @@ class CompletionServer:
             raise RuntimeError("the decode process exited: this replica cannot decode")
 
     def __del__(self) -> None:
+        if hasattr(self, "_log_lines"):
+            self._flush_log()
         if hasattr(self, "_engine"):
             self._engine.close()
 
@@ -267,7 +316,7 @@ class CompletionServer:
     async def _answer(self, request: Request, prefix: str, model, make_rows):
         """Check, queue for a batch (or stream alone), answer: both completion routes."""
         start = time.perf_counter()
-        rid = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        rid = f"{prefix}-{os.urandom(12).hex()}"
         loop = asyncio.get_running_loop()
         try:
             if (denied := self._check_key(request)) is not None:
@@ -309,7 +358,10 @@ class CompletionServer:
                 self._prep_pool, self._body, rid, req, rows, prompt_tokens
             )
         self._log(rid, 200, start, body.usage, len(rows), stream=False)
-        return self._json(body.model_dump())
+        # pydantic writes the JSON itself: no dict of the response, no json.dumps pass over it.
+        return Response(
+            body.model_dump_json(), media_type="application/json", headers=self._headers
+        )
 
     def _body(self, rid: str, req, rows: list[Row], prompt_tokens: int):
         counts = usage(prompt_tokens, rows)
@@ -421,7 +473,8 @@ class CompletionServer:
         if declared.isdigit() and int(declared) > limit:
             raise ApiError(413, f"request body is {declared} bytes; the limit is {limit}")
         try:
-            body = await asyncio.wait_for(request.body(), self.args.body_timeout_s)
+            async with asyncio.timeout(self.args.body_timeout_s):  # a timer, not a task
+                body = await request.body()
         except ClientDisconnect:
             raise _ClientGone from None
         except TimeoutError:
@@ -463,10 +516,9 @@ class CompletionServer:
         stream: bool,
         reason: str = "",
     ) -> None:
+        """Queue the request's access line; `_flush_log` writes it (module docstring)."""
         self._requests += 1
-        log.info(
-            "completion %s status=%d latency_ms=%.1f prompt_tokens=%d completion_tokens=%d "
-            "rows=%d stream=%s model=%s%s",
+        self._log_lines.append((
             rid,
             status,
             (time.perf_counter() - start) * 1000,
@@ -476,7 +528,35 @@ class CompletionServer:
             stream,
             self.name,
             f" error={reason!r}" if reason else "",
-        )
+        ))  # fmt: skip
+        if len(self._log_lines) >= LOG_BATCH_LINES:
+            self._flush_log()
+        elif self._log_timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # not on the event loop (a test): write it now
+                self._flush_log()
+                return
+            self._log_timer = loop.call_later(LOG_FLUSH_S, self._flush_log)
+
+    def _request_done(self) -> None:
+        """A completion request was answered: with none left in flight, write the access
+        lines now, while the loop has nothing else to do."""
+        self._in_flight -= 1
+        if self._in_flight == 0 and self._log_lines:
+            asyncio.get_running_loop().call_soon(self._flush_log)
+
+    def _flush_log(self) -> None:
+        if self._log_timer is not None:
+            self._log_timer.cancel()
+            self._log_timer = None
+        lines, self._log_lines = self._log_lines, []
+        for line in lines:
+            log.info(
+                "completion %s status=%d latency_ms=%.1f prompt_tokens=%d completion_tokens=%d "
+                "rows=%d stream=%s model=%s%s",
+                *line,
+            )
 
 
 # ----------------------------------------------------------------------------- builders

@@ -12,12 +12,13 @@ was set. Here the child owns the model and the `DecodeLoop` (its own lock, its o
 replica keeps the tokenizer and everything HTTP.
 
 Messages (pickled over a `multiprocessing` pipe; ids are the parent's job numbers):
-  parent -> child  ("submit", id, [(prompt_ids, params, seed, deadline)], stream)
+  parent -> child  ("submit", [(id, [(prompt_ids, params, seed, deadline)], stream)])
                    ("cancel", id) | ("stats", token) | ("stop",)
   child -> parent  ("ready",) | ("failed", message)            once, after loading the model
-                   ("events", id, [[Delta]])                     a streamed job's steps
-                   ("done", id, [Completion], [[Delta]], stats)  every row finished
-                   ("error", id, exception, stats)               the job failed alone
+                   ("jobs", [news], stats)                       after a decoding pass, where
+                   news is ("events", id, [[Delta]])             a streamed job's steps,
+                           ("done", id, [Completion], [[Delta]]) every row finished,
+                           ("error", id, exception)              the job failed alone
                    ("stats", token, stats)
 The child exits when the pipe closes: a replica that dies, even by SIGKILL, takes it along.
 Deadlines are `time.monotonic()` values, one clock for both processes on Linux.
@@ -25,6 +26,7 @@ Deadlines are `time.monotonic()` values, one clock for both processes on Linux.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import itertools
 import logging
@@ -81,6 +83,10 @@ class DecodeProcess:
         self._jobs: dict[int, Job] = {}
         self._ids = itertools.count()
         self._send_lock = threading.Lock()
+        # Jobs submitted from an event loop wait here for the loop's next turn, so that a burst
+        # of requests crosses the pipe as one message (one pickling, one write, one wake-up of
+        # the child), not one each.
+        self._outbox: list[tuple[Job, tuple]] = []
         self._fresh = threading.Condition()
         self._stats_asked = 0  # the last stats request sent, and the last one answered
         self._stats_answered = 0
@@ -96,14 +102,22 @@ class DecodeProcess:
         job = Job(rows, notify, stream, id=next(self._ids))
         self._jobs[job.id] = job
         payload = [(row.prompt_ids, row.params, row.seed, row.deadline) for row in rows]
+        with self._send_lock:
+            self._outbox.append((job, (job.id, payload, stream)))
+            first = len(self._outbox) == 1
         try:
-            self._send(("submit", job.id, payload, stream))
-        except (OSError, ValueError) as err:  # the child is gone: the job fails at once
-            self._finish(job, error=HLMError(f"the decode process is gone ({err})"))
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not on an event loop: nothing to gather it with
+            loop = None
+        if loop is None:
+            self._flush()
+        elif first:
+            loop.call_soon(self._flush)
         return job
 
     def cancel(self, job: Job) -> None:
         job.cancelled = True
+        self._flush()  # its submission first
         self._jobs.pop(job.id, None)
         with contextlib.suppress(OSError, ValueError):
             self._send(("cancel", job.id))
@@ -139,6 +153,20 @@ class DecodeProcess:
         with self._send_lock:
             self._conn.send(message)
 
+    def _flush(self) -> None:
+        """Send the waiting submissions as one message; if the child is gone, they fail."""
+        with self._send_lock:
+            waiting, self._outbox = self._outbox, []
+            if not waiting:
+                return
+            try:
+                self._conn.send(("submit", [message for _, message in waiting]))
+                return
+            except (OSError, ValueError) as err:
+                error = HLMError(f"the decode process is gone ({err})")
+        for job, _ in waiting:
+            self._finish(job, error=error)
+
     def _read(self) -> None:
         """The reader thread: hands each child message to its job."""
         while True:
@@ -146,33 +174,33 @@ class DecodeProcess:
                 message = self._conn.recv()
             except (EOFError, OSError):
                 break
-            kind, key = message[0], message[1]
-            if kind == "stats":
-                self._set_stats(message[2], key)
+            if message[0] == "stats":
+                self._set_stats(message[2], message[1])
                 continue
-            job = self._jobs.get(key)
-            if kind == "events":
-                if job is not None:
-                    job.events.extend(message[2])
-                    job.notify()
-                continue
-            if kind == "done":
-                self._set_stats(message[4])
-                if job is not None:
-                    for row, result in zip(job.rows, message[2], strict=True):
-                        row.result = result
-                    job.events.extend(message[3])
-                    self._finish(job)
-            elif kind == "error":
-                self._set_stats(message[3])
-                if job is not None:
-                    self._finish(job, error=message[2])
+            self._set_stats(message[2])  # ("jobs", [news], stats)
+            for news in message[1]:
+                self._take(news)
         self._proc.join(1)
         err = HLMError(f"the decode process exited (code {self._proc.exitcode})")
         if not self._closing:
             log.error("%s; failing %d request(s) in flight", err, len(self._jobs))
         for job in list(self._jobs.values()):
             self._finish(job, error=err)
+
+    def _take(self, news: tuple) -> None:
+        kind, job = news[0], self._jobs.get(news[1])
+        if job is None:  # cancelled, or failed already
+            return
+        if kind == "events":
+            job.events.extend(news[2])
+            job.notify()
+        elif kind == "done":
+            for row, result in zip(job.rows, news[2], strict=True):
+                row.result = result
+            job.events.extend(news[3])
+            self._finish(job)
+        elif kind == "error":
+            self._finish(job, error=news[2])
 
     def _finish(self, job: Job, error: BaseException | None = None) -> None:
         self._jobs.pop(job.id, None)
@@ -202,6 +230,21 @@ def _child_main(conn, spec: dict[str, Any]) -> None:
         torch.set_num_threads(spec["num_threads"])
     if spec["switch_interval_s"]:
         sys.setswitchinterval(spec["switch_interval_s"])
+    send_lock = threading.Lock()
+    jobs: dict[int, Job] = {}
+    news: list[tuple] = []  # what a decoding pass told its jobs, sent when the pass ends
+
+    def send(message: tuple) -> None:
+        with send_lock:
+            conn.send(message)
+
+    def send_news() -> None:  # on the decode thread, after each pass: one message, one wake-up
+        if news:
+            batch = news.copy()
+            news.clear()
+            with contextlib.suppress(OSError, ValueError):  # the replica is gone
+                send(("jobs", batch, dict(engine.stats)))
+
     try:
         gen = Generator.load(
             spec["model"],
@@ -209,16 +252,12 @@ def _child_main(conn, spec: dict[str, Any]) -> None:
             allow_raw_head=spec["allow_raw_head"],
             name=spec["name"],
         )
-        engine = DecodeLoop(gen, max_rows=spec["max_rows"], wait_s=spec["wait_s"])
+        engine = DecodeLoop(
+            gen, max_rows=spec["max_rows"], wait_s=spec["wait_s"], after_pass=send_news
+        )
     except Exception as err:
         conn.send(("failed", one_line(err, with_type=True)))
         return
-    send_lock = threading.Lock()
-    jobs: dict[int, Job] = {}
-
-    def send(message: tuple) -> None:
-        with send_lock:
-            conn.send(message)
 
     def notifier(key: int, holder: list[Job]) -> Callable[[], None]:
         def notify() -> None:  # on the decode thread
@@ -226,13 +265,13 @@ def _child_main(conn, spec: dict[str, Any]) -> None:
             events = [job.events.popleft() for _ in range(len(job.events))]
             if job.error is not None:
                 jobs.pop(key, None)
-                send(("error", key, _portable(job.error), dict(engine.stats)))
+                news.append(("error", key, _portable(job.error)))
             elif job.done:
                 jobs.pop(key, None)
                 results = [row.result for row in job.rows]
-                send(("done", key, results, events, dict(engine.stats)))
+                news.append(("done", key, results, events))
             elif events:
-                send(("events", key, events))
+                news.append(("events", key, events))
 
         return notify
 
@@ -244,14 +283,14 @@ def _child_main(conn, spec: dict[str, Any]) -> None:
             break
         kind = message[0]
         if kind == "submit":
-            _, key, payload, stream = message
-            rows = [Row(ids, params, seed, deadline) for ids, params, seed, deadline in payload]
-            holder: list[Job] = []
-            # `holder` is filled before the decode thread can call `notify`, which it does only
-            # once it took the job from its inbox.
-            holder.append(Job(rows, notifier(key, holder), stream))
-            jobs[key] = holder[0]
-            engine.enqueue(holder[0])
+            for key, payload, stream in message[1]:
+                rows = [Row(ids, params, seed, end) for ids, params, seed, end in payload]
+                holder: list[Job] = []
+                # `holder` is filled before the decode thread can call `notify`, which it does
+                # only once it took the job from its inbox.
+                holder.append(Job(rows, notifier(key, holder), stream))
+                jobs[key] = holder[0]
+                engine.enqueue(holder[0])
         elif kind == "cancel":
             job = jobs.pop(message[1], None)
             if job is not None:

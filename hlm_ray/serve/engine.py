@@ -63,11 +63,21 @@ _STOP = object()
 class DecodeLoop:
     """The decode thread of a replica (module docstring)."""
 
-    def __init__(self, generator: Generator, *, max_rows: int, wait_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        generator: Generator,
+        *,
+        max_rows: int,
+        wait_s: float = 0.0,
+        after_pass: Callable[[], None] | None = None,
+    ) -> None:
         self.gen = generator
         self.max_rows = max_rows
         self.wait_s = wait_s
         """How long an idle loop waits for more requests before its first prefill."""
+        self.after_pass = after_pass
+        """Called on the decode thread after each pass (admissions and a step), once every
+        job the pass touched was notified (`DecodeProcess`'s child sends their news at once)."""
         self.stats = {"batches": 0, "steps": 0, "decoded_rows": 0, "max_batch_requests": 0,
                       "max_batch_rows": 0, "busy_s": 0.0, "busy_cpu_s": 0.0,
                       "busy_since": 0.0, "idle_since": 0.0}  # fmt: skip
@@ -120,6 +130,8 @@ class DecodeLoop:
                 self._batch = RunningBatch(self.gen)
             self.stats["busy_s"] += time.perf_counter() - start
             self.stats["busy_cpu_s"] += time.thread_time() - cpu
+            if self.after_pass is not None:
+                self.after_pass()
             if not self._batch.rows and not self._pending:
                 self.stats["idle_since"] = time.time()
 
