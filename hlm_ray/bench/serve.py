@@ -1,7 +1,7 @@
 """The serving benchmarks: what HTTP + Ray Serve cost over in-process generation, and a soak.
 
     hlm bench --only serve                                   # both, on a fresh tiny decoder
-    python -m hlm_ray.bench.serve --model runs/tiny-gen --rounds 5 --soak 10000
+    python -m hlm_ray.bench.serve --model runs/tiny-gen --rounds 15 --soak 10000
     python -m hlm_ray.bench.serve --soak 0                   # the overhead ratio only
 
 Overhead: the same decoder and prompts (32 prompts x 32 new tokens, temperature 1) decoded by
@@ -477,7 +477,7 @@ def run(args: argparse.Namespace) -> int:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="decoder to serve (default: a fresh tiny decoder)")
     p.add_argument("--output", help="folder for serve.json / serve.md (runs/bench/serve)")
-    p.add_argument("--rounds", type=int, default=5, help="overhead rounds per arm (0: skip)")
+    p.add_argument("--rounds", type=int, default=15, help="overhead rounds per arm (0: skip)")
     p.add_argument("--clients", type=int, default=32, help="prompts = concurrent clients (32)")
     p.add_argument("--new-tokens", type=int, default=32, help="tokens per prompt (32)")
     p.add_argument("--max-batch-size", type=int, default=32, help="the replica's batch (32)")

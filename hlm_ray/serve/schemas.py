@@ -250,8 +250,8 @@ class AppArgs(BaseModel):
     decode_process: bool = False
     """Decode in a child process of the replica (`hlm_ray.serve.decode_process`): HTTP and
     decoding no longer share one interpreter lock (on 2 cores, with direct ingress and a 20 ms
-    first-batch wait, 32 clients' tokens/s of a tiny decoder reached 0.74-0.79 of in-process
-    decoding: docs/benchmarks.md). Costs a second process and, for the tokenizer side, the
+    first-batch wait, 32 clients' tokens/s of a tiny decoder reached 0.77-0.86 of in-process
+    decoding, median 0.80: docs/benchmarks.md). Costs a second process and, for the tokenizer side, the
     model's weights once more in host memory."""
     num_threads: int | None = Field(None, ge=1)
     """torch threads per replica (default: torch's, i.e. the replica's CPUs under Ray)."""
