@@ -246,14 +246,17 @@ class Generator:
         device: str = "cpu",
         allow_raw_head: bool = False,
         name: str | None = None,
+        weights: bool = True,
     ) -> Generator:
         """Load a decoder for generation from a run, checkpoint or model folder or a `models:/`
-        URI; refuses encoders and un-fine-tuned headless decoders (see module docstring)."""
-        device = device_name(device)
+        URI; refuses encoders and un-fine-tuned headless decoders (see module docstring).
+        `weights=False`: its tokenizer, limits and names without the weights (the model on the
+        meta device), for a process that only tokenizes and formats."""
+        device = device_name(device) if weights else "meta"
         folder = resolve_model_dir(ref)  # downloads a registry model once
         info = model_info(folder)
         check_generation_ready(info, ref, allow_raw_head=allow_raw_head)
-        pre = load_pretrained(folder, kind="causal_lm", device=device)
+        pre = load_pretrained(folder, kind="causal_lm", device=device, weights=weights)
         info = {**info, "path": str(folder)}
         return cls(
             pre.model,

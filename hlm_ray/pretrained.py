@@ -89,10 +89,14 @@ def run_config_of(model_dir: Path) -> Config | None:
     return None
 
 
-def load_pretrained(ref: str | Path, *, kind: str = "auto", device: str = "cpu") -> Pretrained:
+def load_pretrained(
+    ref: str | Path, *, kind: str = "auto", device: str = "cpu", weights: bool = True
+) -> Pretrained:
     """Load model + tokenizer. `kind`: "causal_lm" (decoders), "masked_lm" (an encoder with its
     MLM head, vanilla only), "encoder" (the bare body of any encoder), or "auto" (the class the
-    model was saved as)."""
+    model was saved as). `weights=False`: the model's structure and config on PyTorch's meta
+    device, no weights read and no memory for them (for a process that only tokenizes, like a
+    serving replica whose decode process holds the model); it cannot run."""
     if kind not in _KINDS:
         raise HLMError(f"kind={kind!r} is not one of {', '.join(_KINDS)}")
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
@@ -115,7 +119,15 @@ def load_pretrained(ref: str | Path, *, kind: str = "auto", device: str = "cpu")
         kind, AutoModel
     )
     try:
-        model = cls.from_pretrained(str(folder)).to(device)
+        if weights:
+            model = cls.from_pretrained(str(folder)).to(device)
+        else:
+            import torch
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(str(folder))
+            with torch.device("meta"):
+                model = cls.from_config(config)
         tokenizer = load_tokenizer(folder)
     except (OSError, ValueError) as err:
         raise HLMError(f"cannot load the model in {folder}: {str(err).splitlines()[0]}") from None

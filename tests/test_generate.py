@@ -9,6 +9,7 @@ import math
 import random
 import shutil
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -255,6 +256,30 @@ def test_headless_decoder_that_was_not_finetuned_is_refused(model_dir, tmp_path)
 def test_finetuned_headless_decoder_loads(model_dir, tmp_path):
     tuned = _variant(model_dir, tmp_path, hlm_objective="headless", hlm_finetuned="clm")
     assert Generator.load(tuned).info["finetuned"] == "clm"
+
+
+@pytest.mark.parametrize("objective", ["vanilla", "headless"])
+def test_a_generator_without_weights_tokenizes_and_formats_like_the_full_one(
+    model_dir, tmp_path, objective
+):
+    """What a serving replica with a decode process loads (`weights=False`): the same names,
+    limits, ids and token strings, the model on the meta device (no memory for weights)."""
+    ref = model_dir
+    if objective == "headless":  # served with its raw Eᵀ head
+        ref = _variant(model_dir, tmp_path, hlm_objective="headless")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the raw-head warning
+        full = Generator.load(ref, allow_raw_head=True)
+        light = Generator.load(ref, allow_raw_head=True, weights=False)
+    assert all(p.is_meta for p in light.model.parameters())
+    assert type(light.model) is type(full.model)
+    for attr in ("name", "info", "max_positions", "vocab_size", "eos_id", "pad_id"):
+        assert getattr(light, attr) == getattr(full, attr), attr
+    text = "Once upon a time, the café was 20% full"
+    assert light.encode(text) == full.encode(text)
+    ids = full.encode(text)
+    assert light.token_strings(ids) == full.token_strings(ids)
+    assert light.text_offsets(ids) == full.text_offsets(ids)
 
 
 def test_encoder_is_refused(model_dir, tmp_path):

@@ -204,11 +204,12 @@ class CompletionServer:
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.generator = Generator.load(
             self.args.model,
-            # With a decode process, the replica only tokenizes and formats: the child alone
-            # holds the model on the device.
-            device="cpu" if self.args.decode_process else self.args.device,
+            device=self.args.device,
             allow_raw_head=self.args.allow_raw_head,
             name=self.args.name,
+            # With a decode process, the replica only tokenizes and formats: the child alone
+            # holds the model's weights.
+            weights=not self.args.decode_process,
         )
         self.name = self.generator.name
         self.created = int(time.time())
