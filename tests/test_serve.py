@@ -142,6 +142,52 @@ def test_completion_routes_skip_fastapi_but_keep_their_paths_and_docs():
         assert callable(getattr(CompletionServer.func_or_class, method))
 
 
+def test_access_lines_wait_for_a_quiet_loop_and_are_never_dropped():
+    """The replica's access lines (`AccessLog`): written once no request is in flight, at
+    the batch limit, or after `flush_s` while requests keep coming; in order; at once off a
+    loop."""
+    import asyncio
+    import logging
+
+    from hlm_ray.serve.access_log import AccessLog
+
+    written: list[str] = []
+    logger = logging.getLogger("hlm-test-access")
+    logger.propagate, logger.level = False, logging.INFO
+    handler = logging.Handler()
+    handler.emit = lambda record: written.append(record.getMessage().split()[1])
+    logger.addHandler(handler)
+    access = AccessLog(logger, flush_s=0.05, batch_lines=3)
+
+    def line(i: int) -> tuple:
+        return (f"cmpl-{i}", 200, 1.5, 2, 3, 1, False, "tiny/1", "")
+
+    async def traffic() -> None:
+        access.started(), access.started()
+        access.add(*line(0))
+        access.finished()
+        await asyncio.sleep(0)
+        assert written == []  # one request still in flight
+        access.add(*line(1))
+        access.finished()
+        await asyncio.sleep(0)
+        assert written == ["cmpl-0", "cmpl-1"]  # none in flight: the next turn
+        access.started()
+        for i in (2, 3, 4):
+            access.add(*line(i))
+        assert written[2:] == ["cmpl-2", "cmpl-3", "cmpl-4"]  # the batch limit
+        access.add(*line(5))
+        await asyncio.sleep(0.2)
+        assert written[5:] == ["cmpl-5"]  # still in flight: the timer
+
+    try:
+        asyncio.run(traffic())
+        access.add(*line(6))  # off a loop (a test, shutdown): at once
+        assert written == [f"cmpl-{i}" for i in range(7)]
+    finally:
+        logger.removeHandler(handler)
+
+
 @pytest.mark.ray
 def test_completion_over_http(server, model_uri):
     r = _post(server, {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0})

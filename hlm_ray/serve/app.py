@@ -31,7 +31,7 @@ arrive, streamed or not, join it at the next step, each with its own settings an
 rows leave, and so do the rows of a client that disconnects. The event loop only parses, queues
 and answers, so it keeps accepting requests while the batch decodes.
 One log line per request (`ray.serve` logger: id, status, latency, token counts), written in
-batches when no request is in flight (at the latest 0.5 s later).
+batches when no request is in flight (`hlm_ray.serve.access_log`).
 """
 
 # No `from __future__ import annotations` in this module: Serve reads `build_app`'s parameter
@@ -64,6 +64,7 @@ from hlm_ray.generate import (
     default_model_name,
 )
 from hlm_ray.pretrained import REGISTRY_SCHEME, model_info, resolve_model_dir
+from hlm_ray.serve.access_log import AccessLog
 from hlm_ray.serve.decode_process import DecodeProcess
 from hlm_ray.serve.engine import DecodeLoop, Job
 from hlm_ray.serve.guard import error_body
@@ -101,11 +102,6 @@ log = logging.getLogger("ray.serve")
 # Bodies up to this size are parsed into rows on the event loop (a 4 KiB prompt tokenizes in well
 # under a millisecond); bigger ones in a thread, so that a 1 MB prompt never stalls the loop.
 INLINE_BODY_BYTES = 4096
-# Access lines are written in batches when no completion request is in flight, else at the
-# latest after LOG_FLUSH_S or LOG_BATCH_LINES lines: each line costs the event loop ~40 us in
-# Ray's log record factory and handlers, a tenth of a request's path there.
-LOG_FLUSH_S = 0.5
-LOG_BATCH_LINES = 256
 SWITCH_INTERVAL_S = float(os.environ.get("HLM_SERVE_SWITCH_INTERVAL_S", "0.0005"))
 api = FastAPI(title="hlm_ray completions", version="1")  # completions and chat
 
@@ -156,12 +152,12 @@ class _CompletionRoutes:
             route = self.ROUTES.get(_route_path(scope))
             if route is not None:
                 server = serve.get_replica_context().servable_object
-                server._in_flight += 1
+                server.access_log.started()
                 try:
                     response = await getattr(server, route)(Request(scope, receive))
                     await response(scope, receive, send)
                 finally:
-                    server._request_done()
+                    server.access_log.finished()
                 return
         await self.app(scope, receive, send)
 
@@ -238,9 +234,7 @@ class CompletionServer:
                 wait_s=self.args.batch_wait_timeout_s,
             )
         self._requests = 0
-        self._in_flight = 0  # requests on the completion routes not yet answered
-        self._log_lines: list[tuple] = []  # access lines waiting for a quiet moment
-        self._log_timer: asyncio.TimerHandle | None = None
+        self.access_log = AccessLog(log)
         log.info(
             "serving %s (%s) from %s, %d positions, %s",
             self.name,
@@ -272,8 +266,8 @@ class CompletionServer:
             raise RuntimeError("the decode process exited: this replica cannot decode")
 
     def __del__(self) -> None:
-        if hasattr(self, "_log_lines"):
-            self._flush_log()
+        if hasattr(self, "access_log"):
+            self.access_log.flush()
         if hasattr(self, "_engine"):
             self._engine.close()
 
@@ -517,9 +511,8 @@ class CompletionServer:
         stream: bool,
         reason: str = "",
     ) -> None:
-        """Queue the request's access line; `_flush_log` writes it (module docstring)."""
         self._requests += 1
-        self._log_lines.append((
+        self.access_log.add(
             rid,
             status,
             (time.perf_counter() - start) * 1000,
@@ -529,35 +522,7 @@ class CompletionServer:
             stream,
             self.name,
             f" error={reason!r}" if reason else "",
-        ))  # fmt: skip
-        if len(self._log_lines) >= LOG_BATCH_LINES:
-            self._flush_log()
-        elif self._log_timer is None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # not on the event loop (a test): write it now
-                self._flush_log()
-                return
-            self._log_timer = loop.call_later(LOG_FLUSH_S, self._flush_log)
-
-    def _request_done(self) -> None:
-        """A completion request was answered: with none left in flight, write the access
-        lines now, while the loop has nothing else to do."""
-        self._in_flight -= 1
-        if self._in_flight == 0 and self._log_lines:
-            asyncio.get_running_loop().call_soon(self._flush_log)
-
-    def _flush_log(self) -> None:
-        if self._log_timer is not None:
-            self._log_timer.cancel()
-            self._log_timer = None
-        lines, self._log_lines = self._log_lines, []
-        for line in lines:
-            log.info(
-                "completion %s status=%d latency_ms=%.1f prompt_tokens=%d completion_tokens=%d "
-                "rows=%d stream=%s model=%s%s",
-                *line,
-            )
+        )
 
 
 # ----------------------------------------------------------------------------- builders
