@@ -251,7 +251,7 @@ class AppArgs(BaseModel):
     """Decode in a child process of the replica (`hlm_ray.serve.decode_process`): HTTP and
     decoding no longer share one interpreter lock (on 2 cores, with direct ingress and a 20 ms
     first-batch wait, 32 clients' tokens/s of a tiny decoder reached 0.77-0.86 of in-process
-    decoding, median 0.80: docs/benchmarks.md). Costs a second process; the replica itself then
+    decoding, median 0.81: docs/benchmarks.md). Costs a second process; the replica itself then
     loads the tokenizer and the model's config only, not its weights."""
     num_threads: int | None = Field(None, ge=1)
     """torch threads per replica (default: torch's, i.e. the replica's CPUs under Ray)."""
