@@ -259,19 +259,18 @@ def _child_main(conn, spec: dict[str, Any]) -> None:
         conn.send(("failed", one_line(err, with_type=True)))
         return
 
-    def notifier(key: int, holder: list[Job]) -> Callable[[], None]:
+    def notifier(job: Job) -> Callable[[], None]:
         def notify() -> None:  # on the decode thread
-            job = holder[0]
             events = [job.events.popleft() for _ in range(len(job.events))]
             if job.error is not None:
-                jobs.pop(key, None)
-                news.append(("error", key, _portable(job.error)))
+                jobs.pop(job.id, None)
+                news.append(("error", job.id, _portable(job.error)))
             elif job.done:
-                jobs.pop(key, None)
+                jobs.pop(job.id, None)
                 results = [row.result for row in job.rows]
-                news.append(("done", key, results, events))
+                news.append(("done", job.id, results, events))
             elif events:
-                news.append(("events", key, events))
+                news.append(("events", job.id, events))
 
         return notify
 
@@ -285,12 +284,10 @@ def _child_main(conn, spec: dict[str, Any]) -> None:
         if kind == "submit":
             for key, payload, stream in message[1]:
                 rows = [Row(ids, params, seed, end) for ids, params, seed, end in payload]
-                holder: list[Job] = []
-                # `holder` is filled before the decode thread can call `notify`, which it does
-                # only once it took the job from its inbox.
-                holder.append(Job(rows, notifier(key, holder), stream))
-                jobs[key] = holder[0]
-                engine.enqueue(holder[0])
+                job = Job(rows, None, stream, id=key)
+                job.notify = notifier(job)  # set before the decode thread can see the job
+                jobs[key] = job
+                engine.enqueue(job)
         elif kind == "cancel":
             job = jobs.pop(message[1], None)
             if job is not None:
