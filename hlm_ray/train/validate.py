@@ -68,18 +68,21 @@ def text_nats_and_bytes(
     """(summed -log p over the targets that are text, their UTF-8 bytes) of one micro-batch
     through the vocabulary head; zero-byte targets (EOS, special tokens) are left out."""
     model, cfg = inner.model, inner.cfg
+    head = dict(impl=cfg.ce_impl, chunk_size=cfg.ce_chunk_size)  # as training: bounded logits
     hidden_BLD = hidden_states(model, input_ids_BL)
     if labels_BL is None:  # decoder: targets input[:, 1:]; keep_BL[:, 1:] is what is scored
         keep_BL = token_bytes[input_ids_BL] > 0
         targets_K = input_ids_BL[:, 1:][keep_BL[:, 1:]]
         if not len(targets_K):
             return 0.0, 0
-        out = vanilla_causal_loss(hidden_BLD, input_ids_BL, lm_head(model), target_mask_BL=keep_BL)
+        out = vanilla_causal_loss(
+            hidden_BLD, input_ids_BL, lm_head(model), target_mask_BL=keep_BL, **head
+        )
     else:  # encoder: the masked originals that are text
         labels_BL = labels_BL.masked_fill(token_bytes[labels_BL.clamp(min=0)] == 0, IGNORE_INDEX)
         targets_K = labels_BL[labels_BL != IGNORE_INDEX]
         if not len(targets_K):
             return 0.0, 0
-        out = vanilla_masked_loss(hidden_BLD, labels_BL, lm_head(model), impl=cfg.ce_impl)
+        out = vanilla_masked_loss(hidden_BLD, labels_BL, lm_head(model), **head)
     # LossOutput.loss is the mean over the kept rows.
     return out.loss.item() * int(out.num_rows), int(token_bytes[targets_K].sum())
