@@ -165,6 +165,18 @@ def test_objective_ce_impl_and_chunk_size_reach_the_loss(
     assert logged == pytest.approx(float(expected), rel=1e-5)
 
 
+def test_objective_mixed_weights_reach_the_loss(tmp_path, default_losses):
+    """The mixed objective: cwt_weight × CWT + ce_weight × CE of the same rows."""
+    weights = {"objective.cwt_weight": 0.5, "objective.ce_weight": 2.0}
+    cfg = knob_cfg(tmp_path, objective="mixed", **weights)
+    logged = train_losses(cfg)[0]
+    start = first_step(cfg)
+    cwt_part = by_hand(start, lambda x, labels, seed: cwt(start, x, labels))
+    ce_part = by_hand(start, lambda x, labels, seed: ce(start, x, labels))
+    assert logged == pytest.approx(float(0.5 * cwt_part + 2.0 * ce_part), rel=1e-5)
+    assert differs(logged, default_losses("tiny-decoder", "mixed")), logged
+
+
 def test_tokenizer_vocab_size_reaches_the_loss(tmp_path, default_losses):
     """What sweeps/vocab.py varies: the BPE's size is the model's vocabulary, and the vanilla
     loss at initialisation is about log V."""
@@ -211,7 +223,8 @@ def test_optim_embedding_update_reaches_the_update(tmp_path):
     """The first step's loss is the same for both; the update is not. By hand: dense AdamW
     moves every row of the embedding table (weight decay shrinks the rows no token of the step
     touched), the lazy update moves only the touched rows, exactly as AdamW does them."""
-    extra = {"optim.warmup_steps": 0, "optim.weight_decay": 0.1}
+    # A strong weight decay: untouched rows shrink by lr·wd = 0.3% in the dense update.
+    extra = {"optim.warmup_steps": 0, "optim.weight_decay": 1.0}
     tables = {}
     for update in ("dense", "lazy"):
         cfg = knob_cfg(tmp_path / update, **extra, **{"optim.embedding_update": update})
@@ -227,7 +240,7 @@ def test_optim_embedding_update_reaches_the_update(tmp_path):
     weight_VD = input_embedding_weight(start.model)
     before_VD = weight_VD.detach().clone()
     o = cfg.optim
-    adamw = torch.optim.AdamW([weight_VD], lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=0.1)
+    adamw = torch.optim.AdamW([weight_VD], lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=1.0)
     adamw.step()
     dense_VD = weight_VD.detach()
     touched_V = weight_VD.grad.abs().sum(dim=1) > 0

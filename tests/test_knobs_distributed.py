@@ -43,6 +43,8 @@ def test_objective_cross_worker_negatives_reaches_the_loss(tmp_path):
         p.start()
     for p in procs:
         p.join(timeout=300)
+        if p.is_alive():  # a hung collective: do not leave it behind
+            p.kill()
     assert [p.exitcode for p in procs] == [0, 0]
     logged = logged_losses(tmp_path / "run")[0]
 
