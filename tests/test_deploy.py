@@ -246,7 +246,7 @@ def test_readme_commands_and_references():
     for path in sorted(set(re.findall(r"\b(?:deploy|sweeps)/[\w./-]+\.(?:ya?ml|py|md)", text))):
         assert (ROOT / path).is_file(), f"README names {path}, which does not exist"
     for command in (
-        "mlflow server --backend-store-uri postgresql://",
+        "mlflow server --backend-store-uri postgresql+psycopg2://",  # SQLAlchemy 2.1: psycopg 3 else
         "--artifacts-destination s3://",
         "--host 0.0.0.0",
         "RAY_AUTH_MODE=token ray job submit",
