@@ -15,6 +15,7 @@ import os
 import pwd
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -86,11 +87,11 @@ def postgres(tmp_path_factory):
         os.chown(folder, as_user["user"], as_user["group"])
     log = tmp_path_factory.mktemp("postgres") / "postgres.log"
     run = {"cwd": folder, "check": True, "capture_output": True, **as_user}
-    subprocess.run([pgbin / "initdb", "-D", folder / "data", "-U", "mlflow", "--auth=trust",
-                    "-E", "UTF8", "--no-sync"], **run)  # fmt: skip
     port = free_port()
     server = None
     try:
+        subprocess.run([pgbin / "initdb", "-D", folder / "data", "-U", "mlflow", "--auth=trust",
+                        "-E", "UTF8", "--no-sync"], **run)  # fmt: skip
         with open(log, "wb") as out:
             server = subprocess.Popen(
                 [pgbin / "postgres", "-D", folder / "data", "-h", "127.0.0.1", "-p", str(port),
@@ -113,7 +114,7 @@ def postgres(tmp_path_factory):
         yield f"{readme_scheme()}://mlflow@127.0.0.1:{port}/mlflow", sql
     finally:
         if server is not None and server.poll() is None:
-            server.send_signal(2)  # SIGINT: PostgreSQL's fast shutdown
+            server.send_signal(signal.SIGINT)  # PostgreSQL's fast shutdown
             try:
                 server.wait(30)
             except subprocess.TimeoutExpired:
