@@ -11,6 +11,12 @@ import requests
 
 MODEL_NAME = "hlm-test-generator"
 API_KEY = "test-key-0123456789"
+# The replicas read the key from this variable of their environment (`api_key_env`), as a
+# cluster's pods read HLM_API_KEY from a Secret (deploy/serve.yaml): never from the args.
+API_KEY_ENV = "HLM_TEST_API_KEY"
+# Serve checks a replica's health every 10 s and replaces it after 3 failures in a row: every
+# second here, so that the replica whose decode process is killed is replaced in seconds.
+HEALTH_CHECK_PERIOD_S = 1.0
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 BODY_TIMEOUT_S = 8.0  # the proxy's guard: a body not received within this is answered 408
 
@@ -50,7 +56,7 @@ def serve_app(ray_cluster, serve_model_uri):
     """The application under test at http://127.0.0.1:<port>, serving `models:/...`."""
     from ray import serve
 
-    from hlm_ray.serve.app import make_app
+    from hlm_ray.serve.app import CompletionServer, check_model
     from hlm_ray.serve.guard import guard_controller_options
     from hlm_ray.serve.schemas import AppArgs
 
@@ -64,13 +70,20 @@ def serve_app(ray_cluster, serve_model_uri):
         max_batch_size=16,
         batch_wait_timeout_s=0.05,
         max_n=3,
-        api_key=API_KEY,
+        api_key_env=API_KEY_ENV,
         # The tests run through the replica's decode process (`--decode-process`); the
         # overload test's app (test_serve.py) decodes on the replica's thread.
         decode_process=True,
     )
+    assert args.api_key is None  # the key comes from the replica's environment only
+    check_model(args)
+    # make_app's deployment, plus the key in the replica's environment and frequent checks.
+    deployment = CompletionServer.options(
+        ray_actor_options={"num_cpus": 0.5, "runtime_env": {"env_vars": {API_KEY_ENV: API_KEY}}},
+        health_check_period_s=HEALTH_CHECK_PERIOD_S,
+    )
     try:
-        serve.run(make_app(args, num_cpus=0.5), name="hlm-test", route_prefix="/")
+        serve.run(deployment.bind(args), name="hlm-test", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()

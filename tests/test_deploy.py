@@ -246,7 +246,7 @@ def test_readme_commands_and_references():
     for path in sorted(set(re.findall(r"\b(?:deploy|sweeps)/[\w./-]+\.(?:ya?ml|py|md)", text))):
         assert (ROOT / path).is_file(), f"README names {path}, which does not exist"
     for command in (
-        "mlflow server --backend-store-uri postgresql://",
+        "mlflow server --backend-store-uri postgresql+psycopg2://",  # SQLAlchemy 2.1: psycopg 3 else
         "--artifacts-destination s3://",
         "--host 0.0.0.0",
         "RAY_AUTH_MODE=token ray job submit",
@@ -274,3 +274,19 @@ def test_the_api_key_comes_from_a_kubernetes_secret():
                 "name": "hlm-serve-api-key",
                 "key": "api-key",
             }
+
+
+def test_readme_requests_send_the_key_the_server_reads():
+    """serve.yaml's replicas read their key from HLM_API_KEY (401 without it once set): every
+    curl and OpenAI client in the README sends a key from the environment."""
+    text = (DEPLOY / "README.md").read_text()
+    commands = re.sub(r"\s*\\\n\s*", " ", text)
+    [local] = _load("serve.yaml")["applications"]
+    env = local["args"]["api_key_env"]
+    assert f"export {env}=" in commands
+    curls = [line for line in commands.splitlines() if line.lstrip().startswith("curl ")]
+    assert len(curls) >= 2
+    for curl in curls:
+        assert re.search(r'-H "Authorization: Bearer \$\w+"', curl), curl
+    clients = re.findall(r"openai\.OpenAI\((.*)\)", text)
+    assert clients and all(f'api_key=os.environ["{env}"]' in c for c in clients), clients

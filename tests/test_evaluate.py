@@ -296,11 +296,29 @@ def test_too_few_pairs_is_an_error(tok, tmp_path):
         synonym_similarity(tiny(tok), tok, path=path)
 
 
+def direct_synonym_cosines(model, tok) -> tuple[float, float, float]:
+    """In float64, straight from the pairs: the synonyms' mean cosine, and the mean and the
+    standard deviation of the cosine over every pair of distinct words they use."""
+    pairs, _ = synonym_pairs(tok)
+    emb_VD = input_embedding_weight(model).detach().double()
+    mean = sum(
+        torch.nn.functional.cosine_similarity(emb_VD[a], emb_VD[b], dim=0).item() for a, b in pairs
+    ) / len(pairs)
+    words = sorted({i for pair in pairs for i in pair})
+    unit_WD = torch.nn.functional.normalize(emb_VD[words], dim=-1)
+    cos_WW = unit_WD @ unit_WD.T
+    others = cos_WW[~torch.eye(len(words), dtype=torch.bool)]
+    return mean, others.mean().item(), others.std().item()
+
+
 def test_synonym_similarity_runs_and_plots(tok, tmp_path):
-    out = synonym_similarity(tiny(tok), tok, num_random=2000, plot_path=tmp_path / "syn.png")
-    assert out["synonyms/num_pairs"] >= 100
-    for key in ("synonyms/mean_cos", "synonyms/random_mean_cos"):
-        assert -1 <= out[key] <= 1
+    model = tiny(tok)
+    out = synonym_similarity(model, tok, num_random=2000, plot_path=tmp_path / "syn.png")
+    assert out["synonyms/num_pairs"] == len(synonym_pairs(tok)[0]) >= 100
+    mean, random_mean, random_sd = direct_synonym_cosines(model, tok)
+    assert out["synonyms/mean_cos"] == pytest.approx(mean, abs=1e-6)
+    # 2000 random pairs of those words: their mean within 5 standard errors of the exact one.
+    assert abs(out["synonyms/random_mean_cos"] - random_mean) < 5 * random_sd / 2000**0.5
     assert out["synonyms/gap"] == pytest.approx(
         out["synonyms/mean_cos"] - out["synonyms/random_mean_cos"]
     )
@@ -438,7 +456,8 @@ def test_tasks_run_write_and_format(tok, tmp_path):
 
 
 def test_embedding_tasks_write_their_figures(tok, tmp_path):
-    pre = pretrained(tiny(tok), tok, "decoder", "headless", tmp_path, finetuned="clm")
+    model = tiny(tok)
+    pre = pretrained(model, tok, "decoder", "headless", tmp_path, finetuned="clm")
     for name in ("synonyms", "anisotropy", "lambada"):
         result = get_task(name)(
             pre, output_dir=tmp_path, limit=2, batch_size=2, device="cpu", progress=False
@@ -446,6 +465,9 @@ def test_embedding_tasks_write_their_figures(tok, tmp_path):
         assert "note" not in result  # fine-tuned: a real head
         assert all(Path(f).is_file() for f in result["figures"])
         assert len(result["figures"]) == (name != "lambada")
+        if name == "synonyms":  # `hlm eval --task synonyms`: the pairs' own mean cosine
+            mean, _, _ = direct_synonym_cosines(model, tok)
+            assert result["metrics"]["synonyms/mean_cos"] == pytest.approx(mean, abs=1e-6)
 
 
 def test_decoder_tasks_refuse_an_encoder(tok, tmp_path):

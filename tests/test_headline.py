@@ -122,7 +122,28 @@ SCORES = [
 ]
 
 
-def test_the_report_table_verdicts_and_figure(tmp_path):
+@pytest.fixture
+def saved_figures(monkeypatch) -> list:
+    """Every matplotlib figure saved while the test runs, to read back what it shows."""
+    from matplotlib.figure import Figure
+
+    saved, savefig = [], Figure.savefig
+
+    def record(fig, *args, **kwargs):
+        saved.append(fig)
+        return savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    return saved
+
+
+def _error_bars(container) -> list[tuple[float, float]]:
+    """(bottom, top) of each vertical error bar of an ErrorbarContainer."""
+    _, _, (bars, *_) = container.lines
+    return [(float(seg[0][1]), float(seg[1][1])) for seg in bars.get_segments()]
+
+
+def test_the_report_table_verdicts_and_figure(tmp_path, saved_figures):
     rows = report.compare(_trials(), SCORES)
     verdicts = {r.score.key: r.verdict for r in rows}
     assert verdicts == {
@@ -141,6 +162,25 @@ def test_the_report_table_verdicts_and_figure(tmp_path):
     assert "**dec**" in text and "cannot be told apart from noise" in text
     png = report.plot_arms(rows, tmp_path / "h.png", title="t")
     assert png.stat().st_size > 1000
+    [fig] = saved_figures
+    assert fig.get_suptitle() == "t"
+    axes = fig.axes
+    assert [ax.get_title() for ax in axes] == [
+        "enc: GLUE avg ↑", "enc: SST-2 acc ↑", "dec: LAMBADA acc ↑", "dec: LAMBADA ppl ↓"
+    ]  # fmt: skip
+    for ax, row in zip(axes, rows, strict=True):
+        # One bar per arm at the seeds' mean, its error bar ±1 sample sd of the seeds.
+        assert [t.get_text() for t in ax.get_xticklabels()] == list(report.ARMS)
+        bars = [c for c in ax.containers if type(c).__name__ == "BarContainer"]
+        for x, (arm, bar) in enumerate(zip(report.ARMS, bars, strict=True)):
+            seeds = row.values[arm]
+            [patch] = bar.patches
+            assert patch.get_x() + patch.get_width() / 2 == pytest.approx(x)
+            assert patch.get_height() == pytest.approx(np.mean(seeds))
+            [(low, high)] = _error_bars(bar.errorbar)
+            assert (low, high) == pytest.approx(
+                (np.mean(seeds) - np.std(seeds, ddof=1), np.mean(seeds) + np.std(seeds, ddof=1))
+            )
     one_seed = [t for t in _trials() if t.seed == 0]
     (row,) = report.compare(one_seed, SCORES[:1])
     assert row.verdict == stats.NOISE and "one seed per arm" in report.verdict_sentence(row, "x")
@@ -218,7 +258,7 @@ def test_headline_tiny_end_to_end(ray_cluster, mlflow_store, tmp_path, monkeypat
     }
 
 
-def test_sweep_figures_carry_a_title_and_error_bars_across_seeds(tmp_path):
+def test_sweep_figures_carry_a_title_and_error_bars_across_seeds(tmp_path, saved_figures):
     from hlm_ray.tune.axis import Axis, Figure
     from hlm_ray.tune.summary import _sd, write_summary
 
@@ -226,9 +266,26 @@ def test_sweep_figures_carry_a_title_and_error_bars_across_seeds(tmp_path):
                 figures=(Figure("toy.png", "downstream/score", "score"),))  # fmt: skip
     rows = [
         {"status": "FINISHED", "objective": o, "value": v, "seed": s, "run": "r", "trial_id": "t",
-         "downstream/score": 0.5 + v / 100 + s / 50}
+         "downstream/score": 0.5 + v / 100 + s / 50 + (o == "vanilla") * s / 25}
         for o in ("headless", "vanilla") for v in (1, 2) for s in (0, 1)
     ]  # fmt: skip
     paths = write_summary(rows, tmp_path / "toy-tiny", axis=axis)
     assert paths[-1].name == "toy.png" and paths[-1].stat().st_size > 1000
     assert _sd([0.5, 0.52]) == pytest.approx(np.std([0.5, 0.52], ddof=1)) and _sd([1.0]) == 0.0
+    [fig] = saved_figures
+    [ax] = fig.axes
+    assert ax.get_title() == "score vs learning rate\ntoy-tiny, 2 seeds per point"
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("learning rate", "score")
+    bars = {c.get_label(): c for c in ax.containers}
+    assert sorted(bars) == ["headless", "vanilla"]
+    for objective, container in bars.items():
+        seeds = {
+            v: [r["downstream/score"] for r in rows if r["objective"] == objective and r["value"] == v]
+            for v in (1, 2)
+        }  # fmt: skip
+        line = container.lines[0]  # the means, joined
+        assert list(line.get_xdata()) == [1, 2]
+        assert list(line.get_ydata()) == pytest.approx([np.mean(seeds[v]) for v in (1, 2)])
+        np.testing.assert_allclose(_error_bars(container), [
+            (np.mean(y) - np.std(y, ddof=1), np.mean(y) + np.std(y, ddof=1)) for y in seeds.values()
+        ])  # fmt: skip

@@ -9,12 +9,14 @@ from __future__ import annotations
 import logging
 import pickle
 import re
+import shutil
 import subprocess
 import sys
 import time
 
 import pytest
 
+from hlm_ray import paths
 from hlm_ray.paths import PROJECT_ROOT, git_commit
 from hlm_ray.tracking import (
     JsonlTracker,
@@ -129,8 +131,6 @@ def test_round_trip(store, client, experiment, tmp_path, caplog):
     tags = run.data.tags
     assert tags["kind"] == "test" and tags["objective"] == "headless" and tags["world_size"] == "2"
     assert "mlflow.parentRunId" not in tags
-    if git_commit():
-        assert tags["mlflow.source.git.commit"] == git_commit()
     history = client.get_metric_history(t.run_id, "train/loss")
     assert [(m.step, m.value) for m in history] == [(10, 2.5), (20, 2.0)]
     assert all(m.timestamp > 1e12 for m in history)  # milliseconds
@@ -149,6 +149,48 @@ def test_round_trip(store, client, experiment, tmp_path, caplog):
     assert exp.artifact_location == (root / "mlartifacts").as_uri()
     assert (root / "mlartifacts" / t.run_id / "artifacts" / "notes.txt").read_text() == "hello"
     assert not tracking_warnings(caplog)
+
+
+def test_a_run_carries_the_commit_of_its_git_checkout(client, experiment, tmp_path, monkeypatch):
+    """Run from a git checkout, the run is tagged with its HEAD (`mlflow.source.git.commit`);
+    from a folder that is not one, it has no such tag. The checkout is made here, so the check
+    holds wherever the tests run."""
+    if shutil.which("git") is None:
+        pytest.skip("no git binary")
+    repo, plain = tmp_path / "checkout", tmp_path / "plain"
+    repo.mkdir(), plain.mkdir()
+    (repo / "f.txt").write_text("x")
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@example.com"]
+    for args in (["init", "-q"], ["add", "f.txt"], ["commit", "-qm", "x"]):
+        subprocess.run([*git, *args], check=True, capture_output=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True,
+                          text=True).stdout.strip()  # fmt: skip
+    tags = {}
+    for root in (repo, plain):
+        monkeypatch.setattr(paths, "project_root", lambda root=root: root)
+        run = MlflowTracker(experiment, run_name=root.name)
+        run.finish()
+        tags[root.name] = client.get_run(run.run_id).data.tags
+    assert len(head) == 40 and tags["checkout"]["mlflow.source.git.commit"] == head
+    assert "mlflow.source.git.commit" not in tags["plain"]
+
+
+def test_a_registered_generator_predicts_the_librarys_text(store, tiny_decoder_dir, monkeypatch):
+    """The registered version as MLflow's pyfunc (`mlflow models serve`, `pyfunc.load_model`)
+    answers a prompt with the text `hlm_ray.generate` gives the folder (greedy), prompt first."""
+    from hlm_ray.generate import Generator
+    from hlm_ray.tracking import register_model
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", store[1])
+    name, version = register_model(tiny_decoder_dir, "test-pyfunc-generator")
+    model = mlflow.pyfunc.load_model(f"models:/{name}/{version}")
+    library = Generator.load(tiny_decoder_dir)
+    prompts = ["The king said", "Paris is a word that"]
+    got = [model.predict([p], params={"max_new_tokens": 12})[0] for p in prompts]
+    want = [p + c.text for p, c in zip(prompts, library.generate(prompts, max_new_tokens=12,
+                                                                 temperature=0), strict=True)]  # fmt: skip
+    assert got == want
+    assert len(set(want)) == 2 and all(len(w) > len(p) for w, p in zip(want, prompts, strict=True))
 
 
 def test_resume_continues_the_same_run(client, experiment, caplog):
