@@ -26,6 +26,7 @@ families leave to the base preset; a family's own settings (below) win.
 import math
 import sys
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 from hlm_ray.classify.tasks import XNLI_LANGUAGES
@@ -55,6 +56,12 @@ class Family:
     """Tokens per step of the generator fine-tune (its recipe's batch × seq_len)."""
     paper: str = ""
     """What it reproduces."""
+    budget: str = "tokens"
+    """What the arms share: tokens (`tokens` each), flops (`flops` each: each arm trains on
+    the tokens its head lets it afford) or seconds (`seconds` of measured training each, up
+    to `tokens` worth of steps, which is also the schedule's length)."""
+    flops: float | None = None
+    seconds: float | None = None
 
     def config(self) -> Config:
         return load_config(self.preset, overrides=dict(self.overrides))
@@ -73,13 +80,59 @@ class Family:
 
     def steps(self, objective: str) -> int:
         """Pretraining steps of an arm: the budget, plus the fine-tune's tokens for a vanilla
-        decoder (in its own steps, rounded to the nearest)."""
+        decoder (in its own steps, rounded to the nearest). At equal FLOPs: the steps the
+        arm's `flops_budget` buys (the dry run's bound U for the headless arm)."""
+        if self.budget == "flops":
+            return flops_steps(self.arm_config(objective), self.flops_budget(objective))
         steps = self.pretrain_steps()
-        if self.share is None or objective == "headless":
+        if self.share is None or objective == "headless" or self.budget == "seconds":
             return steps
         cfg = self.config()
         extra_tokens = self.finetune_steps() * self.clm_tokens_per_step
         return steps + round(extra_tokens / (cfg.optim.global_batch_size * cfg.data.seq_len))
+
+    def arm_config(self, objective: str) -> Config:
+        from hlm_ray.config import apply_overrides
+
+        return apply_overrides(self.config(), {"objective.name": objective})
+
+    def flops_budget(self, objective: str) -> float:
+        """`flops` for both arms, plus for a vanilla decoder the FLOPs of its headless twin's
+        generator fine-tune (`share` of the headless arm's pretraining tokens, priced at the
+        vanilla arm's FLOPs per token: a new head of the same vocabulary)."""
+        if self.share is None or objective == "headless":
+            return self.flops
+        from hlm_ray.budget import flops_per_step, tokens_per_step
+
+        headless = self.arm_config("headless")
+        vanilla = self.arm_config("vanilla")
+        headless_tokens = flops_steps(headless, self.flops) * tokens_per_step(headless)
+        v = vocab_size_of(vanilla)
+        per_token = flops_per_step(vanilla, v) / tokens_per_step(vanilla)
+        return self.flops + self.share * headless_tokens * per_token
+
+
+def vocab_size_of(cfg: Config) -> int:
+    """The arm's vocabulary (a tokenizer file is loaded once per path)."""
+    t = cfg.tokenizer
+    return _vocab_size(t.kind, t.path, t.vocab_size) if t.kind == "file" else t.vocab_size
+
+
+@cache
+def _vocab_size(kind: str, path: str | None, size: int) -> int:
+    from hlm_ray.config import apply_overrides
+    from hlm_ray.plan import vocab_size_of as size_of
+    from hlm_ray.presets import load_config
+
+    cfg = load_config("tiny-encoder")
+    return size_of(apply_overrides(cfg, {"tokenizer.kind": kind, "tokenizer.path": path}))
+
+
+def flops_steps(cfg: Config, flops: float) -> int:
+    """The steps `flops` buys an arm (`hlm_ray.budget`'s floor rule; U at its bound)."""
+    from hlm_ray.budget import flops_per_step
+
+    return math.floor(flops / flops_per_step(cfg, vocab_size_of(cfg)))
 
 
 # The paper's corpora, by hub name (OpenWebText2 is not on the hub; OpenWebText is its nearest).
@@ -99,6 +152,18 @@ CPU_SETTINGS = {
     "run.eval_every": 300,
     "run.checkpoint_every": 300,
 }
+# The paper's decoder tokenizer (GPT-2, 50,257 tokens; shipped in the data folder), for the
+# equal-compute rows: the head is then most of a vanilla step, which the compute budgets price.
+GPT2_CPU_SETTINGS = {
+    **{k: v for k, v in CPU_SETTINGS.items() if k != "tokenizer.vocab_size"},
+    "tokenizer.kind": "file",
+    "tokenizer.path": "tokenizers/gpt2",
+    "optim.warmup_steps": 5,
+}
+# Equal FLOPs: what 300 vanilla steps of the 4k rows cost, for every arm at V = 50,257.
+CPU_FLOPS = 3.5e12
+# Equal seconds: measured training time of each arm (the deadline of `budget.seconds`).
+CPU_SECONDS = 90.0
 # The generator recipes' batches (hlm_ray.finetune.clm.RECIPES): tiny 32, text 256 sequences.
 FAMILIES: dict[str, Family] = {
     # tiny: the smoke test (seconds of training; scores stay at chance).
@@ -126,6 +191,45 @@ FAMILIES: dict[str, Family] = {
         share=0.02,
         clm_tokens_per_step=32 * 64,
         paper="Table 3 (pythia-70m, LAMBADA) at CPU scale",
+    ),
+    # cpu, equal compute (Table 1's equal GPU-hours row, Figure 7): the GPT-2 tokenizer for
+    # the decoder and, matching it, for the encoder; every arm the same FLOPs, or the same
+    # measured training seconds (up to 2,400 steps, the schedule's length).
+    "bert-cpu-flops": Family(
+        "tiny-encoder",
+        GPT2_CPU_SETTINGS,
+        tokens=600 * 32 * 64,
+        budget="flops",
+        flops=CPU_FLOPS,
+        paper="Table 1's equal-compute row at CPU scale (GPT-2 tokenizer, equal FLOPs)",
+    ),
+    "gpt2-cpu-flops": Family(
+        "tiny-gpt2",
+        GPT2_CPU_SETTINGS,
+        tokens=600 * 32 * 64,
+        share=0.02,
+        clm_tokens_per_step=32 * 64,
+        budget="flops",
+        flops=CPU_FLOPS,
+        paper="Table 3 at equal FLOPs, CPU scale (GPT-2 tokenizer)",
+    ),
+    "bert-cpu-seconds": Family(
+        "tiny-encoder",
+        GPT2_CPU_SETTINGS,
+        tokens=2400 * 32 * 64,
+        budget="seconds",
+        seconds=CPU_SECONDS,
+        paper="Table 1's equal GPU-hours row at CPU scale (GPT-2 tokenizer, equal seconds)",
+    ),
+    "gpt2-cpu-seconds": Family(
+        "tiny-gpt2",
+        GPT2_CPU_SETTINGS,
+        tokens=2400 * 32 * 64,
+        share=0.02,
+        clm_tokens_per_step=32 * 64,
+        budget="seconds",
+        seconds=CPU_SECONDS,
+        paper="Table 3 at equal training seconds, CPU scale (GPT-2 tokenizer)",
     ),
     # paper: the models and budgets of Tables 1, 3 and 8 (a cluster).
     "bert-base": Family(
@@ -172,6 +276,10 @@ def arm_settings(value: Value, objective: str) -> dict[str, Any]:
     family = FAMILIES[str(value)]
     cfg = family.config()
     steps = family.steps(objective)
+    if family.budget == "flops":  # the worker turns the FLOPs into steps (U measured)
+        return {"optim.max_steps": steps, "budget.flops": family.flops_budget(objective)}
+    if family.budget == "seconds":  # a deadline; max_steps is the cap and the schedule
+        return {"optim.max_steps": steps, "budget.seconds": family.seconds}
     return {
         "optim.max_steps": steps,
         "budget.tokens": steps * cfg.optim.global_batch_size * cfg.data.seq_len,
@@ -213,7 +321,14 @@ PRESETS = {
     "cpu": SweepSpec(
         axis=AXIS,
         base="tiny-encoder",
-        values=("bert-cpu", "gpt2-cpu"),
+        values=(
+            "bert-cpu",
+            "gpt2-cpu",
+            "bert-cpu-flops",
+            "gpt2-cpu-flops",
+            "bert-cpu-seconds",
+            "gpt2-cpu-seconds",
+        ),
         num_seeds=3,
         recipe="headline-cpu",
     ),
@@ -299,12 +414,44 @@ def report_scores(spec: SweepSpec) -> list:
     return scores
 
 
+def compute_note(name: str, f: Family, per_step: int) -> str:
+    """A compute-budget family's line: what each arm was given and what it became."""
+    v = vocab_size_of(f.config())
+    head = f"`{name}` ({f.preset}, V = {v:,}; {f.paper})"
+    if f.budget == "seconds":
+        return (
+            f"{head}: each arm trains for {f.seconds:g} s of measured training time "
+            f"(`budget.seconds`; at most {f.pretrain_steps():,} steps, the schedule's length); "
+            "the steps each reached are its trials' `steps` in summary.md"
+            + ("; the headless arm's generator fine-tune is not in the seconds" if f.share
+               else "") + "."
+        )  # fmt: skip
+    arms = "; ".join(
+        f"{o}: {f.flops_budget(o):.3g} FLOPs = {f.steps(o):,} steps × {per_step:,} tokens "
+        f"= {f.steps(o) * per_step:,} tokens"
+        for o in ("headless", "vanilla")
+    )
+    extra = (
+        "; the vanilla arm's FLOPs include its twin's generator fine-tune "
+        f"(share {f.share:g} of the headless arm's tokens)"
+        if f.share
+        else ""
+    )
+    return (
+        f"{head}: equal FLOPs (`budget.flops`, `hlm_ray.flops`), {arms} (headless steps at the "
+        f"dry run's bound U; the worker measures U and may give it more){extra}."
+    )
+
+
 def budget_notes(spec: SweepSpec) -> list[str]:
     notes = []
     for value in spec.values:
         f = FAMILIES[str(value)]
         cfg = f.config()
         per_step = cfg.optim.global_batch_size * cfg.data.seq_len
+        if f.budget != "tokens":
+            notes.append(compute_note(str(value), f, per_step))
+            continue
         line = (
             f"`{value}` ({f.preset}; {f.paper or 'smoke scale'}): both arms pretrain "
             f"{f.pretrain_steps():,} steps × {per_step:,} tokens = {f.pretrain_steps() * per_step:,}"

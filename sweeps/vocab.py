@@ -1,6 +1,8 @@
 """The vocabulary-size ablation (paper Figure 7, Table 9): vocabulary sizes × {headless, vanilla}.
 
-    python sweeps/vocab.py --preset tiny                       # 2 sizes × 2 objectives, 2 CPUs
+    python sweeps/vocab.py --preset tiny                       # the demo: 1k, 8k, 32k; ~3 min
+    python sweeps/vocab.py --preset cpu                        # Figure 7 at equal FLOPs, 3 seeds
+    python sweeps/vocab.py --preset cpu --dry-run              # its trials, steps and FLOPs
     python sweeps/vocab.py --preset paper                      # BERT-Small, 6 sizes, GPU workers
     python sweeps/vocab.py --set sweep.values=[512,2048] --num-seeds 3
     RAY_AUTH_MODE=token ray job submit --working-dir . -- python sweeps/vocab.py --preset tiny
@@ -10,6 +12,16 @@ GLUE-style fine-tuning average. Each trial trains (or finds cached) the BPE of i
 pretrains through a TorchTrainer, runs the downstream protocol of its family and reports. The
 same --name resumes the sweep. Results: runs/sweeps/<name>/summary.md, the figures beside it,
 and the MLflow parent run.
+
+Headless arms update the input embedding lazily (`optim.embedding_update=lazy`: only the rows
+a step touches), which keeps their step cost flat in V; vanilla arms keep the dense update (their
+head reads the tied table). The `cpu` preset gives every trial the same `budget.flops`, so each
+arm trains on the tokens its head lets it afford, and its largest size is the shipped GPT-2
+tokenizer (50,257 tokens; BPE on the shipped corpus stops short of 50k). After the sweep,
+`hlm_ray.tune.vocab_report` redraws Figure 7a/7b (the task, its majority-class baseline, points
+at chance, each arm's embedding update), writes report.md (the headline report's statistics per
+size) and prints two closing sentences: what the speed figure shows, and whether the scores can
+be told apart.
 
 The paper names only some grid points (85k and 100k); the others are spaced over the same range.
 Its data is CC-News, read from the hub copy `vblagoje/cc_news` (override `data.sources` on a
@@ -64,6 +76,29 @@ def check_real_sizes(spec: SweepSpec, real: dict[int, int]) -> None:
         )
 
 
+GPT2_VOCAB = 50_257
+"""The shipped GPT-2 tokenizer's size: the value that stands for it (BPE on the shipped corpus
+stops short of 50k merges)."""
+GPT2_TOKENIZER = {"tokenizer.kind": "file", "tokenizer.path": "tokenizers/gpt2"}
+
+
+def vocab_settings(value, workers: int) -> dict:
+    """A size is a BPE trained to it, except `GPT2_VOCAB`: the shipped GPT-2 tokenizer."""
+    if value == GPT2_VOCAB:
+        return {"tokenizer.vocab_size": value, **GPT2_TOKENIZER}
+    return {"tokenizer.vocab_size": value}
+
+
+def embedding_update(objective: str) -> str:
+    """Headless arms update only the embedding rows a step touches (their step cost is then
+    flat in V); a vanilla head reads the whole tied table, so its update stays dense."""
+    return "lazy" if objective == "headless" else "dense"
+
+
+def arm_settings(value, objective: str) -> dict:
+    return {"optim.embedding_update": embedding_update(objective)}
+
+
 AXIS = Axis(
     name="vocab",
     field="tokenizer.vocab_size",
@@ -71,17 +106,50 @@ AXIS = Axis(
     label="vocabulary size",
     column=("vocab (asked)", "vocab_size"),
     figures=(
-        Figure("fig7a_score_vs_vocab.png", "downstream/score", "downstream score"),
+        Figure("fig7a_score_vs_vocab.png", "downstream/score", "SST-2 accuracy"),
         Figure("fig7b_tokens_per_s_vs_vocab.png", "tokens_per_s", "training tokens / s"),
     ),
     description="The vocab ablation as a Ray Tune sweep (headless vs vanilla).",
+    settings=vocab_settings,
+    arm_settings=arm_settings,
     check=check_vocab_sizes,
     prepared=check_real_sizes,
 )
 
+# The cpu preset's model (the headline report's cpu encoder: d=128, 2 layers) and its budget:
+# every trial gets EQUAL_FLOPS, the FLOPs of CPU_VANILLA_STEPS vanilla steps at the largest
+# size (`hlm_ray.flops`), so the vanilla arm at 50k gets that many steps and every cheaper
+# (arm, size) more.
+CPU_MODEL = (
+    "model.hidden_size=128",
+    "model.num_layers=2",
+    "model.num_heads=2",
+    "optim.lr=1e-3",
+    "optim.warmup_steps=10",
+    "run.log_every=50",
+    "run.eval_every=100000",
+    "run.checkpoint_every=100000",
+    "run.eval_batches=2",
+)
+EQUAL_FLOPS = 1.4e13
+
 PRESETS = {
+    # The demo: sizes where the head matters, 30 steps each, one seed; ~3 minutes on 2 cores.
     "tiny": SweepSpec(
-        axis=AXIS, base="tiny-encoder", values=(512, 1024), overrides=TINY_TRIAL, recipe="tiny"
+        axis=AXIS,
+        base="tiny-encoder",
+        values=(1024, 8192, 32_768),
+        overrides=(*TINY_TRIAL, "optim.max_steps=30"),
+        recipe="tiny",
+    ),
+    # Figure 7 at CPU scale: equal FLOPs per trial, 3 seeds, the headline report per size.
+    "cpu": SweepSpec(
+        axis=AXIS,
+        base="tiny-encoder",
+        values=(1024, 4096, 16_384, GPT2_VOCAB),
+        num_seeds=3,
+        overrides=(*CPU_MODEL, f"budget.flops={EQUAL_FLOPS:g}"),
+        recipe="tiny",
     ),
     "paper": SweepSpec(
         axis=AXIS,
@@ -97,9 +165,44 @@ PRESETS = {
 }
 
 
+def equal_flops_steps(spec: SweepSpec) -> dict[tuple, int]:
+    """{(value, objective): the steps `budget.flops` buys} as the dry run prices them (the
+    bound U for the headless arm: the fewest steps it can get; the worker measures U and may
+    give it more). Each uses the requested size (GPT-2: its 50,257 tokens)."""
+    from hlm_ray.budget import resolve_budget
+
+    out = {}
+    for value in spec.values:
+        for objective in spec.objectives:
+            cfg = spec.cell_config(value, objective, 0)
+            _, plan = resolve_budget(cfg, int(value))
+            out[(value, objective)] = plan.steps if plan else cfg.optim.max_steps
+    return out
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """Run the sweep with command-line `argv` (`hlm sweep vocab` passes its own `prog`)."""
-    return sweep_main(AXIS, PRESETS, argv, prog)
+    """Run the sweep with command-line `argv` (`hlm sweep vocab` passes its own `prog`), then
+    its Figure 7 report."""
+    from hlm_ray.tune.cli import build_parser
+    from hlm_ray.tune.spec import get_sweep
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    status = sweep_main(AXIS, PRESETS, argv, prog)
+    args = build_parser(AXIS, PRESETS, prog).parse_args(argv)
+    if args.dry_run or args.search or status not in (0, 1):
+        return status
+    flags = {"num_seeds": args.num_seeds}
+    items = [*args.set, *(f"sweep.{k}={v}" for k, v in flags.items() if v is not None)]
+    try:
+        from hlm_ray.tune.vocab_report import write_vocab_report
+
+        spec = get_sweep(PRESETS, args.preset, items)
+        text = write_vocab_report(spec, args.name or f"{AXIS.name}-{args.preset}", args.preset)
+    except HLMError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print("\n" + text)
+    return status
 
 
 if __name__ == "__main__":

@@ -1,0 +1,216 @@
+"""The vocabulary sweep's report (paper Figure 7): the headline statistics per size, the two
+figures with what they measure, and two closing sentences computed from the data.
+
+    rows = read_rows(folder)                   # summary.csv: one dict per trial
+    text = write_vocab_report(spec, "vocab-tiny", "tiny")   # report.md, fig7a/fig7b, printed
+    speed_sentence({"vanilla": {1024: 9000.0, 32768: 2000.0}, "headless": {...}}, updates)
+    scores_sentence(compared_rows)             # can the scores be told apart at this scale?
+
+Figure 7a draws the downstream score (its task and metric named) against V, one line per arm
+with ±1 sd error bars over seeds, the task's majority-class baseline dashed, and a hollow ring
+around each point at chance (`stats.near_baseline`: the 95% interval of the mean includes the
+baseline, or the mean is no better). Figure 7b draws training tokens/s, each arm's legend
+saying which embedding update it used. Per size, `hlm_ray.tune.report.compare` gives the
+headline report's mean ± sd, Welch 95% interval and verdict (the size is the row's family).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any
+
+from hlm_ray.tune import report, stats
+
+# The tiny downstream recipe's score: SST-2 fine-tuning accuracy (`hlm_ray.downstream`).
+TASK = "glue:sst2"
+TASK_LABEL = "SST-2 accuracy (fine-tuned, held-out rows)"
+ARM_COLORS = {"vanilla": "tab:orange", "headless": "tab:blue"}
+
+
+def read_rows(folder: Path) -> list[dict[str, Any]]:
+    """The finished trials of summary.csv: value (the requested size), objective, seed, and the
+    numeric columns as floats."""
+    rows = []
+    with (folder / "summary.csv").open(newline="") as f:
+        for r in csv.DictReader(f):
+            if r["status"] != "FINISHED":
+                continue
+            row: dict[str, Any] = {"objective": r["objective"], "seed": int(r["seed"])}
+            row["value"] = int(float(r["vocab_size"]))
+            for key in ("downstream/score", "tokens_per_s", "V"):
+                row[key] = float(r[key]) if r.get(key) not in (None, "") else math.nan
+            rows.append(row)
+    return rows
+
+
+def by_arm(rows: list[dict[str, Any]], key: str) -> dict[str, dict[int, list[float]]]:
+    """{objective: {value: [key of each seed]}} over the finite values."""
+    out: dict[str, dict[int, list[float]]] = {}
+    for r in rows:
+        if math.isfinite(r.get(key, math.nan)):
+            out.setdefault(r["objective"], {}).setdefault(r["value"], []).append(r[key])
+    return out
+
+
+def at_chance(values: list[float], baseline: float | None) -> bool:
+    """A point (one arm at one size, over its seeds) that cannot be told from the baseline."""
+    return stats.near_baseline(stats.describe(values), baseline)
+
+
+def plot_vs_vocab(
+    points: dict[str, dict[int, list[float]]],
+    out_png: Path,
+    *,
+    title: str,
+    y_label: str,
+    labels: dict[str, str] | None = None,
+    baseline: tuple[float, str] | None = None,
+):
+    """One line per arm (mean over seeds, ±1 sd bars, each seed a faint dot) against the size on
+    a log axis; `baseline` (value, legend text) dashed, points at chance ringed. Returns the
+    matplotlib Figure (also saved to `out_png`)."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.0, 4.2), layout="constrained")
+    ax = fig.add_subplot()
+    ringed = False
+    for arm in sorted(points):
+        xs = sorted(points[arm])
+        means = [sum(points[arm][x]) / len(points[arm][x]) for x in xs]
+        sds = [stats.describe(points[arm][x]).sd for x in xs]
+        sds = [s if math.isfinite(s) else 0.0 for s in sds]
+        label = (labels or {}).get(arm, arm)
+        color = ARM_COLORS.get(arm)
+        ax.errorbar(xs, means, yerr=sds, fmt="o-", capsize=3, label=label, color=color)
+        for x in xs:
+            ax.scatter([x] * len(points[arm][x]), points[arm][x], color=color, alpha=0.35, s=12)
+        if baseline is not None:
+            chance = [(x, m) for x, m in zip(xs, means, strict=True)
+                      if at_chance(points[arm][x], baseline[0])]  # fmt: skip
+            if chance:
+                ax.scatter(*zip(*chance, strict=True), s=160, facecolors="none",
+                           edgecolors="red", linewidths=1.2,
+                           label=None if ringed else "at chance (95% CI includes baseline)")  # fmt: skip
+                ringed = True
+    if baseline is not None:
+        ax.axhline(baseline[0], color="gray", ls="--", lw=1, label=baseline[1])
+    values = sorted({x for arm in points.values() for x in arm})
+    if values:
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(values, [f"{v:,}" for v in values])
+        ax.minorticks_off()
+    ax.set_xlabel("vocabulary size V")
+    ax.set_ylabel(y_label)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    return fig
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def speed_sentence(tokens_per_s: dict[str, dict[int, list[float]]], updates: dict[str, str]) -> str:
+    """What Figure 7b shows, from the smallest to the largest size of each arm."""
+    parts = []
+    for arm in ("vanilla", "headless"):
+        points = tokens_per_s.get(arm)
+        if not points or len(points) < 2:
+            continue
+        lo, hi = min(points), max(points)
+        a, b = _mean(points[lo]), _mean(points[hi])
+        change = (b - a) / a
+        trend = "stays within 15%" if abs(change) <= 0.15 else "falls" if change < 0 else "rises"
+        parts.append(
+            f"{arm}'s training speed ({updates.get(arm, '?')} embedding update) {trend} from "
+            f"V={lo:,} to V={hi:,} ({a:,.0f} to {b:,.0f} tokens/s, {change:+.0%})"
+        )
+    if not parts:
+        return "The speed figure has fewer than two sizes per arm: it shows no trend."
+    return "Speed: " + "; ".join(parts) + "."
+
+
+def scores_sentence(rows: list[report.Row]) -> str:
+    """Whether the downstream scores can be told apart at this scale (one row per size)."""
+    if not rows:
+        return "Scores: no size has finished trials in both arms."
+    told = [r for r in rows if r.verdict != stats.NOISE]
+    chance = sum(r.near_chance.get(a, False) for r in rows for a in report.ARMS)
+    points = sum(r.arms[a].n > 0 for r in rows for a in report.ARMS)
+    tail = f" {chance} of the {points} points are at chance." if chance else ""
+    if not told:
+        seeds = min(r.arms[a].n for r in rows for a in report.ARMS)
+        why = " (one seed per point gives no interval)" if seeds < 2 else ""
+        return (
+            f"Scores: headless and vanilla cannot be told apart at any size at this scale"
+            f"{why}.{tail}"
+        )
+    said = ", ".join(f"V={r.score.family}: {r.verdict}" for r in told)
+    return (
+        f"Scores: the difference is outside the noise at {len(told)} of {len(rows)} sizes "
+        f"({said}; *holds* = headless better).{tail}"
+    )
+
+
+def write_vocab_report(spec, name: str, preset: str) -> str:
+    """report.md and the two figures in runs/sweeps/<name>, logged on the parent run; returns
+    the report's text (ending with the two closing sentences)."""
+    from hlm_ray.classify.baselines import majority_baseline
+    from hlm_ray.classify.finetune import recipe as classify_recipe
+    from hlm_ray.downstream import DOWNSTREAM
+    from hlm_ray.paths import resolve_output
+    from hlm_ray.tune.sweep import SWEEPS_DIR
+
+    folder = resolve_output(SWEEPS_DIR) / name
+    rows = read_rows(folder)
+    plan = DOWNSTREAM[spec.recipe]
+    limit = plan.get("classify_settings", {}).get(
+        "eval_limit", classify_recipe(plan["classify"], TASK).eval_limit
+    )
+    baseline = majority_baseline(TASK, eval_limit=limit)
+    updates = {o: spec.cell_config(spec.values[0], o, 0).optim.embedding_update
+               for o in spec.objectives}  # fmt: skip
+    seeds = spec.num_seeds
+    budget = spec.base_config().budget
+    at = f"equal FLOPs ({budget.flops:.3g} each)" if budget.flops else "equal steps"
+    scale = f"{name}, {seeds} seed{'s' if seeds > 1 else ''} per point, {at}"
+    fig_a = folder / "fig7a_score_vs_vocab.png"
+    plot_vs_vocab(by_arm(rows, "downstream/score"), fig_a, y_label=TASK_LABEL,
+                  title=f"Figure 7a: {TASK_LABEL} vs V\n{scale}",
+                  baseline=(baseline, f"majority class ({baseline:.3f})"))  # fmt: skip
+    fig_b = folder / "fig7b_tokens_per_s_vs_vocab.png"
+    speed = by_arm(rows, "tokens_per_s")
+    plot_vs_vocab(speed, fig_b, y_label="training tokens / s",
+                  title=f"Figure 7b: training speed vs V\n{scale}",
+                  labels={o: f"{o} ({u} embedding update)" for o, u in updates.items()})  # fmt: skip
+    trials = [report.Trial(str(r["value"]), r["objective"], r["seed"],
+                           {"downstream/score": r["downstream/score"],
+                            "tokens_per_s": r["tokens_per_s"]}) for r in rows]  # fmt: skip
+    values = [str(v) for v in spec.values]
+    score_rows = report.compare(trials, [
+        report.Score("downstream/score", "SST-2 acc", v, baseline=baseline,
+                     baseline_note="majority class", headline=True) for v in values])  # fmt: skip
+    speed_rows = report.compare(
+        trials, [report.Score("tokens_per_s", "tokens/s", v, fmt="{:,.0f}") for v in values]
+    )
+    closing = [speed_sentence(speed, updates), scores_sentence(score_rows)]
+    title = f"Figure 7 at the {preset} scale: headless vs vanilla per vocabulary size"
+    text = report.markdown(
+        [*score_rows, *speed_rows],
+        title=title,
+        scale=f"the {preset} scale",
+        notes=[f"Each row's family is the vocabulary size V ({scale}). Headless arms: "
+               f"{updates.get('headless')} embedding update; vanilla: {updates.get('vanilla')}.",
+               f"Baseline: the majority class of SST-2's evaluation rows ({baseline:.4f})."],
+        figure=fig_a.name,
+    )  # fmt: skip
+    text += f"\n![Figure 7b]({fig_b.name})\n\n" + "\n\n".join(closing) + "\n"
+    md = folder / "report.md"
+    md.write_text(text)
+    report.log_to_parent(folder, [md, fig_a, fig_b], text, spec.experiment)
+    return text

@@ -1,0 +1,130 @@
+"""Figure 7's report (hlm_ray.tune.vocab_report) and the compute budgets of the vocab and headline
+sweeps, as plain functions: no Ray, no training."""
+
+import pytest
+
+from hlm_ray.budget import flops_per_step
+from hlm_ray.tune import report, stats
+from hlm_ray.tune.scripts import load_script
+from hlm_ray.tune.vocab_report import at_chance, plot_vs_vocab, scores_sentence, speed_sentence
+
+
+def test_speed_sentence_says_which_arm_falls_and_which_stays_flat():
+    speed = {
+        "vanilla": {1024: [40_000.0], 8192: [20_000.0], 32768: [8_000.0]},
+        "headless": {1024: [50_000.0, 52_000.0], 32768: [49_000.0, 51_000.0]},
+    }
+    text = speed_sentence(speed, {"vanilla": "dense", "headless": "lazy"})
+    assert "vanilla's training speed (dense embedding update) falls" in text
+    assert "-80%" in text
+    assert "headless's training speed (lazy embedding update) stays within 15%" in text
+    assert speed_sentence({"vanilla": {1024: [1.0]}}, {}).startswith("The speed figure has")
+
+
+def _row(v, headless, vanilla, baseline=0.5):
+    trials = [report.Trial(v, "headless", i, {"s": x}) for i, x in enumerate(headless)]
+    trials += [report.Trial(v, "vanilla", i, {"s": x}) for i, x in enumerate(vanilla)]
+    return report.compare(trials, [report.Score("s", "acc", v, baseline=baseline)])[0]
+
+
+def test_scores_sentence_from_the_numbers():
+    noise = [_row("1024", [0.50, 0.52, 0.49], [0.51, 0.50, 0.52])]
+    text = scores_sentence(noise)
+    assert "cannot be told apart at any size" in text
+    assert "2 of the 2 points are at chance" in text
+    apart = noise + [_row("32768", [0.80, 0.81, 0.82], [0.60, 0.61, 0.62])]
+    text = scores_sentence(apart)
+    assert "outside the noise at 1 of 2 sizes (V=32768: holds" in text
+    one_seed = scores_sentence([_row("1024", [0.7], [0.6])])
+    assert "one seed per point gives no interval" in one_seed
+
+
+def test_at_chance_marks_points_whose_interval_includes_the_baseline():
+    assert at_chance([0.50, 0.53, 0.48], 0.51)
+    assert at_chance([0.40], 0.51)  # one seed, below the baseline
+    assert not at_chance([0.80, 0.82, 0.81], 0.51)
+    assert not at_chance([0.80, 0.82, 0.81], None)
+
+
+def test_figure_names_task_baseline_chance_and_each_arms_update(tmp_path):
+    points = {"headless": {1024: [0.50, 0.52], 8192: [0.80, 0.82]}, "vanilla": {1024: [0.7]}}
+    fig = plot_vs_vocab(
+        points,
+        tmp_path / "fig.png",
+        title="Figure 7a: SST-2 accuracy vs V",
+        y_label="SST-2 accuracy",
+        labels={"headless": "headless (lazy embedding update)"},
+        baseline=(0.51, "majority class (0.510)"),
+    )
+    assert (tmp_path / "fig.png").is_file()
+    ax = fig.axes[0]
+    assert "SST-2" in ax.get_title() and ax.get_ylabel() == "SST-2 accuracy"
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "headless (lazy embedding update)" in legend and "vanilla" in legend
+    assert "majority class (0.510)" in legend
+    assert any(t.startswith("at chance") for t in legend)
+    flat = [line for line in ax.get_lines() if set(line.get_ydata()) == {0.51}]
+    assert flat, "the baseline is drawn"
+    # Only the headless point at V=1024 is at chance: one ring.
+    rings = [c for c in ax.collections if c.get_label().startswith("at chance")]
+    assert len(rings) == 1 and len(rings[0].get_offsets()) == 1
+    assert tuple(rings[0].get_offsets()[0]) == (1024, pytest.approx(0.51))
+
+
+def test_vocab_cpu_gives_every_trial_the_same_flops():
+    vocab = load_script("vocab")
+    spec = vocab.PRESETS["cpu"]
+    assert spec.num_seeds >= 3 and set(spec.values) == {1024, 4096, 16384, 50257}
+    budgets = {spec.cell_config(c["value"], c["objective"], c["seed"]).budget.flops
+               for c in spec.cells()}  # fmt: skip
+    assert budgets == {vocab.EQUAL_FLOPS}
+    steps = vocab.equal_flops_steps(spec)
+    for (value, objective), n in steps.items():
+        cfg = spec.cell_config(value, objective, 0)
+        per_step = flops_per_step(cfg, value)
+        assert n * per_step <= vocab.EQUAL_FLOPS < (n + 1) * per_step
+    vanilla = [steps[(v, "vanilla")] for v in sorted(spec.values)]
+    assert vanilla == sorted(vanilla, reverse=True) and vanilla[0] > 2 * vanilla[-1]
+    # The headless head scores only the batch's own targets: its steps hardly move with V.
+    headless = [steps[(v, "headless")] for v in sorted(spec.values)]
+    assert max(headless) - min(headless) <= 0.05 * max(headless)
+    assert all(h > v for h, v in zip(headless, vanilla, strict=True))
+    updates = {o: spec.cell_config(1024, o, 0).optim.embedding_update for o in spec.objectives}
+    assert updates == {"headless": "lazy", "vanilla": "dense"}
+    big = spec.cell_config(50257, "vanilla", 0).tokenizer
+    assert (big.kind, big.path) == ("file", "tokenizers/gpt2")
+
+
+def test_the_demo_reaches_a_vocabulary_where_the_head_matters():
+    spec = load_script("vocab").PRESETS["tiny"]
+    assert max(spec.values) >= 32768
+    assert spec.cell_config(32768, "headless", 0).optim.embedding_update == "lazy"
+
+
+def test_headline_equal_compute_rows():
+    headline = load_script("headline")
+    spec = headline.PRESETS["cpu"]
+    assert {"bert-cpu", "gpt2-cpu", "bert-cpu-flops", "gpt2-cpu-flops"} <= set(spec.values)
+    for name in ("bert-cpu-flops", "gpt2-cpu-flops"):
+        f = headline.FAMILIES[name]
+        arms = {o: headline.arm_settings(name, o) for o in ("headless", "vanilla")}
+        assert arms["headless"].keys() == arms["vanilla"].keys()
+        assert arms["headless"]["budget.flops"] == f.flops
+        # The cheaper head buys the headless arm more tokens at the same FLOPs.
+        assert f.steps("headless") > 2 * f.steps("vanilla")
+        cfg = spec.cell_config(name, "vanilla", 0)
+        assert cfg.tokenizer.path == "tokenizers/gpt2"
+    gpt2 = headline.FAMILIES["gpt2-cpu-flops"]
+    extra = headline.arm_settings("gpt2-cpu-flops", "vanilla")["budget.flops"] - gpt2.flops
+    headless_tokens = gpt2.steps("headless") * 32 * 64
+    per_token = flops_per_step(gpt2.arm_config("vanilla"), 50257) / (32 * 64)
+    assert extra == pytest.approx(gpt2.share * headless_tokens * per_token)
+    for name in ("bert-cpu-seconds", "gpt2-cpu-seconds"):
+        arms = [headline.arm_settings(name, o) for o in ("headless", "vanilla")]
+        assert arms[0] == arms[1] and arms[0]["budget.seconds"] == headline.CPU_SECONDS
+
+
+def test_verdict_of_a_per_size_row_uses_the_headline_statistics():
+    row = _row("4096", [0.80, 0.81, 0.82], [0.60, 0.61, 0.62])
+    assert row.verdict == stats.HOLDS
+    assert row.diff == stats.welch([0.80, 0.81, 0.82], [0.60, 0.61, 0.62])
