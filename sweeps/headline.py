@@ -6,9 +6,11 @@ seeds, in one sweep, one MLflow parent run and one report.
     python sweeps/headline.py --preset cpu             # 2 cores, ≤ 45 minutes, 3 seeds
     python sweeps/headline.py --preset paper --dry-run # bert-base, pythia-70m, multilingual
     python sweeps/headline.py --preset cpu --num-seeds 5 --name headline-cpu-5
+    python sweeps/headline.py --preset cpu --curve     # score at 25/50/100% of the budget
 
 The axis is the model family (each value a preset plus the settings below), × {headless,
-vanilla} × seeds. Both arms of a family get the same pretraining budget in tokens; a headless
+vanilla} × seeds. Both arms of a family get the same pretraining budget: in tokens, or (the
+`-flops` / `-seconds` families, GPT-2 tokenizer) in FLOPs or measured training seconds; a headless
 decoder is then fine-tuned into a generator on `share` of its pretraining tokens (the paper:
 under 2%), and the vanilla decoder pretrains on that many tokens more (the same total). Each
 trial's downstream protocol is `hlm_ray.downstream.DOWNSTREAM["headline-<preset>"]`: GLUE-style
@@ -62,6 +64,8 @@ class Family:
     to `tokens` worth of steps, which is also the schedule's length)."""
     flops: float | None = None
     seconds: float | None = None
+    curve: bool = False
+    """Keep checkpoints at 25%, 50% and 100% of each arm's steps (`--curve` scores them)."""
 
     def config(self) -> Config:
         return load_config(self.preset, overrides=dict(self.overrides))
@@ -192,6 +196,17 @@ FAMILIES: dict[str, Family] = {
         clm_tokens_per_step=32 * 64,
         paper="Table 3 (pythia-70m, LAMBADA) at CPU scale",
     ),
+    "tiny-encoder-curve": Family(
+        "tiny-encoder", {**_TINY_RUN, "optim.warmup_steps": 4}, tokens=40 * 32 * 64, curve=True
+    ),
+    # --curve: bert-cpu with its checkpoints at 25%, 50% and 100% of the budget kept and scored.
+    "bert-cpu-curve": Family(
+        "tiny-encoder",
+        CPU_SETTINGS,
+        tokens=600 * 32 * 64,
+        curve=True,
+        paper="Figures 3-4 (score against pretraining tokens) at CPU scale",
+    ),
     # cpu, equal compute (Table 1's equal GPU-hours row, Figure 7): the GPT-2 tokenizer for
     # the decoder and, matching it, for the encoder; every arm the same FLOPs, or the same
     # measured training seconds (up to 2,400 steps, the schedule's length).
@@ -276,6 +291,14 @@ def arm_settings(value: Value, objective: str) -> dict[str, Any]:
     family = FAMILIES[str(value)]
     cfg = family.config()
     steps = family.steps(objective)
+    if family.curve:  # checkpoints at the curve's steps, all kept
+        from hlm_ray.tune.curve import checkpoint_settings
+
+        return {
+            "optim.max_steps": steps,
+            "budget.tokens": steps * cfg.optim.global_batch_size * cfg.data.seq_len,
+            **checkpoint_settings(steps),
+        }
     if family.budget == "flops":  # the worker turns the FLOPs into steps (U measured)
         return {"optim.max_steps": steps, "budget.flops": family.flops_budget(objective)}
     if family.budget == "seconds":  # a deadline; max_steps is the cap and the schedule
@@ -503,14 +526,76 @@ def write_report(spec: SweepSpec, name: str, preset: str) -> list:
     return [md, png]
 
 
+CURVE_FAMILIES = {"tiny": ("tiny-encoder-curve",), "cpu": ("bert-cpu-curve",)}
+"""What `--curve` sweeps per preset: the encoder, whose GLUE average leaves chance at this scale
+(the decoders' LAMBADA accuracy stays at 0, a flat curve)."""
+
+
+def curve_argv(argv: list[str]) -> tuple[list[str], bool]:
+    """`argv` without --curve, and with the curve's families and sweep name when it was there."""
+    if "--curve" not in argv:
+        return argv, False
+    from hlm_ray.errors import HLMError
+
+    argv = [a for a in argv if a != "--curve"]
+    preset = argv[argv.index("--preset") + 1] if "--preset" in argv else "tiny"
+    if preset not in CURVE_FAMILIES:
+        raise HLMError(f"--curve runs with --preset {', '.join(CURVE_FAMILIES)}")
+    values = ",".join(CURVE_FAMILIES[preset])
+    argv = [*argv, "--set", f"sweep.values=[{values}]"]
+    if "--name" not in argv:
+        argv += ["--name", f"{AXIS.name}-{preset}-curve"]
+    return argv, True
+
+
+def write_curve(spec: SweepSpec, name: str) -> tuple[str, list]:
+    """Score each trial's kept checkpoints (`hlm_ray.tune.curve`), draw curve.png; a Markdown
+    table of the points (mean ± sd over seeds per arm and step) and the files."""
+    from hlm_ray.budget import flops_per_step
+    from hlm_ray.paths import resolve_output
+    from hlm_ray.tune import curve, stats
+    from hlm_ray.tune.sweep import SWEEPS_DIR
+
+    folder = resolve_output(SWEEPS_DIR) / name
+    per_step = {
+        (str(v), o): flops_per_step(FAMILIES[str(v)].arm_config(o),
+                                    vocab_size_of(FAMILIES[str(v)].config()))
+        for v in spec.values for o in spec.objectives
+    }  # fmt: skip
+    points = curve.score_checkpoints(folder, spec.recipe, flops_per_step=per_step,
+                                     value_column=AXIS.column[1])  # fmt: skip
+    score = next(s for s in report_scores(spec) if s.headline)
+    png = curve.plot_curve(points, folder / "curve.png", key=score.key, y_label=score.label,
+                           baseline=score.baseline,
+                           title=f"{score.label} at 25%, 50%, 100% of the budget: {name}, "
+                                 f"{spec.num_seeds} seeds per arm")  # fmt: skip
+    lines = [f"## Data efficiency: {score.label} during pretraining", "",
+             "| family | arm | step | tokens | FLOPs | score (mean ± sd over seeds) |",
+             "|---|---|---|---|---|---|"]  # fmt: skip
+    keys = sorted({(p["value"], p["objective"], p["step"]) for p in points})
+    for value, arm, step in keys:
+        at = [p for p in points if (p["value"], p["objective"], p["step"]) == (value, arm, step)]
+        s = stats.describe([p["scores"].get(score.key, math.nan) for p in at])
+        sd = f" ± {s.sd:.4f}" if math.isfinite(s.sd) else ""
+        lines.append(f"| {value} | {arm} | {step:,} | {at[0]['tokens']:,.0f} | "
+                     f"{at[0]['flops']:.3g} | {s.mean:.4f}{sd} (n={s.n}) |")  # fmt: skip
+    lines += ["", f"![curve]({png.name})"]
+    return "\n".join(lines) + "\n", [folder / "curve.png"]
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """The sweep (`hlm_ray.tune.cli.sweep_main`), then its report (`hlm sweep headline` passes
-    its own `prog`)."""
+    its own `prog`); with `--curve`, the data-efficiency sweep and its curve."""
     from hlm_ray.errors import HLMError
     from hlm_ray.tune.cli import build_parser, sweep_main
     from hlm_ray.tune.spec import get_sweep
 
     argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv, with_curve = curve_argv(argv)
+    except HLMError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     status = sweep_main(AXIS, PRESETS, argv, prog)
     args = build_parser(AXIS, PRESETS, prog).parse_args(argv)
     if args.dry_run or status not in (0, 1):
@@ -519,7 +604,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     items = [*args.set, *(f"sweep.{k}={v}" for k, v in flags.items() if v is not None)]
     try:
         spec = get_sweep(PRESETS, args.preset, items)
-        files = write_report(spec, args.name or f"{AXIS.name}-{args.preset}", args.preset)
+        name = args.name or f"{AXIS.name}-{args.preset}"
+        files = write_report(spec, name, args.preset)
+        if with_curve:
+            text, more = write_curve(spec, name)
+            with files[0].open("a") as f:
+                f.write("\n" + text)
+            files += more
     except HLMError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

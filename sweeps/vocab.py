@@ -117,9 +117,10 @@ AXIS = Axis(
 )
 
 # The cpu preset's model (the headline report's cpu encoder: d=128, 2 layers) and its budget:
-# every trial gets EQUAL_FLOPS, the FLOPs of CPU_VANILLA_STEPS vanilla steps at the largest
-# size (`hlm_ray.flops`), so the vanilla arm at 50k gets that many steps and every cheaper
-# (arm, size) more.
+# every trial gets EQUAL_FLOPS (`hlm_ray.flops`): ~370 headless steps at any size, 350 vanilla
+# steps at 1k down to ~115 at 50,257 (`--dry-run` lists them). Sized for ~20 minutes on 2 idle
+# cores: 24 trials, two at a time, each ~30-50 s of Ray and downstream overhead plus ~60 s of
+# training.
 CPU_MODEL = (
     "model.hidden_size=128",
     "model.num_layers=2",
@@ -131,15 +132,15 @@ CPU_MODEL = (
     "run.checkpoint_every=100000",
     "run.eval_batches=2",
 )
-EQUAL_FLOPS = 1.4e13
+EQUAL_FLOPS = 2e12
 
 PRESETS = {
-    # The demo: sizes where the head matters, 30 steps each, one seed; ~3 minutes on 2 cores.
+    # The demo: sizes where the head matters, 50 steps each, one seed; ~3 minutes on 2 cores.
     "tiny": SweepSpec(
         axis=AXIS,
         base="tiny-encoder",
         values=(1024, 8192, 32_768),
-        overrides=(*TINY_TRIAL, "optim.max_steps=30"),
+        overrides=(*TINY_TRIAL, "optim.max_steps=50"),
         recipe="tiny",
     ),
     # Figure 7 at CPU scale: equal FLOPs per trial, 3 seeds, the headline report per size.

@@ -19,6 +19,8 @@ def test_speed_sentence_says_which_arm_falls_and_which_stays_flat():
     assert "-80%" in text
     assert "headless's training speed (lazy embedding update) stays within 15%" in text
     assert speed_sentence({"vanilla": {1024: [1.0]}}, {}).startswith("The speed figure has")
+    uneven = speed_sentence({"headless": {1024: [100.0], 8192: [40.0], 32768: [95.0]}}, {})
+    assert "ends within 15% of where it starts but is uneven" in uneven
 
 
 def _row(v, headless, vanilla, baseline=0.5):
@@ -128,3 +130,46 @@ def test_verdict_of_a_per_size_row_uses_the_headline_statistics():
     row = _row("4096", [0.80, 0.81, 0.82], [0.60, 0.61, 0.62])
     assert row.verdict == stats.HOLDS
     assert row.diff == stats.welch([0.80, 0.81, 0.82], [0.60, 0.61, 0.62])
+
+
+def test_curve_checkpoints_at_a_quarter_a_half_and_the_end():
+    from hlm_ray.tune.curve import checkpoint_settings, curve_steps
+
+    assert curve_steps(600) == [150, 300, 600]
+    assert checkpoint_settings(600) == {
+        "run.checkpoint_every": 150,
+        "run.eval_every": 150,
+        "run.keep_checkpoints": 4,
+    }
+    assert checkpoint_settings(612)["run.checkpoint_every"] == 153
+    odd = checkpoint_settings(10)  # steps 2 (2.5 rounded to even), 5, 10: every step kept
+    assert curve_steps(10) == [2, 5, 10] and odd["run.keep_checkpoints"] == 10
+    headline = load_script("headline")
+    arm = headline.arm_settings("bert-cpu-curve", "vanilla")
+    assert arm["run.checkpoint_every"] == 150 and arm["optim.max_steps"] == 600
+    argv, curve = headline.curve_argv(["--preset", "cpu", "--curve"])
+    assert curve and argv == [
+        "--preset", "cpu", "--set", "sweep.values=[bert-cpu-curve]", "--name", "headline-cpu-curve"
+    ]  # fmt: skip
+    assert headline.curve_argv(["--preset", "cpu"]) == (["--preset", "cpu"], False)
+    with pytest.raises(Exception, match="--curve runs with --preset"):
+        headline.curve_argv(["--preset", "paper", "--curve"])
+
+
+def test_curve_figure_draws_score_against_tokens_and_flops(tmp_path):
+    from hlm_ray.tune.curve import plot_curve
+
+    points = [
+        {"objective": arm, "seed": seed, "step": step, "tokens": step * 2048.0,
+         "flops": step * (5e9 if arm == "headless" else 9e9), "scores": {"s": 0.5 + step / 1e3}}
+        for arm in ("headless", "vanilla") for seed in (0, 1) for step in (150, 300, 600)
+    ]  # fmt: skip
+    fig = plot_curve(points, tmp_path / "c.png", title="t", y_label="GLUE avg", key="s",
+                     baseline=0.43)  # fmt: skip
+    left, right = fig.axes
+    assert (left.get_xlabel(), right.get_xlabel()) == ("pretraining tokens", "pretraining FLOPs")
+    legend = [t.get_text() for t in right.get_legend().get_texts()]
+    assert sorted(legend) == ["headless", "majority-class baseline", "vanilla"]
+    # The vanilla line's last point sits at 600 steps × its FLOPs per step.
+    xs = [line.get_xdata() for line in right.get_lines() if len(line.get_xdata()) == 3]
+    assert max(max(x) for x in xs) == pytest.approx(600 * 9e9)

@@ -124,8 +124,15 @@ def speed_sentence(tokens_per_s: dict[str, dict[int, list[float]]], updates: dic
             continue
         lo, hi = min(points), max(points)
         a, b = _mean(points[lo]), _mean(points[hi])
-        change = (b - a) / a
-        trend = "stays within 15%" if abs(change) <= 0.15 else "falls" if change < 0 else "rises"
+        means = [_mean(v) for v in points.values()]
+        change, spread = (b - a) / a, (max(means) - min(means)) / a
+        if abs(change) > 0.15:
+            trend = "falls" if change < 0 else "rises"
+        elif spread <= 0.3:
+            trend = "stays within 15%"
+        else:
+            trend = (f"ends within 15% of where it starts but is uneven between "
+                     f"({min(means):,.0f} to {max(means):,.0f} tokens/s)")  # fmt: skip
         parts.append(
             f"{arm}'s training speed ({updates.get(arm, '?')} embedding update) {trend} from "
             f"V={lo:,} to V={hi:,} ({a:,.0f} to {b:,.0f} tokens/s, {change:+.0%})"
