@@ -565,7 +565,8 @@ def write_curve(spec: SweepSpec, name: str) -> tuple[str, list]:
     points = curve.score_checkpoints(folder, spec.recipe, flops_per_step=per_step,
                                      value_column=AXIS.column[1])  # fmt: skip
     score = next(s for s in report_scores(spec) if s.headline)
-    png = curve.plot_curve(points, folder / "curve.png", key=score.key, y_label=score.label,
+    png = folder / "curve.png"
+    curve.plot_curve(points, png, key=score.key, y_label=score.label,
                            baseline=score.baseline,
                            title=f"{score.label} at 25%, 50%, 100% of the budget: {name}, "
                                  f"{spec.num_seeds} seeds per arm")  # fmt: skip

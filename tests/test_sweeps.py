@@ -170,7 +170,8 @@ def test_the_tune_space_resolves_to_the_grid_cells():
 def test_search_samples_lr_and_warmup_for_one_cell():
     from ray.tune.search.variant_generator import generate_variants
 
-    spec = get_sweep("vocab", "tiny", ["sweep.search_lr=[1e-4,1e-2]", "sweep.search_warmup=[0,5]"])
+    items = ["sweep.search_lr=[1e-4,1e-2]", "sweep.search_warmup=[0,5]", "sweep.values=[512,1024]"]
+    spec = get_sweep("vocab", "tiny", items)
     (_, cfg), *_ = generate_variants(spec.param_space(search=True))
     optim = cfg["config"]["optim"]
     assert 1e-4 <= optim["lr"] <= 1e-2 and optim["warmup_steps"] in (0, 5)
@@ -351,7 +352,8 @@ def test_vocab_sweep_end_to_end_then_resumes_without_retraining(
 ):
     monkeypatch.chdir(tmp_path)
     main = _sweep_main("vocab")
-    argv = ["--preset", "tiny", "--name", "vocab-e2e", *_set(FAST)]
+    # The demo's sizes (up to 32k) cost minutes; the machinery is the same at 512 and 1024.
+    argv = ["--preset", "tiny", "--name", "vocab-e2e", *_set([*FAST, "sweep.values=[512,1024]"])]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     folder = tmp_path / "runs" / "sweeps" / "vocab-e2e"
@@ -444,7 +446,8 @@ def test_ctrl_c_before_the_trials_start_leaves_the_parent_run_killed(
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(plan, "log_sweep_plan", interrupted)
-    assert _sweep_main("vocab")(["--preset", "tiny", "--name", "vocab-window", *_set(FAST)]) == 130
+    argv = ["--preset", "tiny", "--name", "vocab-window", *_set([*FAST, "sweep.values=[512]"])]
+    assert _sweep_main("vocab")(argv) == 130
     assert "continue with: " in capsys.readouterr().err
     _, parents, children = _runs(sweep_server, "vocab-window")
     assert [p.info.status for p in parents] == ["KILLED"] and not children
