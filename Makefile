@@ -14,7 +14,8 @@ setup: $(BIN)/python
 setup-dev: $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
 
-# Main job: the tiny vocabulary-size ablation (paper Figure 7), headless vs vanilla, on local Ray.
+# Main job: the tiny vocabulary-size ablation (paper Figure 7, V up to 32k), headless vs vanilla,
+# on local Ray; prints the report and its two closing sentences.
 demo: setup
 	$(BIN)/python sweeps/vocab.py --preset tiny
 
