@@ -106,7 +106,7 @@ AXIS = Axis(
     label="vocabulary size",
     column=("vocab (asked)", "vocab_size"),
     figures=(
-        Figure("fig7a_score_vs_vocab.png", "downstream/score", "SST-2 accuracy"),
+        Figure("fig7a_score_vs_vocab.png", "downstream/score", "downstream score"),
         Figure("fig7b_tokens_per_s_vs_vocab.png", "tokens_per_s", "training tokens / s"),
     ),
     description="The vocab ablation as a Ray Tune sweep (headless vs vanilla).",
@@ -117,8 +117,8 @@ AXIS = Axis(
 )
 
 # The cpu preset's model (the headline report's cpu encoder: d=128, 2 layers) and its budget:
-# every trial gets EQUAL_FLOPS (`hlm_ray.flops`): ~370 headless steps at any size, 350 vanilla
-# steps at 1k down to ~115 at 50,257 (`--dry-run` lists them). Sized for ~20 minutes on 2 idle
+# every trial gets EQUAL_FLOPS (`hlm_ray.flops`): ~379 headless steps at any size, 363 vanilla
+# steps at 1k down to 116 at 50,257 (`--dry-run` lists them). Sized for ~20 minutes on 2 idle
 # cores: 24 trials, two at a time, each ~30-50 s of Ray and downstream overhead plus ~60 s of
 # training.
 CPU_MODEL = (

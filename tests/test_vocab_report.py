@@ -173,3 +173,17 @@ def test_curve_figure_draws_score_against_tokens_and_flops(tmp_path):
     # The vanilla line's last point sits at 600 steps × its FLOPs per step.
     xs = [line.get_xdata() for line in right.get_lines() if len(line.get_xdata()) == 3]
     assert max(max(x) for x in xs) == pytest.approx(600 * 9e9)
+
+
+def test_the_score_is_named_by_the_recipe_with_its_majority_baseline():
+    from hlm_ray.classify.baselines import majority_baseline
+    from hlm_ray.classify.finetune import recipe
+    from hlm_ray.tune.vocab_report import downstream_score
+
+    label, base, note = downstream_score("tiny")
+    assert label.startswith("SST-2 accuracy") and note == "majority class"
+    limit = recipe("tiny", "glue:sst2").eval_limit
+    assert base == majority_baseline("glue:sst2", eval_limit=limit)
+    label, base, note = downstream_score("paper")
+    assert label == "GLUE-style average (CoLA MCC, SST-2 accuracy, MRPC accuracy, QNLI accuracy)"
+    assert note == "mean of the tasks' majority classes" and 0 < base < 0.5

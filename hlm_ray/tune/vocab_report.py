@@ -23,9 +23,10 @@ from typing import Any
 
 from hlm_ray.tune import report, stats
 
-# The tiny downstream recipe's score: SST-2 fine-tuning accuracy (`hlm_ray.downstream`).
-TASK = "glue:sst2"
-TASK_LABEL = "SST-2 accuracy (fine-tuned, held-out rows)"
+# What the encoder recipes score (`hlm_ray.downstream`): tiny, SST-2 accuracy; paper, a GLUE-style
+# average.
+TASK_LABELS = {"glue:sst2": "SST-2 accuracy", "glue:cola": "CoLA MCC", "glue:mrpc": "MRPC accuracy",
+               "glue:qnli": "QNLI accuracy", "glue:rte": "RTE accuracy"}  # fmt: skip
 ARM_COLORS = {"vanilla": "tab:orange", "headless": "tab:blue"}
 
 
@@ -164,22 +165,38 @@ def scores_sentence(rows: list[report.Row]) -> str:
     )
 
 
-def write_vocab_report(spec, name: str, preset: str) -> str:
-    """report.md and the two figures in runs/sweeps/<name>, logged on the parent run; returns
-    the report's text (ending with the two closing sentences)."""
+def downstream_score(recipe: str) -> tuple[str, float, str]:
+    """(label, baseline, baseline note) of `downstream/score` for an encoder `recipe`: one
+    task's main metric, or the mean over its tasks (baseline: the mean of their majority
+    classes)."""
     from hlm_ray.classify.baselines import majority_baseline
     from hlm_ray.classify.finetune import recipe as classify_recipe
     from hlm_ray.downstream import DOWNSTREAM
+
+    plan = DOWNSTREAM[recipe]
+    tasks = [t for t in plan["glue_tasks"] if t not in plan.get("average_excludes", ())]
+    bases = []
+    for task in tasks:
+        limit = plan.get("classify_settings", {}).get(
+            "eval_limit", classify_recipe(plan["classify"], task).eval_limit
+        )
+        bases.append(majority_baseline(task, eval_limit=limit))
+    names = [TASK_LABELS.get(t, t) for t in tasks]
+    if len(tasks) == 1:
+        return f"{names[0]} (fine-tuned, held-out rows)", bases[0], "majority class"
+    label = "GLUE-style average (" + ", ".join(names) + ")"
+    return label, sum(bases) / len(bases), "mean of the tasks' majority classes"
+
+
+def write_vocab_report(spec, name: str, preset: str) -> str:
+    """report.md and the two figures in runs/sweeps/<name>, logged on the parent run; returns
+    the report's text (ending with the two closing sentences)."""
     from hlm_ray.paths import resolve_output
     from hlm_ray.tune.sweep import SWEEPS_DIR
 
     folder = resolve_output(SWEEPS_DIR) / name
     rows = read_rows(folder)
-    plan = DOWNSTREAM[spec.recipe]
-    limit = plan.get("classify_settings", {}).get(
-        "eval_limit", classify_recipe(plan["classify"], TASK).eval_limit
-    )
-    baseline = majority_baseline(TASK, eval_limit=limit)
+    task_label, baseline, baseline_note = downstream_score(spec.recipe)
     updates = {o: spec.cell_config(spec.values[0], o, 0).optim.embedding_update
                for o in spec.objectives}  # fmt: skip
     seeds = spec.num_seeds
@@ -187,9 +204,9 @@ def write_vocab_report(spec, name: str, preset: str) -> str:
     at = f"equal FLOPs ({budget.flops:.3g} each)" if budget.flops else "equal steps"
     scale = f"{name}, {seeds} seed{'s' if seeds > 1 else ''} per point, {at}"
     fig_a = folder / "fig7a_score_vs_vocab.png"
-    plot_vs_vocab(by_arm(rows, "downstream/score"), fig_a, y_label=TASK_LABEL,
-                  title=f"Figure 7a: {TASK_LABEL} vs V\n{scale}",
-                  baseline=(baseline, f"majority class ({baseline:.3f})"))  # fmt: skip
+    plot_vs_vocab(by_arm(rows, "downstream/score"), fig_a, y_label=task_label,
+                  title=f"Figure 7a: {task_label} vs V\n{scale}",
+                  baseline=(baseline, f"{baseline_note} ({baseline:.3f})"))  # fmt: skip
     fig_b = folder / "fig7b_tokens_per_s_vs_vocab.png"
     speed = by_arm(rows, "tokens_per_s")
     plot_vs_vocab(speed, fig_b, y_label="training tokens / s",
@@ -200,8 +217,8 @@ def write_vocab_report(spec, name: str, preset: str) -> str:
                             "tokens_per_s": r["tokens_per_s"]}) for r in rows]  # fmt: skip
     values = [str(v) for v in spec.values]
     score_rows = report.compare(trials, [
-        report.Score("downstream/score", "SST-2 acc", v, baseline=baseline,
-                     baseline_note="majority class", headline=True) for v in values])  # fmt: skip
+        report.Score("downstream/score", task_label.split(" (")[0], v, baseline=baseline,
+                     baseline_note=baseline_note, headline=True) for v in values])  # fmt: skip
     speed_rows = report.compare(
         trials, [report.Score("tokens_per_s", "tokens/s", v, fmt="{:,.0f}") for v in values]
     )
@@ -213,7 +230,8 @@ def write_vocab_report(spec, name: str, preset: str) -> str:
         scale=f"the {preset} scale",
         notes=[f"Each row's family is the vocabulary size V ({scale}). Headless arms: "
                f"{updates.get('headless')} embedding update; vanilla: {updates.get('vanilla')}.",
-               f"Baseline: the majority class of SST-2's evaluation rows ({baseline:.4f})."],
+               f"Score: {task_label}; baseline: {baseline_note} of the evaluation rows "
+               f"({baseline:.4f})."],
         figure=fig_a.name,
     )  # fmt: skip
     text += f"\n![Figure 7b]({fig_b.name})\n\n" + "\n\n".join(closing) + "\n"
