@@ -83,10 +83,11 @@ GPT2_TOKENIZER = {"tokenizer.kind": "file", "tokenizer.path": "tokenizers/gpt2"}
 
 
 def vocab_settings(value, workers: int) -> dict:
-    """A size is a BPE trained to it, except `GPT2_VOCAB`: the shipped GPT-2 tokenizer."""
+    """A size is a BPE trained to it, except `GPT2_VOCAB`: the shipped GPT-2 tokenizer. Every
+    value sets the same keys (Tune resolves each key a value sets for every trial)."""
     if value == GPT2_VOCAB:
         return {"tokenizer.vocab_size": value, **GPT2_TOKENIZER}
-    return {"tokenizer.vocab_size": value}
+    return {"tokenizer.vocab_size": value, "tokenizer.kind": "bpe", "tokenizer.path": None}
 
 
 def embedding_update(objective: str) -> str:

@@ -95,6 +95,15 @@ def test_vocab_cpu_gives_every_trial_the_same_flops():
     assert updates == {"headless": "lazy", "vanilla": "dense"}
     big = spec.cell_config(50257, "vanilla", 0).tokenizer
     assert (big.kind, big.path) == ("file", "tokenizers/gpt2")
+    # What Tune resolves for each trial is the config the cell stands for.
+    from ray.tune.search.variant_generator import generate_variants
+
+    from hlm_ray.config import Config
+
+    resolved = [Config.from_dict(v["config"]) for _, v in generate_variants(spec.param_space())]
+    assert sorted(c.tokenizer.kind for c in resolved) == ["bpe"] * 18 + ["file"] * 6
+    for cell in spec.cells():
+        assert resolved.count(spec.cell_config(**cell)) == 1, cell
 
 
 def test_the_demo_reaches_a_vocabulary_where_the_head_matters():
