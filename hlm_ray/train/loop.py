@@ -585,11 +585,11 @@ def _no_sync(module, sync: bool):
 
 def _quiet_library_progress_bars() -> None:
     """Our own bar shows training progress; per-save and per-load bars from HF would interleave."""
-    import datasets
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    datasets.disable_progress_bars()
+    with contextlib.suppress(ImportError):  # datasets is optional (absent on a bare node)
+        __import__("datasets").disable_progress_bars()
 
 
 def _copy_tree(src: Path, dst: Path) -> None:
