@@ -32,7 +32,15 @@ import torch
 from transformers import PreTrainedTokenizerFast
 
 from hlm_ray.errors import HLMError, one_line
-from hlm_ray.paths import HUB_FALLBACKS, HubDataset, cache_dir, data_dir, has_shared, hub_specs
+from hlm_ray.paths import (
+    HUB_FALLBACKS,
+    HubDataset,
+    cache_dir,
+    data_dir,
+    has_shared,
+    hub_datasets,
+    hub_specs,
+)
 from hlm_ray.tokenizer import tokenizer_fingerprint
 
 SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
@@ -166,14 +174,7 @@ def not_utf8(path: Path, chunk: int = 1 << 20) -> str | None:
 
 
 def _load_hub(hub: HubDataset) -> list[str]:
-    try:
-        import datasets
-    except ImportError:
-        raise HLMError(
-            f"{hub.name} is a hub dataset: reading it needs the datasets package (pip install "
-            "datasets); or pass a local file or folder"
-        ) from None
-    ds = datasets.load_dataset(
+    ds = hub_datasets(hub.name).load_dataset(
         hub.name, hub.config, split=hub.split, cache_dir=str(cache_dir("datasets"))
     )
     if hub.text_field not in ds.column_names:

@@ -69,6 +69,14 @@ found["ce"] = (cross_entropy_head(pred, table, None, y, impl="chunked", chunk_si
                - torch.nn.functional.cross_entropy(pred @ table.T, y)).abs().item()
 
 from hlm_ray.cli import main as hlm
+from hlm_ray.data import load_texts
+from hlm_ray.errors import HLMError
+
+found["documents"] = len(load_texts([str(work / "text.txt")], sample_by="paragraph"))
+try:
+    load_texts(["someone/some-corpus"])  # a hub name: needs datasets, refused here
+except HLMError as err:
+    found["hub_error"] = str(err)
 
 text = work / "text.txt"
 sets = [f"data.sources=[{text}]", "tokenizer.vocab_size=300", "optim.max_steps=3",
@@ -163,6 +171,7 @@ def test_the_core_runs_with_ray_mlflow_datasets_and_friends_refused(tmp_path):
     found = json.loads(line.removeprefix("FOUND "))
     assert found["tiny-decoder"] == [2, 16, 64] and found["tiny-encoder"] == [2, 16, 64]
     assert found["cwt"] > 0 and found["ce"] < 1e-5
+    assert found["documents"] == 400 and "pip install datasets" in found["hub_error"]
     assert found["saved"] and found["generated"] == 5
     assert found["classify_steps"] == 1
     assert found["loss_head"] == ["ce_full", "cwt_dedup"]
