@@ -1,5 +1,6 @@
 """The core runs on a stock PyTorch node: torch, transformers, tokenizers, numpy, safetensors,
-pyyaml and tqdm, with no ray, mlflow, datasets, lm_eval, xformers, pyarrow or scipy.
+pyyaml and tqdm, with no ray, mlflow, datasets, lm_eval, xformers, pyarrow, scipy or matplotlib
+(a figure is only drawn where matplotlib is there).
 
 One subprocess whose import system refuses those packages (a `sys.meta_path` finder, and
 `sys.modules[name] = None` so that `importlib.util.find_spec` answers None as on a node without
@@ -16,7 +17,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-REFUSED = ("ray", "mlflow", "datasets", "lm_eval", "xformers", "pyarrow", "scipy")
+REFUSED = ("ray", "mlflow", "datasets", "lm_eval", "xformers", "pyarrow", "scipy", "matplotlib")
 
 BOOTSTRAP = """
 import importlib.abc, sys

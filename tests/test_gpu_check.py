@@ -112,3 +112,67 @@ def test_on_a_gpu_main_writes_the_table_and_json_and_fails_on_a_miss(monkeypatch
 def test_an_unknown_check_is_one_error_line(only, capsys):
     assert gpu_check.main(["--only", only]) == 2
     assert "unknown check 'nope'" in capsys.readouterr().err
+
+
+def _csv(path, rows):
+    import csv
+
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def test_bench_figures_list_every_arm_of_the_csv(tmp_path):
+    from hlm_ray.gpu_check.bare import bench_figures
+
+    target = {"target": "GPU MFU", "scope": "gpt2-small", "measured": "0.43", "threshold": "≥ 0.4"}
+    _csv(tmp_path / "targets.csv", [{**target, "verdict": "PASS"}])
+    arm = {"experiment": "points", "model": "gpt2-small", "V": "32768", "micro_batch": "8",
+           "status": "ok", "note": "", "strongest_vanilla": "False", "peak_mb": "2048.4"}  # fmt: skip
+    _csv(
+        tmp_path / "train_step.csv",
+        [
+            {**arm, "arm": "headless/lazy", "tokens_per_s": "91000.2", "mfu": "0.431"},
+            {
+                **arm,
+                "arm": "vanilla/liger",
+                "tokens_per_s": "80000",
+                "mfu": "0.38",
+                "strongest_vanilla": "True",
+            },  # fmt: skip
+            {
+                **arm,
+                "arm": "vanilla/cce",
+                "status": "unsupported",
+                "note": "not installed",
+                "tokens_per_s": "",
+                "mfu": "",
+                "peak_mb": "",
+            },  # fmt: skip
+        ],
+    )
+    ok, figures = bench_figures(tmp_path)
+    assert ok and figures[0] == "GPU MFU (gpt2-small): 0.43 vs ≥ 0.4 PASS"
+    assert figures[1:] == [
+        "gpt2-small V=32768 B=8 headless/lazy: 91,000 tok/s, MFU 43.1%, peak 2,048 MB",
+        "gpt2-small V=32768 B=8 vanilla/liger*: 80,000 tok/s, MFU 38.0%, peak 2,048 MB",
+        "gpt2-small V=32768 B=8 vanilla/cce: unsupported not installed",
+    ]
+    _csv(tmp_path / "targets.csv", [{**target, "verdict": "MISS"}])
+    assert not bench_figures(tmp_path)[0]
+
+
+def test_the_loss_and_attention_checks_run_their_code_on_the_cpu(tmp_path, monkeypatch):
+    """The CUDA checks' code paths with the device swapped for the CPU (bf16 autocast exists
+    there too): a smoke test, not a GPU claim."""
+    from hlm_ray.gpu_check import bare
+
+    monkeypatch.setattr(bare, "DEVICE", "cpu")
+    row = bare.check_losses(tmp_path)
+    assert row.verdict == "PASS" and "extreme (largest logit" in row.figures
+    assert "cwt" in row.figures and "ce_chunked" in row.figures
+    monkeypatch.setattr(bare, "EXTREME_TOL", 0.0)
+    assert bare.check_losses(tmp_path).verdict == "MISS"
+    row = bare.check_attention(tmp_path)
+    assert row.figures.startswith("default: ") and "flash" in row.figures
