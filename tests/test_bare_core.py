@@ -181,3 +181,13 @@ def test_the_core_runs_with_ray_mlflow_datasets_and_friends_refused(tmp_path):
     # No mlflow: the run says so in one line and keeps its JSONL.
     assert proc.stderr.count("mlflow is not installed") == 2  # one per run
     assert (tmp_path / "tiny-decoder" / "metrics.jsonl").is_file()
+
+    # Where mlflow exists, `hlm sync RUN` sends the run later (a new MLflow run for the folder).
+    from hlm_ray.tracking.sync import sync_run
+
+    run = tmp_path / "tiny-decoder"
+    assert not (run / "mlflow_run.json").exists()
+    report = sync_run(run)
+    assert report["status"] == "FINISHED" and report["metrics_logged"] > 0
+    assert report["params_logged"] > 0 and "model" in report["artifacts_logged"]
+    assert sync_run(run)["metrics_logged"] == 0  # nothing twice
