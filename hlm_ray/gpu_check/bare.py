@@ -205,7 +205,7 @@ def check_bench(out: Path) -> Row:
     """`hlm bench --preset gpu --only train_step`: its targets, then every arm of its CSV."""
     folder = out / "bench"
     cmd = [sys.executable, "-m", "hlm_ray.cli", "bench", "--preset", "gpu", "--only", "train_step"]
-    proc = run_module([*cmd, "--output", str(folder), "--no-progress"], 420)
+    proc = run_module([*cmd, "--output", str(folder), "--no-progress"], 360)  # of the 10 min
     targets = folder / "targets.csv"
     if proc.returncode != 0 or not targets.is_file():
         return Row("bench", "MISS", f"hlm bench exited {proc.returncode}: {tail(proc)}")
