@@ -402,7 +402,7 @@ def _fused_linear_cross_entropy(
 ) -> Tensor:
     # One dtype for the op (bf16 hidden states under autocast promoted to the float32 weight),
     # autocast kept out of its float32 chunks; explicit rows per chunk (options=None: full logits).
-    require_torch_feature(F, "linear_cross_entropy", "objective.ce_impl=linear", "2.13")
+    require_torch_feature(torch.nn, "LinearCrossEntropyOptions", "objective.ce_impl=linear", "2.13")
     dtype = torch.promote_types(hidden_ND.dtype, weight_VD.dtype)
     rows = max(1, min(chunk_size, hidden_ND.shape[0]))
     options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=rows, chunking_method=None)

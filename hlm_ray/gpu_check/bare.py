@@ -93,7 +93,9 @@ def check_losses(out: Path) -> Row:
             "cwt": cwt_loss_from_ids(pred.double(), ids, table.double()).item(),
             "ce": F.cross_entropy(F.linear(pred.double(), table.double()), ids).item(),
         }
-        impls = ["full", "chunked"] + (["linear"] if hasattr(F, "linear_cross_entropy") else [])
+        impls = ["full", "chunked"] + (
+            ["linear"] if hasattr(torch.nn, "LinearCrossEntropyOptions") else []
+        )
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
             got = {"cwt": cwt_loss_from_ids(pred, ids, table).item()}
             for impl in impls:
