@@ -88,7 +88,7 @@ def _txt_rows(text: str, sample_by: str) -> list[str]:
     if sample_by == "line":
         return text.splitlines()
     if sample_by == "paragraph":
-        return [p for p in re.split(r"\n\s*\n", text)]
+        return re.split(r"\n\s*\n", text)
     raise HLMError(f"sample_by={sample_by!r}: use document, paragraph or line")
 
 
