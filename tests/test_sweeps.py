@@ -506,8 +506,11 @@ def test_search_stops_trials_with_asha_and_names_the_lowest_validation_loss(
         history = client.get_metric_history(runs[trial].info.run_id, "val/loss")
         return {m.step: m.value for m in history}
 
-    for trial in stopped:  # its run closed KILLED, no downstream step
-        assert runs[trial].info.status == "KILLED" and val_steps(trial)
+    last = {}  # every trial's last validation loss
+    for trial in stopped:  # its run closed KILLED
+        steps = val_steps(trial)
+        assert runs[trial].info.status == "KILLED" and steps
+        last[trial] = steps[max(steps)]
     losses = {}
     for trial in finished:
         steps = val_steps(trial)
@@ -518,3 +521,4 @@ def test_search_stops_trials_with_asha_and_names_the_lowest_validation_loss(
     best = min(losses, key=losses.get)
     (line,) = [line for line in printed.splitlines() if line.startswith("best: ")]
     assert f"validation loss {losses[best]:.4f}" in line and line.endswith(f"trial {best})")
+    assert losses[best] == min({**last, **losses}.values())  # ASHA stopped trailing trials
