@@ -92,6 +92,13 @@ def test_an_empty_grid_fails_before_anything_runs():
         get_sweep("vocab", "tiny", ["optim.lrr=1"])
 
 
+def test_the_headline_sweep_needs_its_downstream_scores():
+    check = SCRIPTS["headline"].check_families
+    check(get_sweep("headline", "tiny"))
+    with pytest.raises(HLMError, match="sweep.recipe=none: the headline report needs"):
+        check(get_sweep("headline", "tiny", ["sweep.recipe=none"]))
+
+
 def test_a_vocabulary_below_the_special_tokens_fails_before_training():
     # Encoders: 256 bytes + eos, pad, mask, cls, sep.
     spec = get_sweep("vocab", "tiny", ["sweep.values=[260,512]"])
