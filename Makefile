@@ -30,7 +30,9 @@ lint: setup-dev
 	$(BIN)/ruff check hlm_ray tests sweeps
 	$(BIN)/ruff format --check hlm_ray tests sweeps
 
-# On a CUDA machine: gpu tests, bf16 training, xformers vs sdpa, the GPU benchmark, a GPU sweep and
-# hlm serve on the GPU; one PASS/MISS table. Without a GPU it says so and exits 0.
+# On a CUDA machine with the network: every tier of the GPU check (bare: losses, bf16 training,
+# attention backends, the GPU benchmark, generation, a classifier step; full: gpu tests, Ray Train,
+# a GPU sweep, hlm serve); one PASS/MISS/SKIP table. Without a GPU it says so and exits 0. An
+# offline node runs the same module from a checkout: PYTHONPATH=. python -m hlm_ray.gpu_check
 gpu-check: setup-dev
-	$(BIN)/python -m hlm_ray.gpu_check
+	$(BIN)/python -m hlm_ray.gpu_check --output runs/gpu-check

@@ -10,99 +10,144 @@
                                            special_ids=tok.all_special_ids, vocab_size=len(tok))
 
 Sources are local files/folders (.txt, .jsonl/.json, .parquet), paths inside the shared data
-folder ("corpus/en"), or hub datasets ("name" or "name:config", split "train"). Tokenized
-streams are cached under ``cache_dir("tokenized")``.
+folder ("corpus/en"), or hub datasets ("name" or "name:config", split "train"). Text and JSON
+files are read in plain Python; only .parquet files need pyarrow and only hub names need the
+`datasets` package (both imported when such a source is read). Tokenized streams are cached under
+``cache_dir("tokenized")``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import datasets
 import numpy as np
-import pyarrow.compute as pc
 import torch
 from transformers import PreTrainedTokenizerFast
 
 from hlm_ray.errors import HLMError, one_line
-from hlm_ray.paths import HUB_FALLBACKS, HubDataset, cache_dir, data_dir, has_shared, hub_specs
+from hlm_ray.paths import (
+    HUB_FALLBACKS,
+    HubDataset,
+    cache_dir,
+    data_dir,
+    has_shared,
+    hub_datasets,
+    hub_specs,
+)
 from hlm_ray.tokenizer import tokenizer_fingerprint
 
-BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 TOKENIZE_BATCH = 256  # documents per encode_batch call (the tokenizer parallelises over them)
 
 # ----------------------------------------------------------------------------- loading text
 
 
-def _load(builder: str, files: list[str], sample_by: str) -> datasets.Dataset:
-    # Arrow caches go under HLM_CACHE_DIR: never next to the (read-only) shared data.
-    extra = {"sample_by": sample_by} if builder == "text" else {}
-    return datasets.load_dataset(
-        builder,
-        data_files=files,
-        split="train",
-        cache_dir=str(cache_dir("datasets")),
-        **extra,
-    )
+@dataclass(frozen=True)
+class Texts:
+    """One "text" column of non-empty documents, in source order (the part of a `datasets`
+    `Dataset` this module uses: `len`, `ds["text"]`, `column_names`, `iter`)."""
+
+    texts: list[str]
+    column_names = ["text"]  # noqa: RUF012 - a class constant, as a Dataset's attribute
+
+    def __len__(self) -> int:
+        return len(self.texts)
+
+    def __getitem__(self, column: str) -> list[str]:
+        if column != "text":
+            raise KeyError(column)
+        return self.texts
+
+    def iter(self, batch_size: int) -> Iterator[dict[str, list[str]]]:
+        for start in range(0, len(self.texts), batch_size):
+            yield {"text": self.texts[start : start + batch_size]}
 
 
-def _only_text(ds: datasets.Dataset, field: str, where: str) -> datasets.Dataset:
-    """Keep one column named "text", dropping empty rows."""
-    if field not in ds.column_names:
+def _read_utf8(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
         raise HLMError(
-            f"{where} has no {field!r} column (columns: {ds.column_names}); set text_field"
+            f"{path} is not UTF-8 text ({not_utf8(path)}); convert it (e.g. `iconv -f latin1 "
+            "-t utf-8`) or remove it from data.sources"
+        ) from None
+
+
+def _txt_rows(text: str, sample_by: str) -> list[str]:
+    """A .txt file's rows as the `datasets` text builder cuts them (line breaks kept in a
+    document, dropped in a line, a paragraph ends at a blank line)."""
+    if sample_by == "document":
+        return [text]
+    if sample_by == "line":
+        return text.splitlines()
+    if sample_by == "paragraph":
+        return re.split(r"\n\s*\n", text)
+    raise HLMError(f"sample_by={sample_by!r}: use document, paragraph or line")
+
+
+def _json_rows(path: Path, field: str) -> list:
+    """A .json file (one array of rows, or JSON lines) or a .jsonl file: each row's `field`."""
+    text = _read_utf8(path)
+    rows = None
+    if path.suffix == ".json":
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError:
+            rows = None  # JSON lines in a .json file
+        if isinstance(rows, dict):
+            rows = [rows]
+    if rows is None:
+        try:
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as err:
+            raise HLMError(f"{path}: line {err.lineno} is not JSON ({err.msg})") from None
+    if any(not isinstance(r, dict) or field not in r for r in rows):
+        raise HLMError(f"{path} has rows without a {field!r} column; set text_field")
+    return [r[field] for r in rows]
+
+
+def _parquet_rows(path: Path, field: str) -> list:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise HLMError(f"reading {path} needs pyarrow: pip install pyarrow") from None
+    table = pq.read_table(path)
+    if field not in table.column_names:
+        raise HLMError(
+            f"{path} has no {field!r} column (columns: {table.column_names}); set text_field"
         )
-    ds = ds.select_columns([field])
-    if field != "text":
-        ds = ds.rename_column(field, "text")
-    if ds.features["text"] != datasets.Value("string"):  # e.g. large_string parquet
-        ds = ds.cast_column("text", datasets.Value("string"))
-    # Select non-empty rows by index: no progress bar and no cache file beside the arrow data.
-    lengths = pc.fill_null(pc.utf8_length(ds.data.column("text")), 0)
-    keep = np.flatnonzero(lengths.to_numpy(zero_copy_only=False) > 0)
-    return ds if len(keep) == len(ds) else ds.select(keep)
+    return table.column(field).to_pylist()
 
 
-def _load_local(path: Path, text_field: str, sample_by: str) -> list[datasets.Dataset]:
-    """A file, or every supported file of a folder in sorted order (grouped by format)."""
-    files = sorted(p for p in path.iterdir() if p.suffix in BUILDERS) if path.is_dir() else [path]
+def _non_empty(values: list) -> list[str]:
+    return [v for v in values if isinstance(v, str) and v]
+
+
+def _load_local(path: Path, text_field: str, sample_by: str) -> list[str]:
+    """A file, or every supported file of a folder in sorted order."""
+    files = sorted(p for p in path.iterdir() if p.suffix in SUFFIXES) if path.is_dir() else [path]
     if not files:
         raise HLMError(
-            f"{path} holds no {'/'.join(BUILDERS)} files; pass a file or a folder with text files"
+            f"{path} holds no {'/'.join(SUFFIXES)} files; pass a file or a folder with text files"
         )
-    unknown = [p for p in files if p.suffix not in BUILDERS]
-    if unknown:
-        raise HLMError(f"cannot read {unknown[0]}: use a .txt, .jsonl, .json or .parquet file")
-    groups: dict[str, list[str]] = {}
+    texts: list[str] = []
     for p in files:
-        groups.setdefault(BUILDERS[p.suffix], []).append(str(p))
-    return [
-        # .txt rows are always "text"; text_field names the column of json/parquet files.
-        _only_text(_load_checked(builder, group, sample_by), _field(builder, text_field), str(path))
-        for builder, group in groups.items()
-    ]
-
-
-def _load_checked(builder: str, files: list[str], sample_by: str) -> datasets.Dataset:
-    """`_load`, naming the file when one is not UTF-8 text (binary, Latin-1): the datasets
-    library raises a long `DatasetGenerationError` that names none."""
-    try:
-        return _load(builder, files, sample_by)
-    except Exception:
-        if builder in ("text", "json"):
-            for name in files:
-                problem = not_utf8(Path(name))
-                if problem:
-                    raise HLMError(
-                        f"{name} is not UTF-8 text ({problem}); convert it (e.g. `iconv -f "
-                        "latin1 -t utf-8`) or remove it from data.sources"
-                    ) from None
-        raise
+        if p.suffix == ".txt":  # .txt rows are always "text"; text_field names a column
+            texts += _txt_rows(_read_utf8(p), sample_by)
+        elif p.suffix in (".jsonl", ".json"):
+            texts += _json_rows(p, text_field)
+        elif p.suffix == ".parquet":
+            texts += _parquet_rows(p, text_field)
+        else:
+            raise HLMError(f"cannot read {p}: use a .txt, .jsonl, .json or .parquet file")
+    return _non_empty(texts)
 
 
 def not_utf8(path: Path, chunk: int = 1 << 20) -> str | None:
@@ -128,22 +173,23 @@ def not_utf8(path: Path, chunk: int = 1 << 20) -> str | None:
     return None
 
 
-def _field(builder: str, text_field: str) -> str:
-    return "text" if builder == "text" else text_field
-
-
-def _load_hub(hub: HubDataset) -> datasets.Dataset:
-    ds = datasets.load_dataset(
+def _load_hub(hub: HubDataset) -> list[str]:
+    ds = hub_datasets(hub.name).load_dataset(
         hub.name, hub.config, split=hub.split, cache_dir=str(cache_dir("datasets"))
     )
-    return _only_text(ds, hub.text_field, hub.name)
+    if hub.text_field not in ds.column_names:
+        raise HLMError(
+            f"{hub.name} has no {hub.text_field!r} column (columns: {ds.column_names}); "
+            "set text_field"
+        )
+    return _non_empty(ds[hub.text_field])
 
 
 def _looks_like_path(source: str) -> bool:
-    return source.startswith(("/", "./", "../", "~")) or Path(source).suffix in BUILDERS
+    return source.startswith(("/", "./", "../", "~")) or Path(source).suffix in SUFFIXES
 
 
-def _load_source(source: str, text_field: str, sample_by: str) -> list[datasets.Dataset]:
+def _load_source(source: str, text_field: str, sample_by: str) -> list[str]:
     path = Path(source).expanduser()
     if path.exists():
         return _load_local(path, text_field, sample_by)
@@ -155,7 +201,7 @@ def _load_source(source: str, text_field: str, sample_by: str) -> list[datasets.
     specs = hub_specs(source, text_field)
     names = ", ".join(f"{h.name}:{h.config}" if h.config else h.name for h in specs)
     try:
-        return [_load_hub(hub) for hub in specs]
+        return [text for hub in specs for text in _load_hub(hub)]
     except HLMError:
         raise
     except Exception as err:
@@ -167,21 +213,20 @@ def _load_source(source: str, text_field: str, sample_by: str) -> list[datasets.
 
 def load_texts(
     sources: Sequence[str], *, text_field: str = "text", sample_by: str = "document"
-) -> datasets.Dataset:
-    """All `sources` concatenated in order as one `Dataset` with a single "text" column.
+) -> Texts:
+    """All `sources` concatenated in order as one "text" column (`Texts`), empty rows dropped.
 
     `sample_by` applies to .txt files: "document" (a file is one row), "paragraph" or "line".
     """
     if isinstance(sources, str | Path):
         sources = [str(sources)]
-    parts = [ds for source in sources for ds in _load_source(str(source), text_field, sample_by)]
-    ds = datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0] if parts else None
-    if ds is None or len(ds) == 0:
+    texts = [t for source in sources for t in _load_source(str(source), text_field, sample_by)]
+    if not texts:
         raise HLMError(f"no text found in {list(sources)}; pass files or folders with text")
-    return ds
+    return Texts(texts)
 
 
-def corpus_fingerprint(dataset: datasets.Dataset) -> str:
+def corpus_fingerprint(dataset: Texts) -> str:
     """sha256 over the length-prefixed UTF-8 texts (content, not file names or dates)."""
     digest = hashlib.sha256()
     for batch in dataset.iter(batch_size=1024):
@@ -195,7 +240,7 @@ def corpus_fingerprint(dataset: datasets.Dataset) -> str:
 # ----------------------------------------------------------------------------- tokenizing
 
 
-def _tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerFast, eos_id: int):
+def _tokenize(dataset: Texts, tokenizer: PreTrainedTokenizerFast, eos_id: int):
     """Flat int32 stream: doc0 tokens, eos, doc1 tokens, eos, ..."""
     # The backend tokenizer adds no special tokens here and never warns about model_max_length
     # (a corpus document is far longer than any model context; packing cuts it later).
@@ -210,7 +255,7 @@ def _tokenize(dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerFast, eos
 
 
 def tokenize_corpus(
-    dataset: datasets.Dataset, tokenizer: PreTrainedTokenizerFast, *, eos_id: int
+    dataset: Texts, tokenizer: PreTrainedTokenizerFast, *, eos_id: int
 ) -> np.ndarray:
     """One int32 token stream with `eos_id` after every document, cached on disk."""
     if not 0 <= eos_id < len(tokenizer):

@@ -16,7 +16,7 @@ import contextlib
 
 import torch
 
-from hlm_ray.errors import HLMError
+from hlm_ray.errors import HLMError, TorchTooOld
 
 DEVICES = ("auto", "cpu", "cuda")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -81,3 +81,13 @@ def describe(device: torch.device) -> str:
         return device.type
     index = device.index if device.index is not None else torch.cuda.current_device()
     return f"cuda:{index} ({torch.cuda.get_device_name(index)})"
+
+
+def require_torch_feature(owner, name: str, option: str, since: str) -> None:
+    """Raise `TorchTooOld` naming `option` when `owner.name` (a torch API added in torch `since`)
+    is missing: the core runs on older torch releases, that option does not."""
+    if not hasattr(owner, name):
+        raise TorchTooOld(
+            f"{option} needs torch >= {since} ({owner.__name__}.{name}); this is torch "
+            f"{torch.__version__}"
+        )

@@ -20,6 +20,11 @@ class HLMError(Exception):
     """Bad input or an unusable environment, explained in one line."""
 
 
+class TorchTooOld(HLMError, RuntimeError):
+    """An option needs a newer torch than the one installed (a RuntimeError too: a benchmark
+    records the arm as unsupported and goes on)."""
+
+
 def one_line(
     error: BaseException | str,
     *,

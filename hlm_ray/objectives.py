@@ -45,7 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from hlm_ray.device import float32_region
+from hlm_ray.device import float32_region, require_torch_feature
 
 IGNORE_INDEX = -100
 CWT_VARIANTS = ("plain", "dedup", "mask_same")
@@ -400,9 +400,9 @@ def _fused_linear_cross_entropy(
     reduction: str,
     chunk_size: int,
 ) -> Tensor:
-    # One dtype for the op: promote (bf16 hidden states under autocast, float32 weight), and
-    # keep autocast from rounding the float32 chunks back to bf16 inside it. Explicit rows per
-    # chunk (as impl="chunked"); options=None would be the unfused reference (full logits).
+    # One dtype for the op (bf16 hidden states under autocast promoted to the float32 weight),
+    # autocast kept out of its float32 chunks; explicit rows per chunk (options=None: full logits).
+    require_torch_feature(torch.nn, "LinearCrossEntropyOptions", "objective.ce_impl=linear", "2.13")
     dtype = torch.promote_types(hidden_ND.dtype, weight_VD.dtype)
     rows = max(1, min(chunk_size, hidden_ND.shape[0]))
     options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=rows, chunking_method=None)

@@ -185,6 +185,19 @@ def git_commit(folder: str | Path | None = None) -> str | None:
     return sha if out.returncode == 0 and sha else None
 
 
+def hub_datasets(what: str):
+    """The `datasets` package, for reading the hub dataset `what`; where it is not installed (a
+    bare GPU node), one error line naming the package."""
+    try:
+        import datasets
+    except ImportError:
+        raise HLMError(
+            f"{what} is a hub dataset: reading it needs the datasets package (pip install "
+            "datasets); or pass a local file or folder"
+        ) from None
+    return datasets
+
+
 def hub_specs(source: str, text_field: str) -> tuple[HubDataset, ...]:
     """The hub datasets a source name stands for: its known fallback(s), else `name[:config]`."""
     fallback = HUB_FALLBACKS.get(source)

@@ -320,6 +320,11 @@ def check_families(spec: SweepSpec) -> None:
         )
     if set(spec.objectives) != {"headless", "vanilla"}:
         raise HLMError("the headline comparison needs sweep.objectives=[headless,vanilla]")
+    if not spec.recipe.startswith("headline-"):
+        raise HLMError(
+            f"sweep.recipe={spec.recipe}: the headline report needs its downstream scores; "
+            "use headline-tiny, headline-cpu or headline-paper"
+        )
 
 
 AXIS = Axis(

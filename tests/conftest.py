@@ -38,15 +38,20 @@ def ray_cluster(tmp_path_factory):
     Workers get their own cache folder: they do not see pytest's per-test environment."""
     import ray
 
+    from hlm_ray.train.launch import local_cluster_options
+
     cache = tmp_path_factory.mktemp("ray_worker_cache")
+    # Its own dashboard port, which its processes' State API calls use: Train V2 cleans the
+    # placement groups of a trial ASHA stopped through it, also beside other clusters.
+    options = local_cluster_options()
+    options["runtime_env"]["env_vars"].update(HLM_CACHE_DIR=str(cache), OMP_NUM_THREADS="1")
     ray.init(
         # A new local cluster even where another Ray runs on this machine (ray.init() would join
         # the one named in /tmp/ray/ray_current_cluster, e.g. left by a multi-node test).
         address="local",
         num_cpus=2,
-        include_dashboard=True,  # Train V2 cleans placement groups through the State API
-        runtime_env={"env_vars": {"HLM_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1"}},
         log_to_driver=False,
+        **options,
     )
     yield ray
     ray.shutdown()

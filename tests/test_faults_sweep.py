@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
+from sweep_common import ROOT, descendants, still_running
 
-ROOT = Path(__file__).resolve().parents[1]
 NAME = "ctrl-c-e2e"
 # One trial (1 vocabulary × 1 objective); 100 steps so that it is still training when the
 # signal arrives after its first checkpoint (step 20).
@@ -26,46 +26,6 @@ SWEEP_ARGS = [
     "--set",
     "optim.max_steps=100",
 ]
-
-
-def started_at(pid: int) -> str | None:
-    """The process's start time (clock ticks since boot), None when it is gone or a zombie:
-    with the pid, it names one process (pids are reused; Ray workers retitle themselves)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] == "Z" else fields[19]
-
-
-def descendants(pid: int) -> dict[int, tuple[str, str]]:
-    """{pid: (start time, command line)} of every live descendant of `pid` (Linux /proc)."""
-    parents: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the name may hold spaces and ")"
-        parents.setdefault(ppid, []).append(int(entry.name))
-    found: dict[int, tuple[str, str]] = {}
-    todo = [pid]
-    while todo:
-        for child in parents.get(todo.pop(), []):
-            try:
-                cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ")
-            except OSError:
-                continue
-            if (start := started_at(child)) is not None:
-                found[child] = (start, cmdline.decode(errors="replace"))
-                todo.append(child)
-    return found
-
-
-def still_running(seen: dict[int, tuple[str, str]]) -> dict[int, str]:
-    return {pid: cmd for pid, (start, cmd) in seen.items() if started_at(pid) == start}
 
 
 def sweep_env(tmp_path: Path) -> dict[str, str]:

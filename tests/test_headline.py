@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from scipy import stats as sps
+from sweep_common import check_trials_carry_their_values
 
 from hlm_ray.classify.baselines import chance_baseline, majority_baseline, majority_scores
 from hlm_ray.classify.finetune import limit_examples
@@ -241,6 +242,8 @@ def test_headline_tiny_end_to_end(ray_cluster, mlflow_store, tmp_path, monkeypat
     assert (folder / "headline.png").stat().st_size > 1000
     trials = report.read_trials(folder, "family")
     assert len(trials) == 4
+    spec = get_sweep(HEADLINE.PRESETS, "tiny", ["sweep.num_seeds=1"])
+    check_trials_carry_their_values(folder, spec, mlflow_store, "hl")  # family, arm, budget
     dec = {t.objective: t.scores for t in trials if t.family == "tiny-gpt2"}
     assert dec["headless"]["finetune/steps"] == 1 and "finetune/tokens" in dec["headless"]
     from mlflow import MlflowClient

@@ -3,14 +3,23 @@ end on the shared Ray cluster (Train inside Tune, MLflow parent and child runs, 
 
 import ast
 import csv
-import importlib.util
 import json
 import math
 import os
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from sweep_common import (
+    EXPERIMENT,
+    FAST,
+    ROOT,
+    check_trials_carry_their_values,
+    load_script,
+    set_args,
+    summary_rows,
+    sweep_main,
+    sweep_runs,
+)
 
 from hlm_ray.errors import HLMError
 from hlm_ray.flops import config_step_flops
@@ -21,33 +30,9 @@ from hlm_ray.tune.summary import markdown_table, write_summary
 from hlm_ray.tune.sweep import _rows, check_resume, plan_concurrency, prepare_inputs
 from hlm_ray.tune.trial import TrialRuntime, final_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = data_dir() / "corpus" / "en" / "tinyshakespeare.txt"
-EXPERIMENT = "hlm_ray-sweeps"
-# Tiny runs: 8 steps, one checkpoint (one ~2 s report), a 300 kB BPE training text.
-FAST = [
-    "optim.max_steps=8",
-    "run.checkpoint_every=8",
-    "run.eval_every=8",
-    "run.log_every=4",
-    "tokenizer.train_sample_bytes=300000",
-]
-
-
-def _set(items):
-    return [arg for item in items for arg in ("--set", item)]
-
-
-def _load_script(path: Path):
-    spec = importlib.util.spec_from_file_location(f"sweep_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _sweep_main(kind: str):
-    """`main(argv)` of sweeps/<kind>.py, called in this process: it joins the test cluster."""
-    return _load_script(ROOT / "sweeps" / f"{kind}.py").main
+_set, _load_script, _sweep_main = set_args, load_script, sweep_main
+_runs, _summary = sweep_runs, summary_rows
 
 
 SCRIPTS = {p.stem: _load_script(p) for p in sorted((ROOT / "sweeps").glob("*.py"))}
@@ -105,6 +90,13 @@ def test_an_empty_grid_fails_before_anything_runs():
         get_sweep("vocab", "tiny", ["sweep.valuez=[512]"])
     with pytest.raises(HLMError, match="unknown config field optim.lrr"):
         get_sweep("vocab", "tiny", ["optim.lrr=1"])
+
+
+def test_the_headline_sweep_needs_its_downstream_scores():
+    check = SCRIPTS["headline"].check_families
+    check(get_sweep("headline", "tiny"))
+    with pytest.raises(HLMError, match="sweep.recipe=none: the headline report needs"):
+        check(get_sweep("headline", "tiny", ["sweep.recipe=none"]))
 
 
 def test_a_vocabulary_below_the_special_tokens_fails_before_training():
@@ -217,32 +209,6 @@ def test_final_metrics_carry_k_v_head_share_and_bits_per_byte():
     assert math.isnan(out["downstream/score"])
 
 
-@pytest.mark.parametrize("report_steps", [True, False])
-def test_only_a_searching_sweep_passes_each_step_to_tune(tmp_path, monkeypatch, report_steps):
-    """A grid sweep's trials report once, at the end: the TuneReportCallback (what ASHA needs)
-    costs one queue actor process per trial."""
-    import ray.tune.integration.ray_train as tune_train
-
-    from hlm_ray.train import launch as launch_mod
-    from hlm_ray.tune import trial as trial_mod
-
-    class TuneReportCallback:  # Ray's refuses to exist outside a Tune session
-        pass
-
-    seen = {}
-    monkeypatch.setattr(tune_train, "TuneReportCallback", TuneReportCallback)
-    monkeypatch.setattr(launch_mod, "launch", lambda cfg, **kw: seen.update(kw) or {"ok": 1})
-    runtime = TrialRuntime(
-        sweep="s", kind="vocab", experiment="e", parent_run_id=None, trials_dir=str(tmp_path),
-        recipe="tiny", workers=1, cpus_per_worker=1.0, gpus_per_worker=0.0,
-        report_steps=report_steps,
-    )  # fmt: skip
-    cfg = get_sweep("vocab", "tiny").cell_config(512, "vanilla", 0)
-    assert trial_mod._pretrain(cfg, runtime, tmp_path / "t", "t0") == {"ok": 1}
-    names = [type(cb).__name__ for cb in seen["callbacks"]]
-    assert names == (["TuneReportCallback"] if report_steps else [])
-
-
 def test_a_fit_without_ray_datasets_starts_no_dataset_manager():
     """hlm's workers read their own data: Ray's DatasetsCallback (a DatasetManager actor per
     fit) is left out unless the trainer is given Ray datasets."""
@@ -329,22 +295,6 @@ def test_a_temporary_server_prints_no_links_that_die_with_it(sweep_server, capsy
     assert run.active and "View run" not in capsys.readouterr().out
 
 
-def _runs(uri, sweep):
-    from mlflow import MlflowClient
-
-    client = MlflowClient(uri)
-    experiment = client.get_experiment_by_name(EXPERIMENT)
-    runs = client.search_runs([experiment.experiment_id], f"tags.sweep = '{sweep}'")
-    parents = [r for r in runs if r.data.tags.get("sweep_role") == "parent"]
-    children = [r for r in runs if r.data.tags.get("sweep_role") != "parent"]
-    return client, parents, children
-
-
-def _summary(folder):
-    with open(folder / "summary.csv") as f:
-        return list(csv.DictReader(f))
-
-
 @pytest.mark.ray
 @pytest.mark.slow
 def test_vocab_sweep_end_to_end_then_resumes_without_retraining(
@@ -357,7 +307,8 @@ def test_vocab_sweep_end_to_end_then_resumes_without_retraining(
     assert main(argv) == 0
     printed = capsys.readouterr().out
     folder = tmp_path / "runs" / "sweeps" / "vocab-e2e"
-    rows = _summary(folder)
+    spec = get_sweep("vocab", "tiny", FAST)
+    rows = check_trials_carry_their_values(folder, spec, sweep_server, "vocab-e2e")
     assert sorted((r["objective"], r["vocab_size"]) for r in rows) == [
         ("headless", "1024"),
         ("headless", "512"),
@@ -465,7 +416,9 @@ def test_batch_size_sweep_retries_a_failed_trial_from_its_checkpoint(
     argv = ["--preset", "tiny", "--name", "bs-e2e", "--max-failures", "1", *_set(items)]
     assert _sweep_main("batch_size")(argv) == 0
     folder = tmp_path / "runs" / "sweeps" / "bs-e2e"
-    rows = _summary(folder)
+    rows = check_trials_carry_their_values(
+        folder, get_sweep("batch_size", "tiny", items), sweep_server, "bs-e2e"
+    )
     assert sorted((r["objective"], r["micro_batch"]) for r in rows) == [
         ("headless", "16"),
         ("headless", "8"),
@@ -489,3 +442,93 @@ def test_batch_size_sweep_retries_a_failed_trial_from_its_checkpoint(
         steps = {m.step for m in client.get_metric_history(child.info.run_id, "train/loss")}
         assert steps == {4, 8}
         assert "lambada/accuracy" in child.data.metrics
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kind, items",
+    [
+        # Two of the three tiny values, one worker per trial (all_workers needs two).
+        ("negatives", ["sweep.values=[own,64]", "sweep.workers_per_trial=1"]),
+        ("temperature", []),
+    ],
+)
+def test_a_pretraining_only_sweep_end_to_end(
+    kind, items, ray_cluster, sweep_server, tmp_path, monkeypatch
+):
+    """The other scripts at their tiniest: two trials of 8 steps, no downstream step."""
+    monkeypatch.chdir(tmp_path)
+    items = [*FAST, *items, "sweep.recipe=none"]
+    name = f"{kind}-e2e"
+    assert _sweep_main(kind)(["--preset", "tiny", "--name", name, *_set(items)]) == 0
+    folder = tmp_path / "runs" / "sweeps" / name
+    spec = get_sweep(kind, "tiny", items)
+    rows = check_trials_carry_their_values(folder, spec, sweep_server, name)
+    assert len(rows) == 2
+    for row in rows:
+        assert row["status"] == "FINISHED" and float(row["loss"]) > 0
+        assert row["downstream/score"] == ""  # sweep.recipe=none: not run
+        assert not (folder / "trials" / row["run"] / "downstream").exists()
+    (parent,) = _runs(sweep_server, name)[1]
+    assert parent.info.status == "FINISHED"
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_search_stops_trials_with_asha_and_names_the_lowest_validation_loss(
+    ray_cluster, sweep_server, tmp_path, monkeypatch, capsys
+):
+    """--search for real: 3 sampled learning rates, one trial at a time (2 CPUs a worker: ASHA
+    sees the trials in a fixed order), a validation loss at every third step, ASHA from the
+    first report on."""
+    monkeypatch.chdir(tmp_path)
+    items = [
+        "optim.max_steps=12",
+        "run.checkpoint_every=3",
+        "run.log_every=3",
+        "tokenizer.train_sample_bytes=300000",
+        "sweep.search_samples=3",
+        "sweep.search_lr=[1e-5,1e-1]",
+        "sweep.search_warmup=[0,2]",
+        "sweep.recipe=none",
+        "sweep.cpus_per_worker=2",
+    ]
+    argv = ["--preset", "tiny", "--search", "--name", "search-e2e", *_set(items)]
+    assert _sweep_main("vocab")(argv) == 0
+    printed = capsys.readouterr().out
+    rows = _summary(tmp_path / "runs" / "sweeps" / "search-e2e")
+    status = {r["trial_id"]: r["status"] for r in rows}
+    stopped = sorted(t for t, s in status.items() if s == "STOPPED")
+    finished = sorted(t for t, s in status.items() if s == "FINISHED")
+    assert len(rows) == 3 and stopped and finished, status
+    assert len({r["lr"] for r in rows}) == 3  # each trial its own sample
+    assert f"{len(stopped)} trial(s) stopped early by ASHA: {', '.join(stopped)}" in printed
+
+    # Every trial's validation loss, read from its own MLflow run.
+    client, (parent,), children = _runs(sweep_server, "search-e2e")
+    assert parent.info.status == "FINISHED"
+    runs = {c.data.tags["trial_id"]: c for c in children}
+    assert sorted(runs) == sorted(status)
+    assert all(c.data.tags["mlflow.parentRunId"] == parent.info.run_id for c in children)
+
+    def val_steps(trial):
+        history = client.get_metric_history(runs[trial].info.run_id, "val/loss")
+        return {m.step: m.value for m in history}
+
+    last = {}  # every trial's last validation loss
+    for trial in stopped:  # its run closed KILLED
+        steps = val_steps(trial)
+        assert runs[trial].info.status == "KILLED" and steps
+        last[trial] = steps[max(steps)]
+    losses = {}
+    for trial in finished:
+        steps = val_steps(trial)
+        assert max(steps) == 12 and runs[trial].info.status == "FINISHED"
+        losses[trial] = steps[12]
+        row = next(r for r in rows if r["trial_id"] == trial)
+        assert float(row["loss"]) == pytest.approx(losses[trial])
+    best = min(losses, key=losses.get)
+    (line,) = [line for line in printed.splitlines() if line.startswith("best: ")]
+    assert f"validation loss {losses[best]:.4f}" in line and line.endswith(f"trial {best})")
+    assert losses[best] == min({**last, **losses}.values())  # ASHA stopped trailing trials

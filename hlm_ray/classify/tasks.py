@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from hlm_ray.errors import HLMError
-from hlm_ray.paths import DATA_ENV, cache_dir, data_dir, has_shared
+from hlm_ray.paths import DATA_ENV, cache_dir, data_dir, has_shared, hub_datasets
 
 XNLI_LANGUAGES = ("ar", "de", "en", "es", "fr", "hi", "zh")  # the paper's seven
 GLUE_EVAL = "eval"  # the eval-split key of single-split tasks
@@ -374,9 +374,7 @@ def _shared_rows(spec: TaskSpec) -> list[Example]:
 
 
 def _hub_split(spec: TaskSpec, split: str) -> list[Example]:
-    import datasets
-
-    ds = datasets.load_dataset(
+    ds = hub_datasets(spec.hub_name).load_dataset(
         spec.hub_name, spec.hub_config, split=split, cache_dir=str(cache_dir("datasets"))
     )
     where = f"{spec.hub_name}:{spec.hub_config}/{split}"

@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from hlm_ray.errors import HLMError
 from hlm_ray.evaluate.common import eval_mode
 from hlm_ray.models import max_input_positions
-from hlm_ray.paths import DATA_ENV, data_dir, has_shared, shared_file
+from hlm_ray.paths import DATA_ENV, data_dir, has_shared, hub_datasets, shared_file
 
 LAMBADA_FILE = "eval/lambada_openai.jsonl"
 # What lm-eval's lambada_openai.yaml loads (the "en" config holds the same 5,153 passages).
@@ -92,9 +92,8 @@ def _read_jsonl(path: Path, limit: int | None) -> list[dict]:
 
 def _from_hub(limit: int | None) -> list[dict]:
     name, config, split = LAMBADA_HUB
+    datasets = hub_datasets(f"LAMBADA: {LAMBADA_FILE} is not in {data_dir()}, and {name}")
     try:
-        import datasets
-
         rows = datasets.load_dataset(name, config, split=split)
     except Exception as err:  # offline: ConnectionError, DatasetNotFoundError, OSError, ...
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__

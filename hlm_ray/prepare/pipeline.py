@@ -34,7 +34,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 
 from hlm_ray.errors import HLMError
 from hlm_ray.paths import cache_dir
@@ -173,7 +172,8 @@ class TokenizePieces:
                 parts.append(eos)
         return np.concatenate(parts) if parts else np.zeros(0, dtype=self.dtype)
 
-    def __call__(self, batch: dict) -> pa.Table:
+    def rows(self, batch: dict) -> dict[str, list]:
+        """{index, train, val, bytes} lists for the pieces of `batch` (tokens as raw bytes)."""
         r = self.request
         rows: dict[str, list] = {"index": [], "train": [], "val": [], "bytes": []}
         for i in range(len(batch["index"])):
@@ -184,14 +184,15 @@ class TokenizePieces:
             rows["bytes"].append(sum(len(d.encode("utf-8")) for d in docs))
             for split in SPLITS:
                 rows[split].append(self.encode(splits[split]).tobytes())
-        return pa.table(
-            {
-                "index": pa.array(rows["index"], pa.int64()),
-                "train": pa.array(rows["train"], pa.large_binary()),
-                "val": pa.array(rows["val"], pa.large_binary()),
-                "bytes": pa.array(rows["bytes"], pa.int64()),
-            }
-        )
+        return rows
+
+    def __call__(self, batch: dict):
+        """The rows as a pyarrow table (what Ray Data's `map_batches` passes on)."""
+        import pyarrow as pa
+
+        cols = {"index": pa.int64(), "train": pa.large_binary(), "val": pa.large_binary()}
+        cols["bytes"] = pa.int64()
+        return pa.table({k: pa.array(v, cols[k]) for k, v in self.rows(batch).items()})
 
 
 def _plain(value):
@@ -208,8 +209,8 @@ def _tokenized(pieces, fn_args: dict, workers: int | None) -> Iterator[tuple[int
         return
     if workers is None or workers == 0:
         fn = TokenizePieces(**fn_args)
-        for piece in pieces:
-            yield from _rows(fn(_batches([piece])), fn_args["dtype"])
+        for piece in pieces:  # in process: plain lists, no pyarrow
+            yield from _rows(fn.rows(_batches([piece])), fn_args["dtype"])
         return
     import ray
 
@@ -230,7 +231,7 @@ def _tokenized(pieces, fn_args: dict, workers: int | None) -> Iterator[tuple[int
     failure = None
     try:
         for table in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=4):
-            yield from _rows(table, fn_args["dtype"])
+            yield from _rows(table.to_pydict(), fn_args["dtype"])
     except Exception as err:
         failure = as_hlm_error(err)
     if failure is not None:  # actors' handles sit in Ray's error, `ds` and reference cycles: a
@@ -239,8 +240,7 @@ def _tokenized(pieces, fn_args: dict, workers: int | None) -> Iterator[tuple[int
         raise failure
 
 
-def _rows(table: pa.Table, dtype: str):
-    cols = table.to_pydict()
+def _rows(cols: dict[str, list], dtype: str):
     for i, index in enumerate(cols["index"]):
         splits = {s: np.frombuffer(cols[s][i], dtype=dtype) for s in SPLITS}
         yield index, splits, cols["bytes"][i]
@@ -510,9 +510,11 @@ def _write(pieces, fn_args, workers, writers, total, progress) -> tuple[int, int
     from tqdm import tqdm
 
     if workers is None:
-        import ray
-
-        if ray.is_initialized():
+        try:
+            import ray
+        except ImportError:  # the bare core: tokenize in process
+            ray = None
+        if ray is not None and ray.is_initialized():
             workers = max(1, int(ray.available_resources().get("CPU", 1)))
     bar = tqdm(
         total=sum(p.stop - p.start for p in pieces if p.unit != "parquet") or None,

@@ -1,6 +1,7 @@
-"""A prepared folder on any pyarrow filesystem: atomic files, shard writers, the manifest.
+"""A prepared folder (local, or on any pyarrow filesystem): atomic files, shard writers, the
+manifest.
 
-    store = Store.open("/data/prepared/x")          # or "s3://bucket/x", "file:///..."
+    store = Store.open("/data/prepared/x")          # or "s3://bucket/x", "file:///..." (pyarrow)
     writer = ShardWriter(store, "train", np.uint16, shard_tokens=1 << 24, eos_id=0)
     writer.add(tokens, piece=3)                      # whole shards are written as they fill
     store.write_json("manifest.json", {...})         # temp name, then rename
@@ -15,12 +16,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pyarrow.fs as pafs
 
 from hlm_ray.errors import HLMError
 
@@ -30,36 +31,105 @@ TOKENIZER_DIR = "tokenizer"
 
 
 class Store:
-    """A folder on a pyarrow filesystem (local paths stay plain paths for memory maps)."""
+    """A local (or mounted) folder, in plain Python; `Store.open` of a URI gives the pyarrow
+    filesystem version (`RemoteStore`), so pyarrow is needed only for remote folders."""
 
-    def __init__(self, fs: pafs.FileSystem, root: str, uri: str):
-        self.fs, self.root, self.uri = fs, root.rstrip("/"), uri
+    def __init__(self, root: str, uri: str):
+        self.root, self.uri = root.rstrip("/"), uri
 
     @classmethod
     def open(cls, uri: str | Path) -> Store:
         uri = str(uri)
         if "://" in uri:
-            try:
-                fs, root = pafs.FileSystem.from_uri(uri)
-            except Exception as err:
-                raise HLMError(f"cannot open {uri}: {err}".splitlines()[0]) from None
-        else:
-            fs, root = pafs.LocalFileSystem(), str(Path(uri).expanduser().resolve())
-            uri = root
-        fs.create_dir(root, recursive=True)
-        return cls(fs, root, uri)
+            return RemoteStore.open_uri(uri)
+        root = str(Path(uri).expanduser().resolve())
+        Path(root).mkdir(parents=True, exist_ok=True)
+        return cls(root, root)
 
     @property
     def local_path(self) -> Path | None:
-        return Path(self.root) if isinstance(self.fs, pafs.LocalFileSystem) else None
+        return Path(self.root)
 
     def path(self, name: str) -> str:
         return f"{self.root}/{name}"
 
     def exists(self, name: str) -> bool:
+        return os.path.lexists(self.path(name))
+
+    def names(self) -> list[str]:
+        return sorted(os.listdir(self.root)) if os.path.isdir(self.root) else []
+
+    def read_json(self, name: str) -> dict | None:
+        if not self.exists(name):
+            return None
+        return json.loads(Path(self.path(name)).read_bytes().decode())
+
+    def write_bytes(self, name: str, data: bytes | memoryview) -> None:
+        """Write under a temporary name, then rename: a reader never sees half a file."""
+        tmp = self.path(f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, self.path(name))
+
+    def write_json(self, name: str, data: dict) -> None:
+        self.write_bytes(name, (json.dumps(data, indent=1) + "\n").encode())
+
+    def delete(self, name: str) -> None:
+        path = self.path(name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
+        elif os.path.lexists(path):
+            os.remove(path)
+
+    def clean_temporaries(self) -> None:
+        for name in self.names():
+            if name.startswith(".") and ".tmp-" in name:
+                self.delete(name)
+
+    def upload_dir(self, local: Path, name: str) -> None:
+        """Copy a local folder in under `name` (via a temporary name, then renamed)."""
+        tmp = f".{name}.tmp-{uuid.uuid4().hex[:8]}"
+        shutil.copytree(local, self.path(tmp))
+        os.replace(self.path(tmp), self.path(name))
+
+
+class RemoteStore(Store):
+    """A folder on a pyarrow filesystem ("s3://bucket/x", "file:///..."): pyarrow is imported
+    here, when such a URI is opened."""
+
+    def __init__(self, fs, root: str, uri: str):
+        super().__init__(root, uri)
+        self.fs = fs
+
+    @classmethod
+    def open_uri(cls, uri: str) -> RemoteStore:
+        try:
+            import pyarrow.fs as pafs
+        except ImportError:
+            raise HLMError(
+                f"{uri} is a remote folder: it needs pyarrow (pip install pyarrow)"
+            ) from None
+        try:
+            fs, root = pafs.FileSystem.from_uri(uri)
+        except Exception as err:
+            raise HLMError(f"cannot open {uri}: {err}".splitlines()[0]) from None
+        fs.create_dir(root, recursive=True)
+        return cls(fs, root, uri)
+
+    @property
+    def local_path(self) -> Path | None:
+        import pyarrow.fs as pafs
+
+        return Path(self.root) if isinstance(self.fs, pafs.LocalFileSystem) else None
+
+    def exists(self, name: str) -> bool:
+        import pyarrow.fs as pafs
+
         return self.fs.get_file_info(self.path(name)).type != pafs.FileType.NotFound
 
     def names(self) -> list[str]:
+        import pyarrow.fs as pafs
+
         infos = self.fs.get_file_info(pafs.FileSelector(self.root, allow_not_found=True))
         return sorted(Path(i.path).name for i in infos)
 
@@ -70,29 +140,23 @@ class Store:
             return json.loads(f.read().decode())
 
     def write_bytes(self, name: str, data: bytes | memoryview) -> None:
-        """Write under a temporary name, then rename: a reader never sees half a file."""
         tmp = self.path(f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         with self.fs.open_output_stream(tmp) as f:
             f.write(data)
         self.fs.move(tmp, self.path(name))
 
-    def write_json(self, name: str, data: dict) -> None:
-        self.write_bytes(name, (json.dumps(data, indent=1) + "\n").encode())
-
     def delete(self, name: str) -> None:
+        import pyarrow.fs as pafs
+
         info = self.fs.get_file_info(self.path(name))
         if info.type == pafs.FileType.Directory:
             self.fs.delete_dir(self.path(name))
         elif info.type == pafs.FileType.File:
             self.fs.delete_file(self.path(name))
 
-    def clean_temporaries(self) -> None:
-        for name in self.names():
-            if name.startswith(".") and ".tmp-" in name:
-                self.delete(name)
-
     def upload_dir(self, local: Path, name: str) -> None:
-        """Copy a local folder in under `name` (via a temporary name, then renamed)."""
+        import pyarrow.fs as pafs
+
         tmp = f".{name}.tmp-{uuid.uuid4().hex[:8]}"
         self.fs.create_dir(self.path(tmp), recursive=True)
         pafs.copy_files(str(local), self.path(tmp), pafs.LocalFileSystem(), self.fs)

@@ -253,6 +253,14 @@ class MlflowTracker(Tracker):
             return
         reason = f"{type(exc).__name__}: {one_line(exc, limit=300, empty='(no message)')}"
         self.disabled_reason = reason
+        if isinstance(exc, ImportError) and (exc.name or "").split(".")[0] == "mlflow":
+            # A bare node (no mlflow): one line, and the JSONL keeps the run for `hlm sync`.
+            self.disabled_reason = "mlflow is not installed"
+            log.warning(
+                "MLflow tracking is off: mlflow is not installed; the run's metrics.jsonl keeps "
+                "everything (`hlm sync RUN` sends it to MLflow where mlflow is installed)"
+            )
+            return
         log.warning(
             "MLflow tracking is off for the rest of this run (%s at %s failed): %s",
             what,

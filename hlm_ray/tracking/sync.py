@@ -10,7 +10,8 @@ here, once it is back:
 Points MLflow already holds (same key and step) are not sent again, so syncing twice, or a run
 whose tracking never failed, adds nothing. The status the launcher meant to give the run
 (FINISHED, FAILED, KILLED: kept in `mlflow_run.json`) is applied, as are the params (from
-`params.json`) and the final artifacts, when the run lacks them.
+`params.json`) and the final artifacts, when the run lacks them. A run folder that never had an
+MLflow run (trained where mlflow was not installed) gets a new one, named after the folder.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import Any
 
 from hlm_ray.errors import HLMError
 from hlm_ray.tracking.base import RUN_REF_FILE as RUN_ID_FILE
+from hlm_ray.tracking.base import read_run_ref, write_run_ref
 
 
 def read_run_file(out_dir: str | Path) -> dict[str, Any]:
@@ -49,7 +51,7 @@ def sync_run(out_dir: str | Path, *, tracking_uri: str | None = None) -> dict[st
     from hlm_ray.tracking.store import bound_http_waits, is_number, probe, redact
 
     out_dir = Path(out_dir)
-    info = read_run_file(out_dir)
+    info = read_run_ref(out_dir) or _open_untracked(out_dir, tracking_uri)
     run_id = info["run_id"]
     uri = tracking_uri or info.get("tracking_uri")
     bound_http_waits()
@@ -107,6 +109,29 @@ def sync_run(out_dir: str | Path, *, tracking_uri: str | None = None) -> dict[st
         "artifacts_logged": [a for _, a in artifacts],
         "status": status,
     }
+
+
+def _open_untracked(out_dir: Path, tracking_uri: str | None) -> dict[str, Any]:
+    """A run folder whose MLflow run was never opened (trained where mlflow was not installed):
+    a new run in its experiment (`launch.json`), named after the folder, FINISHED when the
+    folder has its summary, else FAILED."""
+    if not (out_dir / "metrics.jsonl").is_file():
+        read_run_file(out_dir)  # the one-line error: not a run folder
+    from hlm_ray.tracking.mlflow_tracker import MlflowTracker
+    from hlm_ray.tracking.store import default_tracking_uri, redact
+
+    launch = out_dir / "launch.json"
+    experiment = json.loads(launch.read_text()).get("experiment") if launch.is_file() else None
+    uri = tracking_uri or default_tracking_uri()
+    tracker = MlflowTracker(experiment or "hlm_ray", out_dir.name, tracking_uri=uri)
+    if tracker.run_id is None:
+        raise HLMError(
+            f"cannot sync {out_dir}: no MLflow run could be started at {redact(uri)} "
+            f"({tracker.disabled_reason}); its metrics stay in {out_dir / 'metrics.jsonl'}"
+        )
+    write_run_ref(out_dir, tracker.run_id, uri)
+    record_status(out_dir, "FINISHED" if (out_dir / "summary.json").is_file() else "FAILED")
+    return read_run_file(out_dir)
 
 
 def _missing_artifacts(client, run_id: str, out_dir: Path, status: str | None):

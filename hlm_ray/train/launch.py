@@ -103,7 +103,8 @@ def choose_resume(out_dir: Path, ray_folder: Path | None, *, warn: bool = True) 
 
 
 def connect() -> None:
-    """Join the cluster named by RAY_ADDRESS (set by `ray job submit` too), else start one."""
+    """Join the cluster named by RAY_ADDRESS (set by `ray job submit` too) or started on this
+    machine by `ray start`, else start a local one of this process (`local_cluster_options`)."""
     import ray
 
     if ray.is_initialized():
@@ -112,12 +113,46 @@ def connect() -> None:
     if address and address not in ("auto", "local"):
         _probe(address)  # ray.init retries an unreachable address for minutes
     try:
-        ray.init(address=address or None, log_to_driver=True)
+        options = local_cluster_options() if _starts_local(address) else {}
+        ray.init(address=address or None, log_to_driver=True, **options)
     except (ConnectionError, TimeoutError, RuntimeError, ValueError) as err:
         raise HLMError(
             f"cannot reach the Ray cluster at RAY_ADDRESS={address}: {str(err).splitlines()[0]}; "
             "start one with `ray start --head` or unset RAY_ADDRESS to run locally"
         ) from None
+
+
+def _starts_local(address: str | None) -> bool:
+    """Whether `ray.init(address)` starts a new local cluster (nothing to join)."""
+    if address == "local":
+        return True
+    if address:
+        return False
+    from ray._private.services import get_ray_address_from_environment
+
+    return get_ray_address_from_environment(None, None) is None
+
+
+def local_cluster_options() -> dict[str, Any]:
+    """`ray.init` options for a local cluster of this process that lives beside others on the
+    machine (another run or sweep started at the same time, each with its own cluster).
+
+    Ray Train's placement-group cleaner asks the State API about its controller without an
+    address; with two local clusters, Ray's lookup finds both GCS processes and fails every few
+    seconds ("Found multiple active Ray instances", a traceback each time). The cluster's
+    dashboard (the State API server) gets a port chosen here, and its processes are told where
+    it is (`RAY_API_SERVER_ADDRESS`, which that lookup reads first)."""
+    import socket
+
+    with socket.socket() as probe:  # a free port; Ray's dashboard takes it a moment later
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return {
+        "include_dashboard": True,  # Train V2 cleans placement groups through the State API
+        "dashboard_host": "127.0.0.1",
+        "dashboard_port": port,
+        "runtime_env": {"env_vars": {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}},
+    }
 
 
 def _probe(address: str) -> None:

@@ -37,6 +37,7 @@ from hlm_ray.config import Config
 from hlm_ray.data import BlockSampler
 from hlm_ray.device import autocast, autocast_dtype, resolve_device
 from hlm_ray.flops import config_step_flops, describe, device_peak_flops, k_tags, mfu
+from hlm_ray.model_card import write_model_card
 from hlm_ray.models import build_model, init_from_pretrained, num_parameters
 from hlm_ray.tokenizer import token_byte_lengths
 from hlm_ray.tracking import JsonlTracker, MultiTracker, Tracker, read_metrics
@@ -53,6 +54,7 @@ from hlm_ray.train.inputs import (
 )
 from hlm_ray.train.lm_objective import LMObjective
 from hlm_ray.train.optim import build_optimizer, build_scheduler, clip_grad_norm
+from hlm_ray.train.summary import plot_loss_curve
 from hlm_ray.train.validate import evaluate
 
 BEST = "best_checkpoint"  # a copy of the checkpoint with the lowest validation loss
@@ -543,15 +545,13 @@ def _tracker(out_dir: Path, tracking: dict[str, Any] | None, resuming: bool = Fa
 
 def _log_artifacts(tracker: Tracker, out_dir: Path, cfg: Config) -> None:
     """The resolved config, the final model (HF format, tokenizer inside) and the loss curve."""
-    from hlm_ray.model_card import write_model_card
-    from hlm_ray.train.summary import plot_loss_curve
-
     config_path = out_dir / "config.yaml"
     cfg.save(config_path)
     tracker.log_artifact(config_path)
     write_model_card(out_dir / "model")  # README.md: headless or vanilla, corpus, steps, tokens
     tracker.log_artifact(out_dir / "model", "model")
-    tracker.log_artifact(plot_loss_curve(read_metrics(out_dir), out_dir / "loss_curve.png"))
+    with contextlib.suppress(ModuleNotFoundError):  # no matplotlib (a bare node): no loss PNG
+        tracker.log_artifact(plot_loss_curve(read_metrics(out_dir), out_dir / "loss_curve.png"))
 
 
 def _tags(cfg: Config, tokenizer, env: WorkerEnv, model, step_cost) -> dict[str, Any]:
@@ -585,11 +585,11 @@ def _no_sync(module, sync: bool):
 
 def _quiet_library_progress_bars() -> None:
     """Our own bar shows training progress; per-save and per-load bars from HF would interleave."""
-    import datasets
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    datasets.disable_progress_bars()
+    with contextlib.suppress(ImportError):  # datasets is optional (absent on a bare node)
+        __import__("datasets").disable_progress_bars()
 
 
 def _copy_tree(src: Path, dst: Path) -> None:

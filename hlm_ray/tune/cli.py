@@ -142,14 +142,18 @@ def sweep_main(
             file=sys.stderr,
         )
         return EXIT_INTERRUPTED
-    stopped = sum(r["status"] == "STOPPED" for r in outcome.rows)
+    stopped = [r for r in outcome.rows if r["status"] == "STOPPED"]
     if stopped:
-        print(f"\n{stopped} trial(s) stopped early by ASHA")
+        ids = ", ".join(r["trial_id"] for r in stopped)
+        print(f"\n{len(stopped)} trial(s) stopped early by ASHA: {ids}")
     best = outcome.best() if args.search else None
     if best is not None:
+        score = best.get("downstream/score")
         print(
             f"best: lr={best['lr']:.3g} warmup_steps={best['warmup_steps']} "
-            f"(downstream score {best['downstream/score']:.4f}, trial {best['trial_id']})"
+            f"(validation loss {best['loss']:.4f}"
+            + (f", downstream score {score:.4f}" if score is not None else "")
+            + f", trial {best['trial_id']})"
         )
     if outcome.failed:
         print(f"\n{len(outcome.failed)} trial(s) did not finish; re-run the same command to retry")

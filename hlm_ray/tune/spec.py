@@ -52,9 +52,12 @@ class SweepSpec:
     """Seeds 0..num_seeds-1 (run.seed) per (value, objective)."""
     overrides: tuple[str, ...] = ()
     """Dotted config overrides on the base preset, `optim.max_steps=20`."""
-    recipe: Literal["tiny", "paper", "headline-tiny", "headline-cpu", "headline-paper"] = "tiny"
+    recipe: Literal["tiny", "paper", "headline-tiny", "headline-cpu", "headline-paper", "none"] = (
+        "tiny"
+    )
     """Downstream protocol (`hlm_ray.downstream.DOWNSTREAM`); the headline-* ones are
-    `sweeps/headline.py`'s (more GLUE tasks, the generator's fine-tuning share)."""
+    `sweeps/headline.py`'s (more GLUE tasks, the generator's fine-tuning share). `none`: no
+    downstream step (pretraining only: the summary's downstream columns stay empty)."""
     workers_per_trial: int = 1
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0

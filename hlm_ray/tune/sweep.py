@@ -64,9 +64,15 @@ class SweepOutcome:
         """Trials that errored (after their retries); ASHA's early stops are not failures."""
         return [r for r in self.rows if r["status"] == "FAILED"]
 
-    def best(self, key: str = "downstream/score") -> dict[str, Any] | None:
+    def best(self, key: str = "loss", lowest: bool = True) -> dict[str, Any] | None:
+        """The finished trial with the lowest (`lowest`) or highest `key`: by default the
+        validation loss at the last step, what ASHA compared (a search's trials share one cell,
+        so their losses compare). Trials ASHA stopped are left out."""
         done = [r for r in self.rows if r["status"] == "FINISHED" and r.get(key) is not None]
-        return max(done, key=lambda r: r[key]) if done else None
+        if not done:
+            return None
+        pick = min if lowest else max
+        return pick(done, key=lambda r: r[key])
 
 
 # ------------------------------------------------------------------------------ checks
@@ -388,8 +394,10 @@ def _tuner(spec, folder, runtime, search, concurrency, verbose):
             max_concurrent_trials=concurrency,
             scheduler=scheduler,
             search_alg=search_alg,
-            # A finished trial's actor runs the next trial: no new process and imports.
-            reuse_actors=True,
+            # A finished trial's actor runs the next trial: no new process and imports. Not
+            # under ASHA: a stopped trial's thread is still in its TorchTrainer, so its actor
+            # cannot be reused (the next trial would fail) and must end, its trainer with it.
+            reuse_actors=not search,
         ),
         run_config=tune.RunConfig(
             name=TUNE_DIR,

@@ -30,6 +30,7 @@ from hlm_ray.tracking.base import read_run_ref  # the child run's id, kept in it
 # only a token of memory, because a placement group bundle cannot be empty.
 TRIAL_RESOURCES = {"cpu": 0, "memory": 64 * 2**20}
 DOWNSTREAM_FILE = "downstream.json"
+NO_DOWNSTREAM = "none"  # `sweep.recipe=none`: pretraining only
 
 
 @dataclass(frozen=True)
@@ -176,9 +177,12 @@ def _finished_summary(out_dir: Path, max_steps: int) -> dict[str, Any] | None:
 
 
 def _downstream(runtime: TrialRuntime, out_dir: Path, model_dir: Path) -> dict[str, float]:
-    """`run_downstream`, logging into the trial's MLflow run. With GPU workers it runs as a Ray
-    task holding one worker's resources (the trial function holds none); on CPU it runs here,
-    in the trial's process, once its trainer has given the worker's CPUs back."""
+    """`run_downstream`, logging into the trial's MLflow run (nothing for `sweep.recipe=none`).
+    With GPU workers it runs as a Ray task holding one worker's resources (the trial function
+    holds none); on CPU it runs here, in the trial's process, once its trainer has given the
+    worker's CPUs back."""
+    if runtime.recipe == NO_DOWNSTREAM:
+        return {}
     path = out_dir / DOWNSTREAM_FILE
     if path.is_file():
         return json.loads(path.read_text())

@@ -1,0 +1,87 @@
+"""Two sweeps started at once from one folder, as two processes: each on a local Ray cluster of
+its own (RAY_ADDRESS=local: never the test session's cluster nor another one on this machine),
+both into one MLflow store. Neither may trip over the other cluster: Ray Train's placement-group
+cleaner once looked for "the" local cluster, found several, and logged a traceback every few
+seconds."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from sweep_common import FAST, ROOT, descendants, set_args, still_running, sweep_runs
+
+# One trial each (one value, one objective), 8 steps, no downstream step.
+CHEAP = [*FAST, "sweep.objectives=[headless]", "sweep.recipe=none"]
+SWEEPS = {
+    "vocab": ["sweep.values=[512]"],
+    "batch_size": ["sweep.values=[8]"],
+}
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_two_sweeps_at_once_both_finish_without_ray_errors(tmp_path):
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    # The store exists, as in a project folder after its first run: two servers started at once
+    # on a fresh sqlite file both migrate it, and one fails ("table ... already exists").
+    MlflowClient(uri).search_experiments()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "RAY_ADDRESS": "local",
+        "MLFLOW_TRACKING_URI": uri,
+        "HLM_MLFLOW_DIR": str(tmp_path),
+        "HLM_CACHE_DIR": str(tmp_path / "cache"),
+        "OMP_NUM_THREADS": "1",
+    }
+    drivers = {}
+    seen: dict[int, tuple[str, str]] = {}
+    try:
+        for kind, items in SWEEPS.items():
+            argv = ["--preset", "tiny", "--name", f"{kind}-together", *set_args([*CHEAP, *items])]
+            with (tmp_path / f"{kind}.log").open("w") as out:
+                drivers[kind] = subprocess.Popen(
+                    [sys.executable, str(ROOT / "sweeps" / f"{kind}.py"), *argv],
+                    cwd=tmp_path,
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+        deadline = time.monotonic() + 600
+        while any(d.poll() is None for d in drivers.values()):
+            assert time.monotonic() < deadline, "the sweeps did not finish in 600 s"
+            for driver in drivers.values():
+                seen.update(descendants(driver.pid))
+            time.sleep(0.5)
+        logs = {kind: (tmp_path / f"{kind}.log").read_text() for kind in drivers}
+        for kind, driver in drivers.items():
+            assert driver.returncode == 0, logs[kind][-3000:]
+            assert "Traceback" not in logs[kind], logs[kind][-3000:]
+            assert "Found multiple active Ray instances" not in logs[kind]
+        # Two clusters: each driver started its own raylet.
+        raylets = [cmd for _, cmd in seen.values() if "raylet" in cmd.split(" ")[0]]
+        assert len(raylets) == 2, raylets
+        # Nothing either driver started outlives it (Ray's processes, the tracking servers).
+        deadline = time.monotonic() + 30
+        while (left := still_running(seen)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, left
+    finally:
+        for driver in drivers.values():
+            if driver.poll() is None:
+                os.killpg(driver.pid, signal.SIGKILL)
+                driver.wait()
+        for pid in still_running(seen):  # a failed test leaves nothing behind
+            os.kill(pid, signal.SIGKILL)
+
+    for kind in SWEEPS:  # both in the one store, each parent run with its trial
+        _, parents, children = sweep_runs(uri, f"{kind}-together")
+        assert [p.info.status for p in parents] == ["FINISHED"]
+        assert [c.data.tags["mlflow.parentRunId"] for c in children] == [parents[0].info.run_id]
+        assert children[0].info.status == "FINISHED"
