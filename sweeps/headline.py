@@ -3,7 +3,7 @@ the headless model is fine-tuned into a generator): headless vs vanilla at an eq
 seeds, in one sweep, one MLflow parent run and one report.
 
     python sweeps/headline.py --preset tiny            # the smoke test: ~2 minutes, 2 CPUs
-    python sweeps/headline.py --preset cpu             # 2 cores, ≤ 45 minutes, 3 seeds
+    python sweeps/headline.py --preset cpu             # 2 cores, 6 families × 2 arms × 3 seeds
     python sweeps/headline.py --preset paper --dry-run # bert-base, pythia-70m, multilingual
     python sweeps/headline.py --preset cpu --num-seeds 5 --name headline-cpu-5
     python sweeps/headline.py --preset cpu --curve     # score at 25/50/100% of the budget
@@ -182,7 +182,7 @@ FAMILIES: dict[str, Family] = {
         share=0.02,
         clm_tokens_per_step=32 * 64,
     ),
-    # cpu: 2 cores, the whole comparison in 16 min (measured under load); GLUE leaves chance.
+    # cpu, equal tokens: these two families took 16 min on 2 loaded cores; GLUE leaves chance.
     "bert-cpu": Family(
         "tiny-encoder",
         CPU_SETTINGS,
