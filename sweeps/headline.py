@@ -507,6 +507,38 @@ def budget_notes(spec: SweepSpec) -> list[str]:
     return notes
 
 
+def reached_notes(spec: SweepSpec, folder) -> list[str]:
+    """What each arm of a compute-budget family really trained: steps and tokens from its
+    trials' summary.json (mean over seeds; at equal seconds these are the result)."""
+    import csv
+    import json
+
+    reached: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    with (folder / "summary.csv").open(newline="") as f:
+        for row in csv.DictReader(f):
+            path = folder / "trials" / row["run"] / "summary.json"
+            family = FAMILIES.get(row[AXIS.column[1]])
+            if row["status"] != "FINISHED" or family is None or family.budget == "tokens":
+                continue
+            if path.is_file():
+                s = json.loads(path.read_text())
+                reached.setdefault((row[AXIS.column[1]], row["objective"]), []).append(
+                    (int(s["steps"]), int(s["tokens"]))
+                )
+    notes = []
+    for value in spec.values:
+        arms = [
+            (o, reached[(str(value), o)]) for o in spec.objectives if (str(value), o) in reached
+        ]
+        if arms:
+            said = "; ".join(
+                f"{o} {sum(s for s, _ in r) / len(r):,.0f} steps = {sum(t for _, t in r) / len(r):,.0f}"
+                f" tokens" for o, r in arms
+            )  # fmt: skip
+            notes.append(f"`{value}` as trained (mean over seeds): {said}.")
+    return notes
+
+
 def write_report(spec: SweepSpec, name: str, preset: str) -> list:
     """report.md and headline.png in runs/sweeps/<name>, logged on the parent run."""
     from hlm_ray.paths import resolve_output
@@ -523,7 +555,7 @@ def write_report(spec: SweepSpec, name: str, preset: str) -> list:
         rows,
         title=title,
         scale=f"the {preset} scale",
-        notes=budget_notes(spec),
+        notes=[*budget_notes(spec), *reached_notes(spec, folder)],
         figure=png.name,
     )
     md = folder / "report.md"

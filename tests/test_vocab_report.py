@@ -196,3 +196,24 @@ def test_the_score_is_named_by_the_recipe_with_its_majority_baseline():
     label, base, note = downstream_score("paper")
     assert label == "GLUE-style average (CoLA MCC, SST-2 accuracy, MRPC accuracy, QNLI accuracy)"
     assert note == "mean of the tasks' majority classes" and 0 < base < 0.5
+
+
+def test_the_report_says_what_each_arm_trained_at_equal_seconds(tmp_path):
+    import json
+
+    headline = load_script("headline")
+    rows = [("headless", 0, 900), ("headless", 1, 700), ("vanilla", 0, 40), ("vanilla", 1, 30)]
+    lines = ["run,status,family,objective,seed"]
+    for arm, seed, steps in rows:
+        run = f"{arm}-s{seed}"
+        lines.append(f"{run},FINISHED,gpt2-cpu-seconds,{arm},{seed}")
+        (tmp_path / "trials" / run).mkdir(parents=True)
+        summary = {"steps": steps, "tokens": steps * 2048}
+        (tmp_path / "trials" / run / "summary.json").write_text(json.dumps(summary))
+    lines.append("x,FINISHED,bert-cpu,headless,0")  # an equal-token family: nothing to add
+    (tmp_path / "summary.csv").write_text("\n".join(lines) + "\n")
+    spec = headline.PRESETS["cpu"]
+    assert headline.reached_notes(spec, tmp_path) == [
+        "`gpt2-cpu-seconds` as trained (mean over seeds): headless 800 steps = 1,638,400 tokens; "
+        "vanilla 35 steps = 71,680 tokens."
+    ]
