@@ -22,6 +22,7 @@ mlflow). Start-up takes 10-45 s on a busy 2-core machine (more on a fresh store:
 from __future__ import annotations
 
 import atexit
+import fcntl
 import os
 import socket
 import subprocess
@@ -64,10 +65,14 @@ def tracking_server(
     saved = {key: os.environ.get(key) for key in QUIET_LINKS}
     try:
         os.environ.update(QUIET_LINKS)
-        server.spawn()
+        with creating_store(db) as fresh:
+            server.spawn()
+            if fresh:  # the sweeps started beside this one wait for its migrations
+                server.wait_ready(timeout_s)
         if while_starting is not None:
             while_starting()
-        server.wait_ready(timeout_s)
+        if not fresh:
+            server.wait_ready(timeout_s)
         yield server.uri
     finally:
         server.stop()
@@ -76,6 +81,20 @@ def tracking_server(
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+@contextmanager
+def creating_store(db: Path) -> Iterator[bool]:
+    """Whether `db` is yet to be created, under a lock held for the block when it is.
+
+    Two servers started at once on a sqlite file that does not exist both run MLflow's schema
+    migrations, and one fails ("table latest_metrics already exists"). The first process to take
+    the lock (``<db>.lock``, beside it) creates the store while the others wait; once it exists,
+    servers start side by side as before."""
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with db.with_name(db.name + ".lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield not db.exists()
 
 
 class LocalServer:
