@@ -196,6 +196,7 @@ def test_the_score_is_named_by_the_recipe_with_its_majority_baseline():
     label, base, note = downstream_score("paper")
     assert label == "GLUE-style average (CoLA MCC, SST-2 accuracy, MRPC accuracy, QNLI accuracy)"
     assert note == "mean of the tasks' majority classes" and 0 < base < 0.5
+    assert downstream_score("none")[1] is None  # pretraining only: no score, no baseline
 
 
 def test_the_report_says_what_each_arm_trained_at_equal_seconds(tmp_path):

@@ -165,7 +165,7 @@ def scores_sentence(rows: list[report.Row]) -> str:
     )
 
 
-def downstream_score(recipe: str) -> tuple[str, float, str]:
+def downstream_score(recipe: str) -> tuple[str, float | None, str]:
     """(label, baseline, baseline note) of `downstream/score` for an encoder `recipe`: one
     task's main metric, or the mean over its tasks (baseline: the mean of their majority
     classes)."""
@@ -173,6 +173,8 @@ def downstream_score(recipe: str) -> tuple[str, float, str]:
     from hlm_ray.classify.finetune import recipe as classify_recipe
     from hlm_ray.downstream import DOWNSTREAM
 
+    if recipe not in DOWNSTREAM:  # sweep.recipe=none: pretraining only
+        return "no downstream score (sweep.recipe=none)", None, ""
     plan = DOWNSTREAM[recipe]
     tasks = [t for t in plan["glue_tasks"] if t not in plan.get("average_excludes", ())]
     bases = []
@@ -206,7 +208,8 @@ def write_vocab_report(spec, name: str, preset: str) -> str:
     fig_a = folder / "fig7a_score_vs_vocab.png"
     plot_vs_vocab(by_arm(rows, "downstream/score"), fig_a, y_label=task_label,
                   title=f"Figure 7a: {task_label} vs V\n{scale}",
-                  baseline=(baseline, f"{baseline_note} ({baseline:.3f})"))  # fmt: skip
+                  baseline=None if baseline is None else
+                  (baseline, f"{baseline_note} ({baseline:.3f})"))  # fmt: skip
     fig_b = folder / "fig7b_tokens_per_s_vs_vocab.png"
     speed = by_arm(rows, "tokens_per_s")
     plot_vs_vocab(speed, fig_b, y_label="training tokens / s",
@@ -223,6 +226,8 @@ def write_vocab_report(spec, name: str, preset: str) -> str:
         trials, [report.Score("tokens_per_s", "tokens/s", v, fmt="{:,.0f}") for v in values]
     )
     closing = [speed_sentence(speed, updates), scores_sentence(score_rows)]
+    if baseline is None:
+        score_rows, closing[1] = [], "Scores: none (sweep.recipe=none: pretraining only)."
     title = f"Figure 7 at the {preset} scale: headless vs vanilla per vocabulary size"
     text = report.markdown(
         [*score_rows, *speed_rows],
@@ -231,7 +236,7 @@ def write_vocab_report(spec, name: str, preset: str) -> str:
         notes=[f"Each row's family is the vocabulary size V ({scale}). Headless arms: "
                f"{updates.get('headless')} embedding update; vanilla: {updates.get('vanilla')}.",
                f"Score: {task_label}; baseline: {baseline_note} of the evaluation rows "
-               f"({baseline:.4f})."],
+               f"({baseline or 0:.4f})."],
         figure=fig_a.name,
     )  # fmt: skip
     text += f"\n![Figure 7b]({fig_b.name})\n\n" + "\n\n".join(closing) + "\n"
