@@ -166,3 +166,46 @@ def test_compiled_cwt_equals_eager(variant):
         got, want = run(compiled(loss_fn), targets), run(loss_fn, targets)
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("preset", "objective"),
+    [("tiny-decoder", "vanilla"), ("tiny-decoder", "mixed"), ("tiny-encoder", "vanilla")],
+)
+def test_every_vanilla_loss_goes_through_the_chosen_kernel(preset, objective, monkeypatch):
+    """Causal, masked and mixed: LMObjective hands the head to the kernel of vanilla_impl."""
+    import hlm_ray.cross_entropy as ce
+    import hlm_ray.train.lm_objective as lm
+
+    calls = []
+
+    def spy(hidden, weight, bias, labels, *, impl, ignore_index, reduction):
+        calls.append((impl, bias is not None))
+        return F.cross_entropy(F.linear(hidden.float(), weight.float(), bias), labels)
+
+    monkeypatch.setattr(ce, "fused_linear_cross_entropy", spy)
+    monkeypatch.setattr(lm, "check_vanilla_impl", lambda *a, **k: None)  # no package needed
+    model = _tiny(preset)
+    ids = torch.randint(5, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    labels = torch.where(torch.arange(12) % 4 == 0, ids, -100) if preset == "tiny-encoder" else None
+    torch_cfg = ObjectiveConfig(name=objective)
+    want = LMObjective(model, torch_cfg)(ids, labels)["loss"].loss
+    got = LMObjective(model, ObjectiveConfig(name=objective, vanilla_impl="liger"))(ids, labels)
+    assert calls == [("liger", preset == "tiny-encoder")]  # BERT's decoder bias is passed on
+    torch.testing.assert_close(got["loss"].loss, want)
+
+
+def test_cce_compile_in_the_objective_equals_torch():
+    """A whole vanilla decoder forward + backward through Cut Cross-Entropy's compile path."""
+    if reason := _skip_reason("cce_compile"):
+        pytest.skip(reason)
+    model = _tiny("tiny-decoder")
+    ids = torch.randint(5, 300, (2, 12), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for impl in ("torch", "cce_compile"):
+        model.zero_grad()
+        out = LMObjective(model, ObjectiveConfig(name="vanilla", vanilla_impl=impl))(ids)
+        out["loss"].loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters() if p.grad is not None])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
