@@ -102,8 +102,9 @@ def fused_linear_cross_entropy(
                 LigerFusedLinearCrossEntropyLoss,
             )
 
+            # accum_dtype: sum the weight gradient over row chunks in float32, not in bf16.
             loss_fn = LigerFusedLinearCrossEntropyLoss(
-                ignore_index=ignore_index, reduction=reduction
+                ignore_index=ignore_index, reduction=reduction, accum_dtype=torch.float32
             )
             bias = None if bias_V is None else bias_V.to(dtype)
             loss = loss_fn(weight_VD, hidden_ND, labels_N, bias)
