@@ -46,17 +46,18 @@ def unavailable_reason(impl: str, device_type: str, *, has_bias: bool = False) -
             f"objective.vanilla_impl={impl} cannot apply the head's bias (Cut Cross-Entropy has "
             "no bias argument; BERT's decoder has one): use vanilla_impl=liger or torch"
         )
-    package = _PACKAGE[impl]
-    if importlib.util.find_spec(package) is None:
-        return (
-            f"objective.vanilla_impl={impl} needs the {_PIP[package]} package: "
-            "pip install 'hlm_ray[gpu]' (or pick vanilla_impl=torch)"
-        )
+    # The device first: on a CPU, installing the package would not help.
     if impl != "cce_compile" and device_type != "cuda":
         alt = "cce_compile or torch" if impl == "cce" else "torch"
         return (
             f"objective.vanilla_impl={impl} is a Triton kernel for CUDA GPUs, not {device_type}: "
             f"use vanilla_impl={alt} there"
+        )
+    package = _PACKAGE[impl]
+    if importlib.util.find_spec(package) is None:
+        return (
+            f"objective.vanilla_impl={impl} needs the {_PIP[package]} package: "
+            "pip install 'hlm_ray[gpu]' (or pick vanilla_impl=torch)"
         )
     return None
 
