@@ -108,6 +108,8 @@ class ObjectiveConfig:
     mask_same removes same-id negatives: a different objective, for ablation."""
     cwt_chunk_size: int | None = None
     """Score the K×K logits in row chunks of this size (None: all at once)."""
+    cwt_compile: bool = False
+    """Run the CWT loss through torch.compile (fused softmax; same loss and gradients)."""
     cross_worker_negatives: bool = False
     """Score each worker's predictions against all workers' targets (changes the objective)."""
     num_negatives: int | None = None
@@ -118,6 +120,9 @@ class ObjectiveConfig:
     """Vanilla head: full logits, row-chunked, or torch's fused linear cross-entropy."""
     ce_chunk_size: int = 4096
     """Rows per chunk of the chunked and linear vanilla heads (chunk_size × V logits at once)."""
+    vanilla_impl: Literal["torch", "liger", "cce", "cce_compile"] = "torch"
+    """Vanilla head kernel: torch (ce_impl decides), or the `gpu` extra's fused kernels: Liger,
+    Cut Cross-Entropy (CUDA; no head bias), its torch.compile path cce_compile (any device)."""
     mlm_full_logits: bool = False
     """Vanilla MLM: apply the head at every position (the paper's baseline) instead of masked
     positions only (the stronger baseline)."""
@@ -150,6 +155,8 @@ class OptimConfig:
     the step's cost no longer grows with the vocabulary; untouched rows pause their momentum and
     weight decay, so results differ from dense (see hlm_ray/train/optim.py). Needs a table no
     vocabulary head reads: headless models, or vanilla gpt_neox (untied head)."""
+    compile: bool = False
+    """torch.compile the training step's model + loss forward (either objective)."""
 
     def grad_accum_steps(self, world_size: int) -> int:
         per_step = self.micro_batch_size * world_size

@@ -34,10 +34,10 @@ Usage::
 
 Every logit is computed in float32 (bf16/fp16 inputs are upcast first) and reduced with
 ``F.cross_entropy``, never exp→sum→log: the authors' code did the latter and produced NaN as soon
-as a logit passed ~88.7. This module imports only torch, so it can be copied into other projects.
+as a logit passed ~88.7. The vocabulary head (`LMHead`, `cross_entropy_head`, with the optional
+fused GPU kernels) lives in `hlm_ray.cross_entropy` and is re-exported here.
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -45,12 +45,19 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from hlm_ray.device import float32_region, require_torch_feature
+# The vocabulary head and its cross-entropy live in hlm_ray.cross_entropy (re-exported here).
+from hlm_ray.cross_entropy import (  # noqa: F401
+    CE_IMPLS,
+    IGNORE_INDEX,
+    REDUCTIONS,
+    LMHead,
+    cross_entropy_head,
+)
+from hlm_ray.cross_entropy import reduce_loss as _reduce
+from hlm_ray.cross_entropy import upcast as _upcast
+from hlm_ray.device import float32_region
 
-IGNORE_INDEX = -100
 CWT_VARIANTS = ("plain", "dedup", "mask_same")
-CE_IMPLS = ("full", "chunked", "linear")
-REDUCTIONS = ("mean", "sum", "none")
 
 
 # eq=False: the generated __eq__ would compare tensors, whose truth value is ambiguous.
@@ -65,37 +72,6 @@ class LossOutput:
     loss: Tensor
     num_rows: int | Tensor
     accuracy: Tensor | None = None
-
-
-@dataclass(frozen=True, eq=False)
-class LMHead:
-    """A vocabulary softmax head: ``logits = transform(hidden) @ weight.T + bias``.
-
-    ``transform`` is None for a GPT-style head (identity), or e.g. BERT's dense+gelu+LayerNorm.
-    """
-
-    transform: Callable[[Tensor], Tensor] | None
-    weight: Tensor  # V×D
-    bias: Tensor | None  # V
-
-    def features(self, hidden: Tensor) -> Tensor:
-        return hidden if self.transform is None else self.transform(hidden)
-
-
-def _upcast(x: Tensor) -> Tensor:
-    # Half-precision logits overflow (fp16 past 65504) and blur the ranking of close scores.
-    # float64 is kept as is so that exact references stay exact.
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-
-
-def _reduce(loss_K: Tensor, reduction: str) -> Tensor:
-    if reduction == "mean":
-        return loss_K.mean()
-    if reduction == "sum":
-        return loss_K.sum()
-    if reduction == "none":
-        return loss_K
-    raise ValueError(f"reduction={reduction!r}; use one of {', '.join(REDUCTIONS)}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,97 +301,6 @@ def cwt_loss_sampled(
 
 
 # ---------------------------------------------------------------------------------------------
-# Vocabulary softmax head
-# ---------------------------------------------------------------------------------------------
-
-
-def _ce_rows(
-    hidden_ND: Tensor, weight_VD: Tensor, bias_V: Tensor | None, labels_N: Tensor, ignore: int
-) -> Tensor:
-    with float32_region(hidden_ND.device.type):  # float32 logits, also under autocast
-        logits_NV = F.linear(hidden_ND, weight_VD, bias_V)
-    return F.cross_entropy(logits_NV, labels_N, ignore_index=ignore, reduction="none")
-
-
-def cross_entropy_head(
-    hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
-    labels: Tensor,
-    *,
-    impl: str = "full",
-    chunk_size: int = 4096,
-    ignore_index: int = IGNORE_INDEX,
-    reduction: str = "mean",
-) -> Tensor:
-    """Cross-entropy of ``F.linear(hidden, weight, bias)`` (hidden N×D, weight V×D) vs labels (N,).
-
-    ``impl``: ``"full"`` materialises the N×V float32 logits; ``"chunked"`` holds only
-    chunk_size×V logits at a time (row chunks with activation checkpointing, same result);
-    ``"linear"`` calls torch's fused ``F.linear_cross_entropy`` with the same ``chunk_size``
-    rows per chunk (``LinearCrossEntropyOptions(batch_chunk_size=...)``: torch's own heuristic
-    picks 1-2 rows a chunk on CPU, an unfairly slow baseline). All three compute float32 logits,
-    also under autocast. "mean" averages over non-ignored rows.
-    """
-    if impl not in CE_IMPLS:
-        raise ValueError(f"impl={impl!r}; use one of {', '.join(CE_IMPLS)}")
-    if impl == "linear":
-        args = (ignore_index, reduction, chunk_size)
-        return _fused_linear_cross_entropy(hidden, weight, bias, labels, *args)
-    hidden, weight = _upcast(hidden), _upcast(weight)
-    bias = None if bias is None else _upcast(bias)
-    N = hidden.shape[0]
-    if impl == "full" or chunk_size >= N:
-        with float32_region(hidden.device.type):  # float32 logits, also under autocast
-            logits_NV = F.linear(hidden, weight, bias)
-        return F.cross_entropy(logits_NV, labels, ignore_index=ignore_index, reduction=reduction)
-    # Chunked: the (upcast) weight is an input of every chunk, saved once by reference.
-    loss_N = torch.cat(
-        [
-            checkpoint(
-                _ce_rows,
-                hidden[start : start + chunk_size],
-                weight,
-                bias,
-                labels[start : start + chunk_size],
-                ignore_index,
-                use_reentrant=False,
-                preserve_rng_state=False,
-            )
-            for start in range(0, N, chunk_size)
-        ]
-    )
-    if reduction == "mean":
-        # Ignored rows contribute 0 to the sum and nothing to the count, as in F.cross_entropy.
-        return loss_N.sum() / (labels != ignore_index).sum()
-    return _reduce(loss_N, reduction)
-
-
-def _fused_linear_cross_entropy(
-    hidden_ND: Tensor,
-    weight_VD: Tensor,
-    bias_V: Tensor | None,
-    labels_N: Tensor,
-    ignore_index: int,
-    reduction: str,
-    chunk_size: int,
-) -> Tensor:
-    # One dtype for the op (bf16 hidden states under autocast promoted to the float32 weight),
-    # autocast kept out of its float32 chunks; explicit rows per chunk (options=None: full logits).
-    require_torch_feature(torch.nn, "LinearCrossEntropyOptions", "objective.ce_impl=linear", "2.13")
-    dtype = torch.promote_types(hidden_ND.dtype, weight_VD.dtype)
-    rows = max(1, min(chunk_size, hidden_ND.shape[0]))
-    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=rows, chunking_method=None)
-    kwargs = dict(ignore_index=ignore_index, reduction=reduction, options=options)
-    bias = None if bias_V is None else bias_V.to(dtype)  # (V,): supported natively
-    with float32_region(hidden_ND.device.type):
-        loss = F.linear_cross_entropy(
-            hidden_ND.to(dtype), weight_VD.to(dtype), labels_N, linear_bias=bias, **kwargs
-        )
-    return _upcast(loss)
-
-
-# ---------------------------------------------------------------------------------------------
 # Model-level objectives
 # ---------------------------------------------------------------------------------------------
 
@@ -550,12 +435,13 @@ def vanilla_causal_loss(
     target_mask_BL: Tensor | None = None,
     impl: str = "full",
     chunk_size: int = 4096,
+    vanilla_impl: str = "torch",
 ) -> LossOutput:
-    """Next-token cross-entropy through a vocabulary head (see `cross_entropy_head` for impl)."""
+    """Next-token cross-entropy through a vocabulary head (see `cross_entropy_head` for impl
+    and vanilla_impl)."""
     pred_KD, ids_K = _causal_rows(hidden_BLD, input_ids_BL, target_mask_BL)
-    loss = cross_entropy_head(
-        head.features(pred_KD), head.weight, head.bias, ids_K, impl=impl, chunk_size=chunk_size
-    )
+    kwargs = dict(impl=impl, chunk_size=chunk_size, vanilla_impl=vanilla_impl)
+    loss = cross_entropy_head(head.features(pred_KD), head.weight, head.bias, ids_K, **kwargs)
     return LossOutput(loss=loss, num_rows=len(ids_K))
 
 
@@ -567,6 +453,7 @@ def vanilla_masked_loss(
     full_logits: bool = False,
     impl: str = "full",
     chunk_size: int = 4096,
+    vanilla_impl: str = "torch",
 ) -> LossOutput:
     """Masked-LM cross-entropy; ``labels_BL`` = original token id at masked positions, else -100.
 
@@ -574,17 +461,14 @@ def vanilla_masked_loss(
     baseline. ``full_logits=True`` runs it on every position and then ignores the unmasked ones,
     as the paper's baseline did; same loss, several times the head's cost.
     """
+    kwargs = dict(impl=impl, chunk_size=chunk_size, vanilla_impl=vanilla_impl)
     if not full_logits:
         pred_KD, ids_K = _masked_rows(hidden_BLD, labels_BL)
-        loss = cross_entropy_head(
-            head.features(pred_KD), head.weight, head.bias, ids_K, impl=impl, chunk_size=chunk_size
-        )
+        loss = cross_entropy_head(head.features(pred_KD), head.weight, head.bias, ids_K, **kwargs)
         return LossOutput(loss=loss, num_rows=len(ids_K))
     features_ND = head.features(hidden_BLD).flatten(0, 1)
     labels_N = labels_BL.reshape(-1)
-    loss = cross_entropy_head(
-        features_ND, head.weight, head.bias, labels_N, impl=impl, chunk_size=chunk_size
-    )
+    loss = cross_entropy_head(features_ND, head.weight, head.bias, labels_N, **kwargs)
     # A tensor count: this path never selects rows, so it stays free of device syncs.
     return LossOutput(loss=loss, num_rows=(labels_N != IGNORE_INDEX).sum())
 

@@ -13,11 +13,12 @@ import torch.nn.functional as F
 from hlm_ray.bench import report
 from hlm_ray.bench.cli import add_parser, main
 from hlm_ray.bench.common import LiveTensorBytes, peak_bytes, spread
-from hlm_ray.bench.loss_head import head_flops
+from hlm_ray.bench.loss_head import FUSED, head_flops
 from hlm_ray.bench.presets import SMOKE, get_bench_preset
 from hlm_ray.bench.report import Target
 from hlm_ray.bench.suite import parse_only
 from hlm_ray.errors import HLMError
+from hlm_ray.fused_ce import unavailable_reason
 
 
 def read_csv(path):
@@ -53,10 +54,15 @@ def test_smoke_run_writes_every_table_and_figure(smoke) -> None:
     assert columns == report.LOSS_COLUMNS
     cells = sum(len(s.values) for s in SMOKE.loss_head.sweeps)
     assert len(rows) == cells * len(SMOKE.loss_head.methods)
-    compiled = [r for r in rows if r["method"] == "ce_compiled"]
+    compiled = [r for r in rows if r["method"] in ("ce_compiled", "ce_cce_compile")]
     assert {r["status"] for r in compiled} == {"skipped"} and all(r["note"] for r in compiled)
+    # The fused GPU kernels: each its own rows, skipped with the reason where they cannot run.
+    fused = [r for r in rows if r["method"] in ("ce_liger", "ce_cce")]
+    for r in fused:
+        reason = unavailable_reason(FUSED[r["method"]], "cpu")
+        assert (r["status"], r["note"]) == ("skipped", reason) and reason
     measured = [r for r in rows if r["status"] == "ok"]
-    assert len(measured) == len(rows) - len(compiled)
+    assert len(measured) == len(rows) - len(compiled) - len(fused)
     for r in measured:
         assert float(r["time_ms_min"]) <= float(r["time_ms"]) <= float(r["time_ms_max"])
         assert float(r["peak_mb"]) > 0
@@ -72,6 +78,12 @@ def test_smoke_run_writes_every_table_and_figure(smoke) -> None:
             lazy = next(r for r in here if r["arm"] == "headless/lazy")
             assert lazy["status"] == "ok" and float(lazy["tokens_per_s"]) > 0
             assert float(lazy["peak_mb"]) > 0
+            liger = next(r for r in here if r["arm"] == "vanilla/liger")
+            assert liger["status"] == "skipped" and "vanilla_impl=liger" in liger["note"]
+    assert (
+        "vanilla/liger | skipped: HLMError: objective.vanilla_impl=liger"
+        in (smoke / "results.md").read_text()
+    )
 
 
 def test_smoke_targets_and_mlflow_run(smoke) -> None:
@@ -151,11 +163,11 @@ def test_target_verdicts_and_margins() -> None:
     assert Target("mfu", "s", math.nan, 0.4, True).row()["margin"] == ""
 
 
-def _step(model, vocab, arm, ms, flops_ratio=1.0, strongest=False):
+def _step(model, vocab, arm, ms, flops_ratio=1.0, strongest=False, peak_mb=None):
     return {
         "model": model, "V": vocab, "micro_batch": 8, "arm": arm, "status": "ok",
         "objective": arm.split("/")[0], "step_ms": ms, "tokens_per_s": 1000 / ms,
-        "flops_vs_headless": flops_ratio, "strongest_vanilla": strongest,
+        "flops_vs_headless": flops_ratio, "strongest_vanilla": strongest, "peak_mb": peak_mb,
     }  # fmt: skip
 
 
@@ -167,8 +179,11 @@ def test_evaluate_targets_on_synthetic_rows() -> None:
         _step(name, 8192, "headless/dense", 110),
         _step(name, 8192, "headless/lazy", 100),
         _step(name, 8192, "vanilla/full", 200, 2.5, True),  # 2.0× measured vs 2.5× predicted
-        _step(name, 131072, "headless/lazy", 104),
-        _step(name, 131072, "vanilla/full", 1000, 9.0, True),  # 9.6× vs 9.0×
+        _step(name, 131072, "headless/lazy", 104, peak_mb=300.0),
+        _step(name, 131072, "headless/dense", 120, peak_mb=500.0),
+        _step(name, 131072, "vanilla/full", 1000, 9.0, True, peak_mb=2000.0),  # 9.6× vs 9.0×
+        _step(name, 131072, "vanilla/cce", 1100, 9.0, peak_mb=400.0),  # the lowest vanilla
+        _step(name, 131072, "vanilla/liger", 1200, 9.0),  # no peak measured
     ]
     for r in rows:
         r["micro_batch"] = batch
@@ -188,6 +203,14 @@ def test_evaluate_targets_on_synthetic_rows() -> None:
     assert ray_target.measured == pytest.approx(1.04) and ray_target.verdict == "PASS"
     (mfu,) = [t for t in targets.values() if t.target.startswith("GPU MFU")]
     assert mfu.verdict == "PENDING"
+    # Peak memory at V = 131k: the lower headless arm against the lowest vanilla arm.
+    memory = targets[("headless peak memory / lowest vanilla", f"{name} V=131072 B={batch}")]
+    assert memory.measured == pytest.approx(300 / 400) and memory.verdict == "PASS"
+    assert "vanilla/cce 400 MB" in memory.detail and "not measured: vanilla/liger" in memory.detail
+    rows[-2]["peak_mb"] = 250.0  # a fused kernel below headless: a miss
+    targets = report.evaluate_targets(preset, [], rows, ray)
+    (memory,) = [t for t in targets if t.target.startswith("headless peak memory")]
+    assert memory.verdict == "MISS"
 
 
 # ---- measurement helpers ---------------------------------------------------------------------

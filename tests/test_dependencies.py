@@ -20,6 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Imported only inside a function, behind a check, and declared in an extra: (extra, why).
 OPTIONAL = {
     "xformers": ("gpu", "CUDA only: the xformers attention backend and make gpu-check"),
+    "liger_kernel": ("gpu", "CUDA only: objective.vanilla_impl=liger (hlm_ray/fused_ce.py)"),
+    "cut_cross_entropy": ("gpu", "objective.vanilla_impl=cce | cce_compile (hlm_ray/fused_ce.py)"),
     "lm_eval": ("eval", "lm-evaluation-harness, only for `hlm eval --task harness:...`"),
 }
 

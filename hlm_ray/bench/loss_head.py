@@ -13,6 +13,12 @@ loss and the gradients of O and W (`torch.autograd.grad`):
     ce_chunked    the same in row chunks (`chunk_rows` × V logits at once)
     ce_linear     torch's fused `F.linear_cross_entropy` in `chunk_rows` rows a chunk
     ce_compiled   `torch.compile`d linear + cross-entropy (dynamic shapes: compiled once)
+    ce_liger      Liger Kernel's fused linear cross-entropy (Triton, CUDA only)
+    ce_cce        Cut Cross-Entropy's kernel: logits only in on-chip memory (Triton, CUDA only)
+    ce_cce_compile  Cut Cross-Entropy's torch.compile path (any device)
+
+The fused kernels come from the optional `gpu` extra (`hlm_ray.fused_ce`); where one cannot run
+(not installed, no GPU) its rows say why instead of a time.
 
 CWT reads W through `F.embedding(..., sparse=True)`: its table gradient holds U rows (the lazy
 embedding update's path); cross-entropy's W gradient is necessarily dense V×D. FLOPs are model
@@ -30,10 +36,15 @@ from tqdm.auto import tqdm
 
 from hlm_ray.bench.common import compiled_cross_entropy, peak_bytes, spread, timed
 from hlm_ray.bench.presets import LossHeadSpec
+from hlm_ray.fused_ce import unavailable_reason
 from hlm_ray.objectives import cross_entropy_head, cwt_loss_from_ids
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-FULL_MATRIX = {"cwt_plain": "K", "ce_full": "V", "ce_compiled": "V"}  # what each materialises
+# What each materialises (CCE's torch.compile path computes e @ c.T, then cross-entropy).
+FULL_MATRIX = {"cwt_plain": "K", "ce_full": "V", "ce_compiled": "V", "ce_cce_compile": "V"}
+FUSED = {"ce_liger": "liger", "ce_cce": "cce", "ce_cce_compile": "cce_compile"}
+# Compiled code allocates outside torch's dispatcher: no CPU peak for these.
+COMPILED = ("ce_compiled", "ce_cce_compile")
 
 
 def _method(name: str, chunk_rows: int, compiled: Callable | None) -> Callable:
@@ -59,6 +70,8 @@ def _method(name: str, chunk_rows: int, compiled: Callable | None) -> Callable:
     if name == "ce_compiled":
         assert compiled is not None
         return compiled
+    if name in FUSED:
+        return lambda o, w, y: cross_entropy_head(o, w, None, y, vanilla_impl=FUSED[name])
     raise ValueError(f"unknown loss-head method {name!r}")
 
 
@@ -127,7 +140,9 @@ def run_loss_head(
                     results[method] = cache[(K, V, method)]
                     continue
                 flops = head_flops(method, K, V, U, spec.dim)
-                reason = _skip_reason(spec, method, K, V, flops, compiler, previous.get(method))
+                reason = _skip_reason(
+                    spec, method, K, V, flops, compiler, previous.get(method), device
+                )
                 if reason:
                     results[method] = _skipped(reason)
                 else:
@@ -171,9 +186,15 @@ def run_loss_head(
     return rows
 
 
-def _skip_reason(spec, method, K, V, flops, compiler, previous) -> str:
+def _skip_reason(spec, method, K, V, flops, compiler, previous, device) -> str:
     if method == "ce_compiled" and (compiler is None or compiler.fn is None):
         return compiler.reason if compiler else "compile disabled in this preset"
+    if method in FUSED:
+        if method in COMPILED and not spec.compile:
+            return "compile disabled in this preset"
+        reason = unavailable_reason(FUSED[method], device.type)
+        if reason:
+            return reason
     full = FULL_MATRIX.get(method)
     if full is not None:
         gb = K * (K if full == "K" else V) * 4 / 1e9
@@ -217,7 +238,7 @@ def _measure_cell(spec, methods, pred, table, ids, device, compiler) -> dict[str
         if method in out:
             continue
         peak = None
-        if method != "ce_compiled":  # compiled kernels allocate outside the dispatcher
+        if method not in COMPILED or device.type == "cuda":  # see COMPILED
             peak = peak_bytes(calls[method], device)
         stats = spread(times[method])
         out[method] = {

@@ -24,6 +24,9 @@ LOSS_METHODS = (
     "ce_chunked",
     "ce_linear",
     "ce_compiled",
+    "ce_liger",
+    "ce_cce",
+    "ce_cce_compile",
 )
 
 
@@ -80,9 +83,10 @@ class TrainStepSpec:
     precision: str = "fp32"
     """fp32 or bf16 (autocast, float32 parameters and logits)."""
     vanilla_impls: tuple[str, ...] = ("full", "linear")
-    """Cross-entropy implementations tried for vanilla (`objective.ce_impl` values, or
-    "compiled": linear + cross-entropy through torch.compile); the fastest is the strongest
-    baseline."""
+    """Cross-entropy implementations tried for vanilla (`objective.ce_impl` values;
+    "compiled": linear + cross-entropy through torch.compile; the fused kernels of
+    `objective.vanilla_impl`: liger, cce, cce_compile); the fastest is the strongest baseline.
+    A kernel that cannot run on the device (or is not installed) gives a skipped row."""
     drop_factor: float = 1.5
     """A vanilla impl slower than this × the fastest one at a point is not run at the model's
     later points (the reference impl, the first of `vanilla_impls`, always runs)."""
@@ -167,6 +171,8 @@ SMOKE = BenchPreset(
         repeats=1,
         batches=2,
         flat_repeats=1,
+        # A fused kernel: a skipped row with its reason where it cannot run (CPU, CI).
+        vanilla_impls=("full", "linear", "liger"),
     ),
     ray_overhead=RayOverheadSpec(
         steps=4,
@@ -210,7 +216,7 @@ CPU = BenchPreset(
         ),
         warmup=1,
         repeats=3,
-        vanilla_impls=("full", "linear", "compiled"),
+        vanilla_impls=("full", "linear", "compiled", "liger", "cce", "cce_compile"),
     ),
     # A mid-size step (~0.1 s): tiny-decoder's 30 ms steps are Python-bound, and Ray Train runs
     # the loop in a thread of its worker actor, beside Ray's own threads (GIL).
@@ -277,7 +283,7 @@ GPU = BenchPreset(
         warmup=3,
         repeats=10,
         precision="bf16",
-        vanilla_impls=("linear", "full", "chunked", "compiled"),
+        vanilla_impls=("linear", "full", "chunked", "compiled", "liger", "cce"),
         attn_impls=("sdpa", "xformers"),
         compile_blocks=True,
         max_step_s=60.0,

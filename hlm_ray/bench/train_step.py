@@ -10,7 +10,9 @@ get BERT masking (15%). The arms at each (model, V, micro-batch) point:
     headless/dense     CWT (dedup), AdamW over the whole embedding table: the faithful default
     headless/lazy      CWT, sparse embedding gradients + row-wise AdamW (optim.embedding_update)
     vanilla/<impl>     cross-entropy with each `vanilla_impls` implementation (full, chunked,
-                       linear = F.linear_cross_entropy, compiled = torch.compile'd head);
+                       linear = F.linear_cross_entropy, compiled = torch.compile'd head,
+                       liger / cce / cce_compile = the fused kernels of objective.vanilla_impl,
+                       skipped with the reason where they cannot run);
                        GPT-NeoX's untied input table is lazy too (the strongest vanilla setup);
                        encoders: logits at masked positions only (the strong MLM baseline)
     vanilla/full-seq   encoders only: the head on every position, as the paper's baseline
@@ -45,6 +47,7 @@ from hlm_ray.data import mask_tokens
 from hlm_ray.device import autocast
 from hlm_ray.errors import one_line
 from hlm_ray.flops import device_peak_flops, mfu, rows_per_loss, step_flops
+from hlm_ray.fused_ce import FUSED_IMPLS
 from hlm_ray.models import body, build_model, lm_head
 from hlm_ray.objectives import IGNORE_INDEX, LossOutput
 from hlm_ray.train.lm_objective import LMObjective
@@ -110,9 +113,11 @@ class _Built:
         if arm.compile_blocks:
             compile_blocks(self.model)
         compiled = arm.ce_impl == "compiled"
+        fused = arm.ce_impl in FUSED_IMPLS  # LMObjective refuses one that cannot run here
         objective = ObjectiveConfig(
             name=arm.objective,
-            ce_impl="full" if compiled else arm.ce_impl,
+            ce_impl="full" if compiled or fused else arm.ce_impl,
+            vanilla_impl=arm.ce_impl if fused else "torch",
             mlm_full_logits=arm.mlm_full_logits,
         )
         self.module = (CompiledHeadObjective if compiled else LMObjective)(self.model, objective)

@@ -10,6 +10,8 @@ as inputs and as CWT targets).
     out = module(masked_inputs_BL, labels_BL)   # encoders: labels = originals, -100 elsewhere
     out.loss.backward()
 
+    module = LMObjective(model, cfg.objective, compile=True)  # optim.compile: torch.compile
+
 A headless step never touches the vocabulary head: `hidden_states` runs the body only (a
 headless decoder's tied Eᵀ head is not called), and the loss reads the embedding rows of the
 micro-batch's targets. Nothing here forces a host-device sync except what the shapes need
@@ -23,6 +25,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from hlm_ray.config import ObjectiveConfig
+from hlm_ray.fused_ce import check_vanilla_impl
 from hlm_ray.models import hidden_states, input_embedding_weight, lm_head
 from hlm_ray.objectives import (
     LossOutput,
@@ -32,15 +35,26 @@ from hlm_ray.objectives import (
     vanilla_causal_loss,
     vanilla_masked_loss,
 )
+from hlm_ray.train.compile import compile_objective, compiled
 from hlm_ray.train.optim import uses_sparse_embedding
 
 
 class LMObjective(nn.Module):
-    def __init__(self, model: PreTrainedModel, cfg: ObjectiveConfig):
+    def __init__(self, model: PreTrainedModel, cfg: ObjectiveConfig, *, compile: bool = False):
+        """``model`` already on its device: a fused vanilla kernel that cannot run there (not
+        installed, not a GPU, a head bias Cut Cross-Entropy cannot take) is refused here, in
+        one line, before any step. ``compile``: `compile_objective` (optim.compile)."""
         super().__init__()
         self.model = model
         self.cfg = cfg
         self.causal = model.config.hlm_family == "decoder"
+        if cfg.name in ("vanilla", "mixed") and cfg.vanilla_impl != "torch":
+            has_bias = lm_head(model).bias is not None
+            check_vanilla_impl(cfg.vanilla_impl, model.device, has_bias=has_bias)
+        losses = (headless_causal_loss, headless_masked_loss)
+        self._headless_losses = tuple(map(compiled, losses)) if cfg.cwt_compile else losses
+        if compile:
+            compile_objective(self)
 
     def forward(
         self,
@@ -89,9 +103,10 @@ class LMObjective(nn.Module):
             sparse_grad=uses_sparse_embedding(self.model),
         )
         weight_VD = input_embedding_weight(self.model)
+        causal_loss, masked_loss = self._headless_losses
         if self.causal:
-            return headless_causal_loss(hidden_BLD, input_ids_BL, weight_VD, **kwargs)
-        return headless_masked_loss(hidden_BLD, labels_BL, weight_VD, **kwargs)
+            return causal_loss(hidden_BLD, input_ids_BL, weight_VD, **kwargs)
+        return masked_loss(hidden_BLD, labels_BL, weight_VD, **kwargs)
 
     def _ce(self, hidden_BLD, input_ids_BL, labels_BL):
         head = lm_head(self.model)
@@ -102,6 +117,7 @@ class LMObjective(nn.Module):
                 head,
                 impl=self.cfg.ce_impl,
                 chunk_size=self.cfg.ce_chunk_size,
+                vanilla_impl=self.cfg.vanilla_impl,
             )
         return vanilla_masked_loss(
             hidden_BLD,
@@ -110,6 +126,7 @@ class LMObjective(nn.Module):
             full_logits=self.cfg.mlm_full_logits,
             impl=self.cfg.ce_impl,
             chunk_size=self.cfg.ce_chunk_size,
+            vanilla_impl=self.cfg.vanilla_impl,
         )
 
     @staticmethod

@@ -226,7 +226,7 @@ def _setup(cfg, env, reporter, tracking, resume_from) -> _Run:
             model, cfg.init.model_dir, new_head=cfg.init.new_head, train=cfg.init.train
         )
     model = model.to(env.device)
-    module = LMObjective(model, cfg.objective)
+    module = LMObjective(model, cfg.objective, compile=cfg.optim.compile)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim)
 
