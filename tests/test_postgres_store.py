@@ -23,23 +23,14 @@ import time
 from pathlib import Path
 
 import pytest
+from sweep_common import EXPERIMENT, FAST, ROOT
 
 from hlm_ray.paths import data_dir
 from hlm_ray.tracking.server import free_port
 from hlm_ray.watchdog import spawn_guarded, stop_group
 
-ROOT = Path(__file__).resolve().parents[1]
 SHAKESPEARE = data_dir() / "corpus" / "en" / "tinyshakespeare.txt"
-EXPERIMENT = "hlm_ray-sweeps"
 START_TIMEOUT_S = 120.0
-# The cheapest runs: 8 steps, one checkpoint, a 300 kB BPE training text.
-FAST = [
-    "optim.max_steps=8",
-    "run.checkpoint_every=8",
-    "run.eval_every=8",
-    "run.log_every=4",
-    "tokenizer.train_sample_bytes=300000",
-]
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
