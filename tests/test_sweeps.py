@@ -303,11 +303,12 @@ def test_vocab_sweep_end_to_end_then_resumes_without_retraining(
     monkeypatch.chdir(tmp_path)
     main = _sweep_main("vocab")
     # The demo's sizes (up to 32k) cost minutes; the machinery is the same at 512 and 1024.
-    argv = ["--preset", "tiny", "--name", "vocab-e2e", *_set([*FAST, "sweep.values=[512,1024]"])]
+    items = [*FAST, "sweep.values=[512,1024]"]
+    argv = ["--preset", "tiny", "--name", "vocab-e2e", *_set(items)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     folder = tmp_path / "runs" / "sweeps" / "vocab-e2e"
-    spec = get_sweep("vocab", "tiny", FAST)
+    spec = get_sweep("vocab", "tiny", items)
     rows = check_trials_carry_their_values(folder, spec, sweep_server, "vocab-e2e")
     assert sorted((r["objective"], r["vocab_size"]) for r in rows) == [
         ("headless", "1024"),
@@ -479,9 +480,10 @@ def test_a_pretraining_only_sweep_end_to_end(
 def test_search_stops_trials_with_asha_and_names_the_lowest_validation_loss(
     ray_cluster, sweep_server, tmp_path, monkeypatch, capsys
 ):
-    """--search for real: 3 sampled learning rates, one trial at a time (2 CPUs a worker: ASHA
-    sees the trials in a fixed order), a validation loss at every third step, ASHA from the
-    first report on."""
+    """--search for real: 3 sampled learning rates, one trial at a time (1.2 CPUs a worker on
+    the 2-CPU session cluster: ASHA sees the trials in a fixed order; not 2, which never fits
+    beside the session's Serve app and its 0.5 CPU), a validation loss at every third step, ASHA
+    from the first report on."""
     monkeypatch.chdir(tmp_path)
     items = [
         "optim.max_steps=12",
@@ -492,7 +494,7 @@ def test_search_stops_trials_with_asha_and_names_the_lowest_validation_loss(
         "sweep.search_lr=[1e-5,1e-1]",
         "sweep.search_warmup=[0,2]",
         "sweep.recipe=none",
-        "sweep.cpus_per_worker=2",
+        "sweep.cpus_per_worker=1.2",
     ]
     argv = ["--preset", "tiny", "--search", "--name", "search-e2e", *_set(items)]
     assert _sweep_main("vocab")(argv) == 0
