@@ -3,7 +3,6 @@ processes (torch.multiprocessing, no Ray), step 1's logged loss against the CWT 
 hand to each worker's micro-batch with every worker's targets as negatives."""
 
 import os
-import socket
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch.multiprocessing as mp
 from knobs_common import by_hand, cwt, differs, first_step, knob_cfg, logged_losses
 
 from hlm_ray.prepare import ensure_prepared
+from hlm_ray.tracking.server import free_port
 from hlm_ray.train.loop import WorkerEnv, train_worker
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -27,17 +27,11 @@ def _rank(rank: int, port: int, config: dict) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_objective_cross_worker_negatives_reaches_the_loss(tmp_path):
     # Global batch 32 = one micro-batch of 16 per worker: rank r's is the default's r-th.
     cfg = knob_cfg(tmp_path / "run", **{"objective.cross_worker_negatives": True})
     ensure_prepared(cfg, progress=False)  # once, before two processes read it
-    port, ctx = _free_port(), mp.get_context("spawn")
+    port, ctx = free_port(), mp.get_context("spawn")
     procs = [ctx.Process(target=_rank, args=(r, port, cfg.to_dict())) for r in range(2)]
     for p in procs:
         p.start()

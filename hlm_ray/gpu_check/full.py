@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from hlm_ray.gpu_check.bare import ROOT, corpus_overrides, trained
 from hlm_ray.gpu_check.bare import run_module as _run
 from hlm_ray.gpu_check.bare import tail as _tail
 from hlm_ray.gpu_check.table import Row
+from hlm_ray.tracking.server import free_port
 
 
 def check_tests(out: Path) -> Row:
@@ -95,7 +95,7 @@ def check_sweep(out: Path) -> Row:
 
 def check_serve(out: Path) -> Row:
     model = trained(out, "tiny-decoder", "vanilla")[0] / "model"
-    port = _free_port()
+    port = free_port()
     log = (out / "serve.log").open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "hlm_ray.cli", "serve", "--model", str(model), "--device", "cuda",
@@ -127,9 +127,3 @@ def check_serve(out: Path) -> Row:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, 9)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -142,11 +142,9 @@ def local_cluster_options() -> dict[str, Any]:
     seconds ("Found multiple active Ray instances", a traceback each time). The cluster's
     dashboard (the State API server) gets a port chosen here, and its processes are told where
     it is (`RAY_API_SERVER_ADDRESS`, which that lookup reads first)."""
-    import socket
+    from hlm_ray.tracking.server import free_port
 
-    with socket.socket() as probe:  # a free port; Ray's dashboard takes it a moment later
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()  # Ray's dashboard takes it a moment later
     return {
         "include_dashboard": True,  # Train V2 cleans placement groups through the State API
         "dashboard_host": "127.0.0.1",
