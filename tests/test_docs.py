@@ -216,6 +216,30 @@ def test_bash_blocks_and_continuations_are_read_as_bash_reads_them():
     ]
 
 
+STAGE_PAGES = ["training", "sweeps", "tracking", "finetune", "serving", "data", "clusters", "gpus"]
+"""The page per stage under docs/: each opens with its commands."""
+
+
+def opens_with_commands(text: str) -> bool:
+    """Whether the first thing after the page's title is a fenced bash block."""
+    body = re.sub(r"\A\s*#[^\n]*\n", "", text, count=1).lstrip()
+    return bool(re.match(r"```(?:bash|sh|shell)\n", body))
+
+
+@pytest.mark.parametrize("stage", STAGE_PAGES + ["benchmarks"])
+def test_each_stage_page_opens_with_its_commands(stage):
+    path = ROOT / "docs" / f"{stage}.md"
+    if not path.is_file():
+        pytest.skip(f"docs/{stage}.md is not in this checkout")
+    assert opens_with_commands(path.read_text()), f"docs/{stage}.md: start with a ```bash block"
+
+
+def test_the_opening_check_can_fail():
+    assert opens_with_commands("# T\n\n```bash\nhlm presets\n```\ntext\n")
+    assert not opens_with_commands("# T\n\nSome prose first.\n\n```bash\nhlm presets\n```\n")
+    assert not opens_with_commands("# T\n\n```python\nimport hlm_ray\n```\n")
+
+
 # ----------------------------------------------------------------------------- links
 
 
