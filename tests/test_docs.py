@@ -296,6 +296,59 @@ def test_the_link_check_can_fail(tmp_path):
     ]
 
 
+# ----------------------------------------------------------------------------- named files and tests
+
+# docs/ pages are checked as links; a file here is one the text names in code spans or prose.
+PATH_RE = re.compile(r"(?<![\w./-])((?:hlm_ray|tests|sweeps|deploy)/[\w./-]*\w)")
+TEST_RE = re.compile(r"(?<![\w.])(?:(test_\w+)\.py::)?(test_\w+)(?:\[[^\]]*\])?(?![\w.])")
+
+
+@cache
+def defined_tests() -> dict[str, set[str]]:
+    """Every test function, by test file stem."""
+    return {
+        f.stem: set(re.findall(r"^\s*(?:async\s+)?def (test_\w+)", f.read_text(), re.M))
+        for f in (ROOT / "tests").glob("test_*.py")
+    }
+
+
+def missing_names(text: str) -> list[str]:
+    """Files of the project (hlm_ray/..., tests/..., sweeps/..., deploy/...) and tests
+    (test_x, test_file.py::test_x) that a page names and that do not exist."""
+    bad = []
+    for path in PATH_RE.findall(text):
+        placeholder = re.search(r"[*<]|/(?!README)[A-Z]+(?:[./]|$)", path)  # sweeps/NAME.py
+        if not placeholder and not (ROOT / path).exists():
+            bad.append(path)
+    every = set().union(*defined_tests().values())
+    for file, name in TEST_RE.findall(text):
+        if file:
+            if name not in defined_tests().get(file, set()):
+                bad.append(f"{file}.py::{name}")
+        elif name not in every and name not in defined_tests():
+            bad.append(name)
+    return bad
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_file_and_test_a_page_names_exists(page):
+    bad = missing_names((ROOT / page).read_text())
+    assert not bad, f"{page} names what is not in the project: {sorted(set(bad))}"
+
+
+def test_the_names_check_can_fail():
+    text = (
+        "`hlm_ray/objectives.py`, `hlm_ray/nowhere.py`, `tests/test_docs.py::test_no_such`, "
+        "`test_the_names_check_can_fail`, `test_missing_everywhere[x]`, `runs/sweeps/<name>/`, "
+        "`sweeps/NAME.py`, deploy/README.md"
+    )
+    assert missing_names(text) == [
+        "hlm_ray/nowhere.py",
+        "test_docs.py::test_no_such",
+        "test_missing_everywhere",
+    ]
+
+
 # ----------------------------------------------------------------------------- history
 
 HISTORY_PATTERNS = {
