@@ -286,7 +286,7 @@ def test_synonym_pairs_keep_distinct_single_tokens_once(tok, tmp_path):
 
 def test_synonym_file_missing_says_where(tok, tmp_path, monkeypatch):
     monkeypatch.setenv("HLM_DATA_DIR", str(tmp_path))
-    with pytest.raises(HLMError, match="HLM_DATA_DIR.*no hub fallback"):
+    with pytest.raises(HLMError, match="HLM_DATA_DIR.*no hub fallback.*word1 and word2"):
         synonym_pairs(tok)
 
 

@@ -43,12 +43,16 @@ def synonym_pairs(
     """Synonym pairs (id1 < id2) whose two words are each a single token, and those words.
 
     `path`: a gzip TSV with a ``word1, word2`` header; None reads
-    ``eval/wordnet_synonym_pairs.tsv.gz`` from the data folder (there is no hub copy)."""
+    ``eval/wordnet_synonym_pairs.tsv.gz`` from the data folder (there is no hub copy: a missing
+    file is an error that says what to provide)."""
     if path is None:
         if not has_shared(SYNONYMS_FILE):
+            # No public hub dataset of these pairs is known to the project: say what to provide.
             raise HLMError(
-                f"{SYNONYMS_FILE} not found in the data folder {data_dir()}; set {DATA_ENV} to "
-                "the folder that holds it (there is no hub fallback for the WordNet pairs)"
+                f"{SYNONYMS_FILE} not found in the data folder {data_dir()} ({DATA_ENV}); the "
+                "synonyms task reads only this file (there is no hub fallback for the WordNet "
+                "pairs): provide a gzip TSV whose header names word1 and word2, one synonym "
+                "pair a row, at that path"
             )
         path = shared_file(SYNONYMS_FILE)
     path = Path(path)
