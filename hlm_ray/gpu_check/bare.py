@@ -249,8 +249,10 @@ def check_generate(out: Path) -> Row:
         done = gen.generate(prompts, max_new_tokens=24, temperature=0)
         texts[device] = [c.text for c in done]
     same = sum(a == b for a, b in zip(texts["cpu"], texts[DEVICE], strict=True))
-    figures = (f"{same}/{len(prompts)} greedy texts equal on cuda and cpu (batch "
-               f"{len(prompts)}, 24 new tokens; {DEVICE}: {texts[DEVICE][0][:30]!r})")  # fmt: skip
+    figures = (
+        f"{same}/{len(prompts)} greedy texts equal on cuda and cpu (batch "
+        f"{len(prompts)}, 24 new tokens; {DEVICE}: {texts[DEVICE][0][:30]!r})"
+    )
     return Row("generate", "PASS" if same == len(prompts) else "MISS", figures)
 
 
