@@ -723,7 +723,7 @@ def test_hlm_serve_with_no_options_answers_on_its_port_past_the_proxy(model_dir,
         startup = log.read_text()
         assert f"at http://127.0.0.1:{port}/v1, answered by the replica itself" in startup
         assert f"proxy, which spreads requests over the replicas, at http://127.0.0.1:{port + 1}/v1" in startup  # fmt: skip
-        assert "decoding in a child process" in startup
+        assert "; a child process decodes; no API key; POST /v1/completions" in startup
         body = {"prompt": "The cat", "max_tokens": 8, "temperature": 0}
         want = Generator.load(model_dir).generate(["The cat"], max_new_tokens=8, temperature=0)
         for where in (port, port + 1):

@@ -197,16 +197,14 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         guard = {"body_timeout_s": args.body_timeout_s, "max_body_bytes": config.max_body_bytes}
-        start(app, ports, guard=guard, ray={"address": args.address},
-              keep_alive_s=args.keep_alive_timeout_s)  # fmt: skip
+        ray_options = {"address": args.address}
+        start(app, ports, guard=guard, ray=ray_options, keep_alive_s=args.keep_alive_timeout_s)
         _interrupt_on_signals()
-        decoding = (
-            "decoding in a child process" if config.decode_process else "decoding on a thread"
-        )
+        decoding = "a child process decodes" if config.decode_process else "a thread decodes"
+        key = "API key required" if config.api_key else "no API key"
+        routes = "POST /v1/completions, /v1/chat/completions, GET /v1/models, GET /healthz"
         print(
-            f"serving {model_name(config)} {ports.describe()} "
-            "(POST /v1/completions, /v1/chat/completions, GET /v1/models, GET /healthz), "
-            f"{decoding}, {'API key required' if config.api_key else 'no API key'}; "
+            f"serving {model_name(config)} {ports.describe()}; {decoding}; {key}; {routes}; "
             "Ctrl-C to stop",
             flush=True,
         )
