@@ -1,9 +1,9 @@
 """Where the completions server answers, and starting it: what `hlm serve` and
 `hlm bench --only serve` share.
 
-    ports = Ports.plan("127.0.0.1", 8000, replicas=1, direct=True)    # checks the ports are free
-    start(make_app(args), ports, body_timeout_s=10)                   # Ray (here), Serve, the app
-    print(ports.describe())        # which URL is the fast one; ... then serve.shutdown()
+    ports = Ports.plan("127.0.0.1", 8000, replicas=1, direct=True)   # checks the ports are free
+    start(make_app(args), ports, guard={"body_timeout_s": 10}, ray={})  # Ray here, Serve, the app
+    print(ports.describe())      # which URL is the fast one; ... then serve.shutdown()
 
 Two ways in:
 - **Direct ingress** (Ray Serve's throughput settings, `RAY_SERVE_THROUGHPUT_OPTIMIZED=1`): each
