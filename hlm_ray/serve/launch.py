@@ -122,7 +122,8 @@ def start(
 
     from hlm_ray.serve.guard import guard_controller_options
 
-    if ports.direct and (ray.get("address") or ray_.is_initialized()):
+    elsewhere = ray.get("address") not in (None, "local")  # "local": a new Ray here
+    if ports.direct and (elsewhere or ray_.is_initialized()):
         raise HLMError(
             "direct ingress needs a Ray that starts here: on a cluster, start Ray with "
             "RAY_SERVE_THROUGHPUT_OPTIMIZED=1, or pass --no-direct-ingress"
