@@ -154,7 +154,9 @@ def test_where_hlm_serve_answers(monkeypatch):
     env = direct_ingress_env(8100, replicas=3)
     assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
     assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == ("8100", "8103")  # fmt: skip
-    assert env["RAY_SERVE_PORT_QUARANTINE_S"] == "0"  # a replaced replica gets its port back
+    # A replaced replica gets its port back, and a stopping one does not wait for a balancer.
+    assert env["RAY_SERVE_PORT_QUARANTINE_S"] == "0"
+    assert env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "0"
 
 
 # ----------------------------------------------------------------------------- over HTTP

@@ -34,10 +34,12 @@ def direct_ingress_env(port: int, replicas: int) -> dict[str, str]:
         "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
         "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + replicas),  # exclusive
-        # A released port is otherwise held back for minutes (for an HAProxy in front, which
-        # there is none of here): a replica that replaces a failed one takes its port again,
-        # so the documented port keeps answering.
+        # A released port is otherwise held back for minutes, and a stopping replica kept up
+        # for 30 s, for a load balancer in front to notice (there is none here): a replica that
+        # replaces a failed one takes its port again as soon as the kernel lets it (Serve binds
+        # without SO_REUSEADDR: up to a minute after the old one's connections closed).
         "RAY_SERVE_PORT_QUARANTINE_S": "0",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
     }
 
 
