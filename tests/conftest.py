@@ -74,30 +74,11 @@ def tiny_decoder_dir(tmp_path_factory) -> str:
 
 
 def make_tiny_decoder(root) -> str:
-    """A tiny vanilla decoder folder under `root`: trained 2 steps (for the tokenizer and the
-    folder layout), then given random weights of std 0.15 so that its logits are peaked and its
-    greedy text varied (a barely trained model only repeats its most frequent token)."""
-    from transformers import AutoModelForCausalLM
+    """A tiny vanilla decoder folder under `root` (the serving benchmark's: trained 2 steps,
+    then random weights of std 0.15 so that its greedy text varies)."""
+    from hlm_ray.bench.serve import tiny_model
 
-    from hlm_ray.presets import load_config
-    from hlm_ray.train.loop import train_worker
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HLM_CACHE_DIR", str(root / "cache"))
-        cfg = load_config(
-            "tiny-decoder",
-            objective="vanilla",
-            overrides={"optim.max_steps": 2, "run.output_dir": str(root / "run")},
-        )
-        model_dir = train_worker(cfg.to_dict(), progress=False)["model_dir"]
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
-    model.save_pretrained(model_dir)
-    return model_dir
+    return tiny_model(root)
 
 
 # The serving tests' session fixtures (one Serve application for test_serve*.py).

@@ -4,10 +4,10 @@ so test_serve.py and test_serve_api.py start Serve once between them."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import requests
+
+from hlm_ray.tracking.server import free_port
 
 MODEL_NAME = "hlm-test-generator"
 API_KEY = "test-key-0123456789"
@@ -19,12 +19,6 @@ API_KEY_ENV = "HLM_TEST_API_KEY"
 HEALTH_CHECK_PERIOD_S = 1.0
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 BODY_TIMEOUT_S = 8.0  # the proxy's guard: a body not received within this is answered 408
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def post(server: str, body, path: str = "/v1/completions", **kwargs) -> requests.Response:
@@ -71,8 +65,9 @@ def serve_app(ray_cluster, serve_model_uri):
         batch_wait_timeout_s=0.05,
         max_n=3,
         api_key_env=API_KEY_ENV,
-        # The tests run through the replica's decode process (`--decode-process`); the
-        # overload test's app (test_serve.py) decodes on the replica's thread.
+        # Through the replica's decode process (the default, said here because the tests
+        # depend on it); the overload test's app (test_serve.py) decodes on the replica's
+        # thread (`--no-decode-process`).
         decode_process=True,
     )
     assert args.api_key is None  # the key comes from the replica's environment only

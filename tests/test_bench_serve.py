@@ -23,3 +23,9 @@ def test_breakdown_of_a_served_round_from_the_replica_counters():
                 "new_tokens": 32, "torch_threads": 1, "breakdown": b}  # fmt: skip
     text = markdown({"load": "1.0 1.0 1.0", "cpus": 2, "overhead": overhead})
     assert "**0.5**" in text and "lead 50.0 ms" in text and "take 100 ms" in text
+    assert "proxy" not in text  # no proxy arm measured: none reported
+    # With the default configuration, the same requests through Serve's proxy as a side arm.
+    overhead |= {"proxy_tok_s": 3072, "proxy_ratio": 0.3, "proxy_all": [3072]}
+    text = markdown({"load": "1.0 1.0 1.0", "cpus": 2, "overhead": overhead, "wall_s": 61.5})
+    assert "| the same through Serve's proxy | 3,072 | [3072] |" in text
+    assert "**0.5**; through the proxy 0.3" in text and "61.5 s in all" in text

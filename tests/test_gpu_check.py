@@ -90,7 +90,9 @@ def test_no_gpu_prints_the_versions_runs_nothing_and_exits_0(monkeypatch, capsys
     assert gpu_check.main(["--output", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
     assert f"torch {torch.__version__}" in out and "transformers" in out and "python" in out
-    assert "no CUDA GPU is visible" in out and ran == [] and not (tmp_path / "out").exists()
+    assert "no CUDA GPU is visible" in out and "nothing was run" in out
+    assert ran == [] and not (tmp_path / "out").exists()
+    assert gpu_check.main(["--only", "nope"]) == 2  # an unknown check: one clear error
 
 
 def test_on_a_gpu_main_writes_the_table_and_json_and_fails_on_a_miss(monkeypatch, tmp_path):

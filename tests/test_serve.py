@@ -84,9 +84,11 @@ def test_serve_builds_typed_args_from_a_config_dict(model_dir):
 
 
 def test_cli_parser_and_early_errors(model_dir, monkeypatch):
-    from hlm_ray.serve.cli import add_parser, run
+    """`hlm serve`'s defaults (decode process; direct ingress where it starts Ray, decided at
+    run time) and every bad combination refused before Ray starts, naming its flag."""
+    from hlm_ray.serve.cli import add_parser, app_args, run
 
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # a local run checks its port first
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)  # a local run checks its ports first
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers(dest="command"))
@@ -97,30 +99,64 @@ def test_cli_parser_and_early_errors(model_dir, monkeypatch):
         1,
         False,
     )
+    assert (args.decode_process, args.direct_ingress, args.proxy_port) == (True, None, None)
+    assert app_args(args).decode_process and app_args(args).batch_wait_timeout_s == 0.02
+    plain = parser.parse_args(["serve", "--model", "m", "--no-decode-process"])
+    assert app_args(plain).decode_process is False
     missing = parser.parse_args(["serve", "--model", "/no/such/run"])
     with pytest.raises(HLMError, match="does not exist"):
         run(missing)
+    with pytest.raises(HLMError, match="--batch-wait-timeout-s"):
+        run(parser.parse_args(["serve", "--model", model_dir, "--batch-wait-timeout-s", "-1"]))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = str(busy.getsockname()[1])
-        taken = parser.parse_args(["serve", "--model", model_dir, "--port", port])
-        with pytest.raises(HLMError, match="another --port"):
-            run(taken)
-        direct = ["serve", "--model", model_dir, "--port", str(free_port())]
-        with pytest.raises(HLMError, match="another --direct-port"):
-            run(parser.parse_args([*direct, "--direct-port", port]))
-    on_cluster = parser.parse_args([*direct, "--direct-port", "8100", "--address", "auto"])
+        serve = ["serve", "--model", model_dir]
+        for flags in ([], ["--no-direct-ingress"]):  # the replica's port, or the proxy's
+            with pytest.raises(HLMError, match="another --port"):
+                run(parser.parse_args([*serve, "--port", port, *flags]))
+        free = ["--port", str(free_port())]
+        with pytest.raises(HLMError, match="another --proxy-port"):
+            run(parser.parse_args([*serve, *free, "--proxy-port", port]))
+    with pytest.raises(HLMError, match="--proxy-port needs direct ingress"):
+        run(parser.parse_args([*serve, *free, "--proxy-port", "9000", "--no-direct-ingress"]))
+    with pytest.raises(HLMError, match="one of the replicas' ports"):
+        run(parser.parse_args([*serve, "--port", "9000", "--replicas", "2", "--proxy-port", "9001"]))  # fmt: skip
+    on_cluster = [*serve, *free, "--address", "auto"]
     with pytest.raises(HLMError, match="needs a Ray that starts here"):
-        run(on_cluster)
+        run(parser.parse_args([*on_cluster, "--direct-ingress"]))
 
 
-def test_direct_ingress_settings_give_each_replica_a_port():
-    from hlm_ray.serve.cli import direct_ingress_env
+def test_where_hlm_serve_answers(monkeypatch):
+    """Direct ingress by default where `hlm serve` starts Ray (the replicas on --port and the
+    next ports, the proxy after them), the proxy on --port on a cluster or when turned off;
+    the startup line says which URL does what."""
+    from hlm_ray.serve.cli import add_arguments, plan_ports
+    from hlm_ray.serve.launch import direct_ingress_env
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    port = free_port()
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    ports = plan_ports(parser.parse_args(["--model", "m", "--port", str(port)]))
+    assert (ports.direct, ports.url, ports.proxy_port) == (True, f"http://127.0.0.1:{port}", port + 1)  # fmt: skip
+    assert ports.env()["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"] == str(port)
+    assert f"at http://127.0.0.1:{port}/v1, answered by the replica itself" in ports.describe()
+    assert f"proxy, which spreads requests over the replicas, at {ports.proxy_url}/v1" in ports.describe()  # fmt: skip
+    off = plan_ports(parser.parse_args(["--model", "m", "--port", str(port), "--no-direct-ingress"]))  # fmt: skip
+    assert (off.direct, off.proxy_port, off.env()) == (False, port, {})
+    assert off.describe() == f"at http://127.0.0.1:{port}/v1 through Ray Serve's proxy"
+    monkeypatch.setenv("RAY_ADDRESS", "auto")  # a cluster: its proxy, whatever is free here
+    cluster = plan_ports(parser.parse_args(["--model", "m", "--port", "8000"]))
+    assert (cluster.direct, cluster.port, cluster.proxy_port) == (False, 8000, 8000)
 
     env = direct_ingress_env(8100, replicas=3)
     assert env["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "1"
     assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == ("8100", "8103")  # fmt: skip
+    # A replaced replica gets its port back, and a stopping one does not wait for a balancer.
+    assert env["RAY_SERVE_PORT_QUARANTINE_S"] == "0"
+    assert env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "0"
 
 
 # ----------------------------------------------------------------------------- over HTTP
@@ -129,13 +165,14 @@ def test_direct_ingress_settings_give_each_replica_a_port():
 def test_completion_routes_skip_fastapi_but_keep_their_paths_and_docs():
     """The two completion routes are dispatched past FastAPI's router (`_CompletionRoutes`),
     under any route prefix Serve gives the app; FastAPI still documents both."""
-    from hlm_ray.serve.app import CompletionServer, _CompletionRoutes, _route_path, api
+    from hlm_ray.serve.routes import CompletionRoutes, api, route_path
+    from hlm_ray.serve.server import CompletionServer
 
-    routes = _CompletionRoutes.ROUTES
-    assert _route_path({"path": "/v1/completions", "root_path": ""}) == "/v1/completions"
+    routes = CompletionRoutes.ROUTES
+    assert route_path({"path": "/v1/completions", "root_path": ""}) == "/v1/completions"
     prefixed = {"path": "/lm/v1/chat/completions", "root_path": "/lm"}
-    assert routes[_route_path(prefixed)] == "chat_completions"
-    assert _route_path({"path": "/v1/completions/", "root_path": ""}) not in routes
+    assert routes[route_path(prefixed)] == "chat_completions"
+    assert route_path({"path": "/v1/completions/", "root_path": ""}) not in routes
     documented = api.openapi()["paths"]
     for path, method in routes.items():
         assert "post" in documented[path]
@@ -387,10 +424,11 @@ def test_still_serving_after_bad_input(server):
 
 @pytest.mark.ray
 def test_overload_gets_503_and_the_server_recovers(server, model_uri):
-    """Beyond max_ongoing_requests=1 + max_queued_requests=1, Serve answers 503."""
+    """Beyond max_ongoing_requests=1 + max_queued_requests=1, Serve answers 503. This app
+    decodes on the replica's thread (`--no-decode-process`), the session's in a child."""
     from ray import serve
 
-    args = AppArgs(model=model_uri)
+    args = AppArgs(model=model_uri, decode_process=False)
     app = make_app(args, num_cpus=0.5, max_ongoing_requests=1, max_queued_requests=1)
     serve.run(app, name="hlm-overload", route_prefix="/slow")
     slow = f"{server}/slow"
@@ -658,21 +696,25 @@ def test_a_replica_whose_decode_process_dies_is_replaced(server, library):
 
 
 @pytest.mark.slow
-def test_hlm_serve_direct_port_and_decode_process_answer_like_the_proxy(model_dir, tmp_path):
-    """`hlm serve --decode-process --direct-port Q` in a Ray of its own (a subprocess: Serve's
-    throughput settings are read as Ray starts): the replica answers on Q itself, the proxy
-    still on --port, both with the text the library gives; the guard runs on the direct port
-    too (a half-sent body is answered 408 and closed); Ctrl-C stops it cleanly."""
+def test_hlm_serve_with_no_options_answers_on_its_port_past_the_proxy(model_dir, tmp_path):
+    """`hlm serve --model M --port P` and nothing else, in a Ray of its own (a subprocess:
+    Serve's throughput settings are read as Ray starts): the replica answers P itself (direct
+    ingress) and decodes in a child process, Serve's proxy answers P + 1, both with the text
+    the library gives; the guard runs on P too (a half-sent body is answered 408 and closed);
+    Ctrl-C stops it cleanly."""
     import signal
     import subprocess
     import sys
 
-    port, direct = free_port(), free_port()
+    from hlm_ray.serve.launch import Ports
+
+    port = free_port()
+    Ports.plan("127.0.0.1", port, replicas=1, direct=True)  # P + 1 free as well
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["HLM_SERVE_BODY_TIMEOUT_S"] = "2"
     log = tmp_path / "serve.log"
-    cmd = [sys.executable, "-m", "hlm_ray.cli", "serve", "--model", model_dir, "--port",
-           str(port), "--direct-port", str(direct), "--decode-process", "--body-timeout-s", "2"]  # fmt: skip
+    cmd = [sys.executable, "-m", "hlm_ray.cli", "serve", "--model", model_dir, "--port", str(port),
+           "--body-timeout-s", "2"]  # fmt: skip
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
@@ -680,14 +722,17 @@ def test_hlm_serve_direct_port_and_decode_process_answer_like_the_proxy(model_di
         while "Ctrl-C to stop" not in log.read_text():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
             time.sleep(0.5)
-        assert f"replicas answer directly at http://127.0.0.1:{direct}/v1" in log.read_text()
+        startup = log.read_text()
+        assert f"at http://127.0.0.1:{port}/v1, answered by the replica itself" in startup
+        assert f"proxy, which spreads requests over the replicas, at http://127.0.0.1:{port + 1}/v1" in startup  # fmt: skip
+        assert "; a child process decodes; no API key; POST /v1/completions" in startup
         body = {"prompt": "The cat", "max_tokens": 8, "temperature": 0}
         want = Generator.load(model_dir).generate(["The cat"], max_new_tokens=8, temperature=0)
-        for where in (direct, port):
+        for where in (port, port + 1):
             r = requests.post(f"http://127.0.0.1:{where}/v1/completions", json=body, timeout=60)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == want[0].text
-        with socket.create_connection(("127.0.0.1", direct), timeout=30) as half:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as half:
             half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
                          b"Content-Type: application/json\r\n\r\n0123456789")  # fmt: skip
             answer = b""  # headers and body may come in separate segments: read to the close

@@ -3,64 +3,79 @@
     hlm bench --only serve                                   # both, on a fresh tiny decoder
     python -m hlm_ray.bench.serve --model runs/tiny-gen --rounds 15 --soak 10000
     python -m hlm_ray.bench.serve --soak 0                   # the overhead ratio only
+    python -m hlm_ray.bench.serve --config plain --soak 0    # the plain path, for comparison
+
+The server is started as `hlm serve` starts it, from `hlm serve`'s own options and defaults
+(`--config default`: a decode process per replica, the replica answering its port itself, past
+Serve's proxy; `--config plain`: `--no-decode-process --no-direct-ingress`), with the
+benchmark's batch size (`--max-batch-size`, 32: one batch for the 32 clients).
 
 Overhead: the same decoder and prompts (32 prompts x 32 new tokens, temperature 1) decoded by
 `Generator.generate` in this process (one batch) and served to 32 concurrent HTTP clients (one
-prompt each, `max_batch_size` 32); arms alternate (in, served, served, in, ...) in one run and
-each arm's figure is its median round, in completion tokens per second. The in-process arm
-uses the replica's torch thread count. Target: served / in-process >= 0.8. Each served round
-also reads the replica's counters (`GET /healthz`) for where its time went (`breakdown`):
-prefills, steps and rows per step of the continuous batch, the decode thread's busy time and
-ms per step (against the in-process arm's), the lead from the first request sent to the first
-prefill (HTTP, proxy, routing, parsing), the tail from the last step to the last answer, and
-the CPU time the clients, the proxy and the replica used (`/proc/PID/stat`).
+prompt each) at the URL `hlm serve` names; with the default configuration a third arm sends the
+same requests through Serve's proxy to the same replica. Arms alternate (in, served, proxy,
+served, in, ...) in one run and each arm's figure is its median round, in completion tokens per
+second. The in-process arm uses the replica's torch thread count. Target: served / in-process
+>= 0.8. Each served round also reads the replica's counters (`GET /healthz`) for where its time
+went (`breakdown`): prefills, steps and rows per step of the continuous batch, the decode loop's
+busy time and ms per step, the lead from the first request sent to the first prefill (HTTP,
+routing, parsing), the tail from the last step to the last answer, and the CPU time the clients,
+the proxy, the replica and its decode process used (`/proc/PID/stat`).
 
 Soak: `--soak` requests (small completions, `--concurrency` clients) against the same server:
 throughput, p50/p95/p99 latency, every status code, and the resident memory (RSS) of the
-replica and the proxy before and after. Loopback only; a Ray instance started here is shut
+replica and the proxy before and after. Loopback only; the Ray instance started here is shut
 down. Results: printed as Markdown and written to `--output` (serve.json, serve.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from hlm_ray.bench.serve_clients import Clients, percentile, send
+
 CONFIGS = {
-    "fast": "hlm serve --direct-port P --decode-process: the replica answers HTTP itself and "
+    "default": "`hlm serve`'s defaults: the replica answers HTTP itself (direct ingress) and "
     "decodes in a process of its own",
-    "proxy": "hlm serve: through Ray Serve's proxy, decoding on the replica's thread",
+    "plain": "`hlm serve --no-decode-process --no-direct-ingress`: through Ray Serve's proxy, "
+    "decoding on the replica's thread",
 }
 PROMPT_WORDS = ["cat", "house", "river", "Paris", "green", "music", "stone", "winter"]
 
 
 def tiny_model(root: Path) -> str:
-    """A tiny vanilla decoder (trained 2 steps, then random weights of std 0.15 so that its
-    text varies): the model of the issue's figures."""
+    """A tiny vanilla decoder under `root` (trained 2 steps, for the tokenizer and the folder
+    layout, then given random weights of std 0.15 so that its logits are peaked and its text
+    varied): the serving benchmark's model, and the test suite's (`tests/conftest.py`)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from hlm_ray.presets import load_config
     from hlm_ray.train.loop import train_worker
 
-    os.environ.setdefault("HLM_CACHE_DIR", str(root / "cache"))
-    cfg = load_config(
-        "tiny-decoder",
-        objective="vanilla",
-        overrides={"optim.max_steps": 2, "run.output_dir": str(root / "run")},
-    )
-    model_dir = train_worker(cfg.to_dict(), progress=False)["model_dir"]
+    old = os.environ.get("HLM_CACHE_DIR")
+    os.environ["HLM_CACHE_DIR"] = str(root / "cache")  # its tokenizer never lands elsewhere
+    try:
+        cfg = load_config(
+            "tiny-decoder",
+            objective="vanilla",
+            overrides={"optim.max_steps": 2, "run.output_dir": str(root / "run")},
+        )
+        model_dir = train_worker(cfg.to_dict(), progress=False)["model_dir"]
+    finally:
+        if old is None:
+            del os.environ["HLM_CACHE_DIR"]
+        else:
+            os.environ["HLM_CACHE_DIR"] = old
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -80,53 +95,27 @@ def prompts(num: int) -> list[str]:
 # ----------------------------------------------------------------------------- the server
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(
-    model: str,
-    *,
-    num_cpus: float,
-    max_batch_size: int,
-    app: str,
-    max_tokens: int = 64,
-    fast: bool = False,
-) -> str:
-    """Serve `model` on a free loopback port (the guard included); returns its URL. `fast`:
-    the throughput configuration of `hlm serve --direct-port P --decode-process` (see
-    `hlm_ray.serve.cli`): decoding in a process of its own, a 20 ms wait for a first batch
-    (as deploy/serve.yaml), and, when Ray starts here, the replica answering HTTP itself."""
-    import ray
-    from ray import serve
-
+def start_server(model: str, *, config: str, num_cpus: float, max_batch_size: int, max_tokens: int):
+    """Serve `model` as `hlm serve` would with `config` (its options parsed by its own parser),
+    on free loopback ports, in a Ray started here; returns the `launch.Ports`."""
     from hlm_ray.serve.app import make_app
-    from hlm_ray.serve.cli import direct_ingress_env
-    from hlm_ray.serve.guard import guard_controller_options
-    from hlm_ray.serve.schemas import AppArgs
+    from hlm_ray.serve.cli import add_arguments, app_args
+    from hlm_ray.serve.launch import Ports, start
+    from hlm_ray.tracking.server import free_port
 
-    direct = None
-    if not ray.is_initialized():
-        if fast:  # read by Serve's controller and replicas as they start
-            direct = _free_port()
-            os.environ.update(direct_ingress_env(direct, replicas=1))
-        ray.init(address="local", num_cpus=2, log_to_driver=False, include_dashboard=False)
-    port = _free_port()
-    serve.start(
-        http_options={"host": "127.0.0.1", "port": port},
-        controller_options=guard_controller_options(),
-    )
-    args = AppArgs(
-        model=model,
-        max_batch_size=max_batch_size,
-        max_tokens_limit=max(64, max_tokens),
-        decode_process=fast,
-        batch_wait_timeout_s=0.02 if fast else 0.0,
-    )
-    serve.run(make_app(args, num_cpus=num_cpus), name=app, route_prefix="/")
-    return f"http://127.0.0.1:{direct or port}"
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    argv = ["--model", model, "--max-batch-size", str(max_batch_size), "--num-cpus", str(num_cpus)]
+    if config == "plain":
+        argv += ["--no-decode-process", "--no-direct-ingress"]
+    options = parser.parse_args(argv)
+    args = app_args(options).model_copy(update={"max_tokens_limit": max(256, max_tokens)})
+    direct = options.direct_ingress is not False
+    ports = Ports.plan("127.0.0.1", free_port(), replicas=1, direct=direct,
+                       proxy_port=free_port() if direct else None)  # fmt: skip
+    ray = {"address": "local", "num_cpus": 2, "include_dashboard": False}
+    start(make_app(args, num_cpus=num_cpus), ports, guard={}, ray=ray)
+    return ports
 
 
 def rss_mib(pid: int | None) -> float | None:
@@ -165,85 +154,15 @@ def serve_pids(app: str) -> dict[str, int | None]:
     return {"replica": replica, "proxy": proxy, **({"decode": decode} if decode else {})}
 
 
-# ----------------------------------------------------------------------------- the clients
-
-
-def _session(concurrency: int):
-    import aiohttp
-
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=120))
-
-
-async def _post_all(
-    session, url: str, bodies: list[dict], concurrency: int
-) -> list[tuple[int, float, int]]:
-    """POST every body with `concurrency` clients: (status, latency s, tokens)."""
-    queue = list(reversed(bodies))
-    out: list[tuple[int, float, int]] = []
-
-    async def client() -> None:
-        while queue:
-            body = queue.pop()
-            start = time.perf_counter()
-            async with session.post(f"{url}/v1/completions", json=body) as r:
-                data = await r.read()
-                tokens = json.loads(data)["usage"]["completion_tokens"] if r.status == 200 else 0
-                out.append((r.status, time.perf_counter() - start, tokens))
-
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    return out
-
-
-async def _requests(url: str, bodies: list[dict], concurrency: int) -> list[tuple[int, float, int]]:
-    async with _session(concurrency) as session:
-        return await _post_all(session, url, bodies, concurrency)
-
-
-def send(url: str, bodies: list[dict], concurrency: int) -> list[tuple[int, float, int]]:
-    """`bodies` from `concurrency` new keep-alive clients (the soak)."""
-    return asyncio.run(_requests(url, bodies, concurrency))
-
-
-class Clients:
-    """`concurrency` keep-alive clients kept across rounds, on an event loop of their own (as
-    OpenAI's client keeps its connections): a round pays for no connection set-up."""
-
-    def __init__(self, url: str, concurrency: int) -> None:
-        self.url, self.concurrency = url, concurrency
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._thread.start()
-        self._session = self._call(self._open())
-
-    async def _open(self):
-        return _session(self.concurrency)
-
-    def _call(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
-
-    def send(self, bodies: list[dict]) -> list[tuple[int, float, int]]:
-        return self._call(_post_all(self._session, self.url, bodies, self.concurrency))
-
-    def close(self) -> None:
-        self._call(self._session.close())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
-
-
-def _pct(values: list[float], q: float) -> float:
-    values = sorted(values)
-    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
-
-
 # ----------------------------------------------------------------------------- benchmarks
 
 
 def overhead(url: str, model: str, *, rounds: int, num_prompts: int, new_tokens: int,
              threads: int, pids: dict[str, int | None] | None = None,
-             log=print) -> dict[str, Any]:  # fmt: skip
-    """Served vs in-process tokens/s, arms alternated; medians and the ratio. `pids` (the
-    replica's and the proxy's, `serve_pids`) adds each process's CPU time per round."""
+             proxy_url: str | None = None, log=print) -> dict[str, Any]:  # fmt: skip
+    """Served vs in-process tokens/s, arms alternated; medians and the ratio. `proxy_url`: a
+    third arm, the same requests through Serve's proxy. `pids` (the replica's and the proxy's,
+    `serve_pids`) adds each process's CPU time per served round."""
     import torch
 
     from hlm_ray.generate import Generator
@@ -252,8 +171,9 @@ def overhead(url: str, model: str, *, rounds: int, num_prompts: int, new_tokens:
     gen = Generator.load(model, device="cpu")
     texts = prompts(num_prompts)
     arms: dict[str, list[float]] = {"in_process": [], "served": []}
+    if proxy_url:
+        arms["proxy"] = []
     breakdowns: list[dict[str, float]] = []
-
     cpu_in: list[float] = []
 
     def in_process(seed: int) -> float:
@@ -262,37 +182,45 @@ def overhead(url: str, model: str, *, rounds: int, num_prompts: int, new_tokens:
         cpu_in.append(time.thread_time() - cpu)
         return sum(c.completion_tokens for c in out) / (time.perf_counter() - start)
 
-    def served(seed: int) -> float:
+    def served(seed: int, arm: str = "served") -> float:
         bodies = [{"prompt": p, "max_tokens": new_tokens, "temperature": 1.0, "seed": seed}
                   for p in texts]  # fmt: skip
         before, cpu = health(url), cpu_seconds(pids or {})
         start, unix_start, client = time.perf_counter(), time.time(), time.process_time()
-        answers = clients.send(bodies)
+        answers = clients[arm].send(bodies)
         wall = time.perf_counter() - start
         client = time.process_time() - client
         cpu = {k: v - cpu[k] for k, v in cpu_seconds(pids or {}).items()}
         assert all(s == 200 for s, _, _ in answers), Counter(s for s, _, _ in answers)
-        b = breakdown(before, health(url), wall, unix_start, answers)
-        b["cpu_ms"] = {
-            "client": round(1000 * client),
-            **{k: round(1000 * v) for k, v in cpu.items()},
-        }
-        breakdowns.append(b)
+        if arm == "served":
+            b = breakdown(before, health(url), wall, unix_start, answers)
+            b["cpu_ms"] = {
+                "client": round(1000 * client),
+                **{k: round(1000 * v) for k, v in cpu.items()},
+            }
+            breakdowns.append(b)
         return sum(t for _, _, t in answers) / wall
 
-    clients = Clients(url, num_prompts)
+    def measure(arm: str, seed: int) -> float:
+        return in_process(seed) if arm == "in_process" else served(seed, arm)
+
+    clients = {"served": Clients(url, num_prompts)}
+    if proxy_url:
+        clients["proxy"] = Clients(proxy_url, num_prompts)
     try:
-        in_process(0), served(0)  # warm-up (first batches, connections)
+        for arm in arms:  # warm-up (first batches, connections)
+            measure(arm, 0)
         for r in range(rounds):
-            order = ("in_process", "served") if r % 2 == 0 else ("served", "in_process")
+            order = list(arms) if r % 2 == 0 else list(reversed(arms))
             for arm in order:
-                arms[arm].append((in_process if arm == "in_process" else served)(r + 1))
-            log(f"round {r + 1}: in-process {arms['in_process'][-1]:,.0f} tok/s, "
-                f"served {arms['served'][-1]:,.0f} tok/s; replica: {breakdowns[-1]}")  # fmt: skip
+                arms[arm].append(measure(arm, r + 1))
+            figures = ", ".join(f"{arm} {v[-1]:,.0f}" for arm, v in arms.items())
+            log(f"round {r + 1}: {figures} tok/s; replica: {breakdowns[-1]}")
     finally:
-        clients.close()
+        for c in clients.values():
+            c.close()
     med = {arm: statistics.median(v) for arm, v in arms.items()}
-    return {
+    result = {
         "rounds": rounds,
         "prompts": num_prompts,
         "new_tokens": new_tokens,
@@ -306,6 +234,11 @@ def overhead(url: str, model: str, *, rounds: int, num_prompts: int, new_tokens:
         "breakdown": _medians(breakdowns[1:]),
         "in_process_cpu_ms": round(1000 * statistics.median(cpu_in[1:])),
     }
+    if proxy_url:
+        result["proxy_tok_s"] = round(med["proxy"])
+        result["proxy_ratio"] = round(med["proxy"] / med["in_process"], 3)
+        result["proxy_all"] = [round(x) for x in arms["proxy"]]
+    return result
 
 
 def _medians(rows: list[dict]) -> dict:
@@ -377,9 +310,9 @@ def soak(url: str, app: str, *, num_requests: int, concurrency: int, log=print) 
         "requests_per_s": round(num_requests / wall, 1),
         "tokens_per_s": round(sum(t for _, _, t in answers) / wall),
         "status": dict(Counter(s for s, _, _ in answers)),
-        "p50_ms": round(_pct(latencies, 0.50) * 1000, 1) if latencies else None,
-        "p95_ms": round(_pct(latencies, 0.95) * 1000, 1) if latencies else None,
-        "p99_ms": round(_pct(latencies, 0.99) * 1000, 1) if latencies else None,
+        "p50_ms": round(percentile(latencies, 0.50) * 1000, 1) if latencies else None,
+        "p95_ms": round(percentile(latencies, 0.95) * 1000, 1) if latencies else None,
+        "p99_ms": round(percentile(latencies, 0.99) * 1000, 1) if latencies else None,
         "rss_mib_before": {k: v and round(v) for k, v in before.items()},
         "rss_mib_after": {k: v and round(v) for k, v in after.items()},
     }
@@ -388,7 +321,8 @@ def soak(url: str, app: str, *, num_requests: int, concurrency: int, log=print) 
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = [f"## Serving (load {result['load']}, {result['cpus']} CPUs)", ""]
+    wall = f", {result['wall_s']} s in all" if "wall_s" in result else ""
+    lines = [f"## Serving (load {result['load']}, {result['cpus']} CPUs{wall})", ""]
     if result.get("config"):
         lines += [f"Configuration: {result['config']}.", ""]
     if o := result.get("overhead"):
@@ -397,10 +331,16 @@ def markdown(result: dict[str, Any]) -> str:
             "|---|---:|---|",
             f"| in-process `Generator` | {o['in_process_tok_s']:,} | {o['in_process_all']} |",
             f"| served, 32 clients | {o['served_tok_s']:,} | {o['served_all']} |",
+        ]
+        if "proxy_tok_s" in o:
+            lines += [f"| the same through Serve's proxy | {o['proxy_tok_s']:,} | "
+                      f"{o['proxy_all']} |"]  # fmt: skip
+        proxy = f"; through the proxy {o['proxy_ratio']}" if "proxy_ratio" in o else ""
+        lines += [
             "",
-            f"Ratio served / in-process: **{o['ratio']}** (target >= 0.8; {o['prompts']} "
-            f"prompts x {o['new_tokens']} tokens, temperature 1, {o['torch_threads']} torch "
-            "thread(s)).",
+            f"Ratio served / in-process: **{o['ratio']}**{proxy} (target >= 0.8; "
+            f"{o['prompts']} prompts x {o['new_tokens']} tokens, temperature 1, "
+            f"{o['torch_threads']} torch thread(s)).",
             "",
         ]
         if b := o.get("breakdown"):
@@ -441,32 +381,32 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.TemporaryDirectory(prefix="hlm-bench-serve-")
     model = args.model or tiny_model(Path(tmp.name))
-    app = f"hlm-bench-{os.getpid()}"
-    started_here = not ray.is_initialized()
+    app = "hlm"  # the application's name (`launch.start`), which finds its processes
     result: dict[str, Any] = {"model": "tiny decoder" if not args.model else args.model}
+    started = time.perf_counter()
     try:
-        fast = args.config == "fast"
-        url = start_server(model, num_cpus=args.num_cpus, max_batch_size=args.max_batch_size,
-                           app=app, max_tokens=args.new_tokens, fast=fast)  # fmt: skip
-        result["config"] = CONFIGS[args.config] + (
-            "" if not fast or started_here else " (Ray was already running: through the proxy)"
-        )
+        ports = start_server(model, config=args.config, num_cpus=args.num_cpus,
+                             max_batch_size=args.max_batch_size, max_tokens=args.new_tokens)  # fmt: skip
+        result["config"] = CONFIGS[args.config]
         result["load"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
         result["cpus"] = os.cpu_count()
         if args.rounds:
             result["overhead"] = overhead(
-                url, model, rounds=args.rounds, num_prompts=args.clients,
+                ports.url, model, rounds=args.rounds, num_prompts=args.clients,
                 new_tokens=args.new_tokens, threads=max(1, int(args.num_cpus)),
-                pids=serve_pids(app),
+                pids=serve_pids(app), proxy_url=ports.proxy_url if ports.direct else None,
             )  # fmt: skip
         if args.soak:
-            result["soak"] = soak(url, app, num_requests=args.soak, concurrency=args.concurrency)
+            result["soak"] = soak(
+                ports.url, app, num_requests=args.soak, concurrency=args.concurrency
+            )
         result["load_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     finally:
-        serve.shutdown()
-        if started_here:
+        if ray.is_initialized():
+            serve.shutdown()
             ray.shutdown()
         tmp.cleanup()
+    result["wall_s"] = round(time.perf_counter() - started, 1)
     (out / "serve.json").write_text(json.dumps(result, indent=2))
     (out / "serve.md").write_text(markdown(result))
     print(markdown(result))
@@ -482,9 +422,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-tokens", type=int, default=32, help="tokens per prompt (32)")
     p.add_argument("--max-batch-size", type=int, default=32, help="the replica's batch (32)")
     p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs of the replica (1)")
-    p.add_argument("--config", choices=sorted(CONFIGS), default="fast",
-                   help="how the model is served (fast: " + CONFIGS["fast"] + "; proxy: "
-                   + CONFIGS["proxy"] + ")")  # fmt: skip
+    p.add_argument("--config", choices=sorted(CONFIGS), default="default",
+                   help="how the model is served (default: " + CONFIGS["default"] + "; plain: "
+                   + CONFIGS["plain"] + ")")  # fmt: skip
     p.add_argument("--soak", type=int, default=10_000, help="soak requests (0: skip)")
     p.add_argument("--concurrency", type=int, default=32, help="soak clients (32)")
 

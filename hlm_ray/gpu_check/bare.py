@@ -249,13 +249,11 @@ def check_generate(out: Path) -> Row:
         done = gen.generate(prompts, max_new_tokens=24, temperature=0)
         texts[device] = [c.text for c in done]
     same = sum(a == b for a, b in zip(texts["cpu"], texts[DEVICE], strict=True))
-    ok = same == len(prompts)
-    return Row(
-        "generate",
-        "PASS" if ok else "MISS",
-        f"{same}/{len(prompts)} greedy texts equal on cuda and cpu "
-        f"(batch {len(prompts)}, 24 new tokens; {DEVICE}: {texts[DEVICE][0][:30]!r})",
+    figures = (
+        f"{same}/{len(prompts)} greedy texts equal on cuda and cpu (batch "
+        f"{len(prompts)}, 24 new tokens; {DEVICE}: {texts[DEVICE][0][:30]!r})"
     )
+    return Row("generate", "PASS" if same == len(prompts) else "MISS", figures)
 
 
 def check_classify(out: Path) -> Row:

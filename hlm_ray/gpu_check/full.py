@@ -52,12 +52,11 @@ def check_ray_train(out: Path) -> Row:
     losses = [r["train/loss"] for r in read_metrics(folder) if "train/loss" in r]
     nccl = "NCCL INFO" in (proc.stdout + proc.stderr)
     ok = len(losses) > 1 and losses[-1] < losses[0]
-    return Row(
-        "ray_train",
-        "PASS" if ok else "MISS",
+    figures = (
         f"loss {losses[0]:.2f}→{losses[-1]:.2f} in {wall:.0f} s; NCCL in the logs: "
-        f"{'yes' if nccl else 'not seen'}",
+        f"{'yes' if nccl else 'not seen'}"
     )
+    return Row("ray_train", "PASS" if ok else "MISS", figures)
 
 
 def check_sweep(out: Path) -> Row:

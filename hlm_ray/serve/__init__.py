@@ -1,6 +1,9 @@
-"""Serving decoders over HTTP with Ray Serve: `app` (the deployment and its builders), `schemas`
-(request/response bodies, `AppArgs`), `cli` (`hlm serve`). Generation itself is
-`hlm_ray.generate`, which needs no Ray.
+"""Serving decoders over HTTP with Ray Serve: `app` (building the application), `server` (the
+`CompletionServer` deployment), `routes` and `streaming` (its ASGI side and server-sent events),
+`protocol` and `schemas` (OpenAI's request/response bodies, `AppArgs`), `engine` and
+`decode_process` (continuous batching, on a thread or in a child process), `guard` (the proxy's
+body guard), `launch` and `cli` (`hlm serve`). Generation itself is `hlm_ray.generate`, which
+needs no Ray.
 
     from hlm_ray.serve.app import build_app, make_app
     from hlm_ray.serve.schemas import AppArgs

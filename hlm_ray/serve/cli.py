@@ -3,10 +3,15 @@ does from a config file).
 
     hlm serve --model models:/hlm-tiny-generator/1                 # http://127.0.0.1:8000/v1
     hlm serve --model runs/tiny-gen --port 8001 --replicas 2 --max-batch-size 32
+    hlm serve --model runs/tiny-gen --no-decode-process --no-direct-ingress   # the plain path
     python -m hlm_ray.serve.cli --model runs/tiny-gen              # the same, without the hlm CLI
 
-It blocks like `serve run`: Ctrl-C shuts the application and the local Ray instance down. With
-`RAY_ADDRESS` set (or `--address`) it deploys onto that cluster instead of starting one.
+By default it runs the fastest configuration valid where it runs: each replica decodes in a
+child process (`--no-decode-process` to decode on the replica's thread) and, when it starts Ray
+itself, the replicas answer `--port` directly, past Serve's proxy (`--no-direct-ingress` to go
+through the proxy; the proxy then listens on `--port`). It blocks like `serve run`: Ctrl-C shuts
+the application and the local Ray instance down. With `RAY_ADDRESS` set (or `--address`) it
+deploys onto that cluster, through its proxy, instead of starting one.
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import sys
 import time
 from typing import Any
@@ -43,13 +47,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--name", help="id to serve the model under (default: NAME/VERSION or run name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    p.add_argument(
+        "--port",
+        type=int,
+        default=8000,
+        help="HTTP port clients use (default 8000): the replica's own with direct ingress "
+        "(several replicas: this port and the next ones, one each), else Serve's proxy's",
+    )
+    p.add_argument(
+        "--proxy-port",
+        type=int,
+        help="with direct ingress, the port of Serve's proxy, which spreads requests over the "
+        "replicas (default: the port after the replicas')",
+    )
     p.add_argument("--replicas", type=int, default=1, help="replicas of the model (default 1)")
     p.add_argument("--num-cpus", type=float, default=1.0, help="CPUs per replica (default 1)")
     p.add_argument("--num-gpus", type=float, default=0.0, help="GPUs per replica (default 0)")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto (default auto)")
     p.add_argument(
         "--max-batch-size", type=int, default=16, help="rows decoded together (default 16)"
+    )
+    p.add_argument(
+        "--batch-wait-timeout-s",
+        type=float,
+        default=0.02,
+        help="an idle replica waits this long after a request for others to share its first "
+        "step (default 0.02; 0: a lone request starts at once, concurrent ones then take more "
+        "steps)",
     )
     p.add_argument(
         "--max-ongoing-requests",
@@ -90,107 +114,98 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--decode-process",
-        action="store_true",
-        help="decode in a child process of each replica: HTTP and decoding stop sharing one "
-        "Python lock (faster with small models and many clients)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="decode in a child process of each replica, so that HTTP and decoding stop taking "
+        "turns on one Python lock (default: on; costs one more process per replica, which "
+        "holds the weights, and a pipe hop per request; --no-decode-process: decode on a "
+        "thread of the replica)",
     )
     p.add_argument(
-        "--direct-port",
-        type=int,
-        help="also answer on this port (and the next ones, one per replica) straight from the "
-        "replicas, without the proxy hop (Ray Serve's direct ingress, set with "
-        "RAY_SERVE_THROUGHPUT_OPTIMIZED=1; replica logs then go to files only); local Ray only",
+        "--direct-ingress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="replicas answer --port themselves, without the hop through Serve's proxy (Ray "
+        "Serve's RAY_SERVE_THROUGHPUT_OPTIMIZED=1; default: on when Ray starts here, off with "
+        "--address; costs: one port per replica, replica logs buffered and in files only, "
+        "request handling on the replica's event loop; --no-direct-ingress: all through the "
+        "proxy on --port)",
     )
-    p.add_argument("--address", help="Ray cluster to deploy onto (default: $RAY_ADDRESS or local)")
+    p.add_argument(
+        "--address",
+        help="Ray cluster to deploy onto, through its proxy (default: $RAY_ADDRESS, else a Ray "
+        "started here)",
+    )
 
 
-def direct_ingress_env(port: int, replicas: int) -> dict[str, str]:
-    """Ray Serve's throughput settings (read by its controller and replicas as they start):
-    each ingress replica also serves HTTP itself on a port of [port, port + replicas), the
-    user code runs on the replica's own event loop, and replica logs are buffered to files."""
-    return {
-        "RAY_SERVE_THROUGHPUT_OPTIMIZED": "1",
-        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(port),
-        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(port + replicas),  # exclusive
-    }
+def app_args(args: argparse.Namespace):
+    """The application's `AppArgs` from the command line; a bad value names its flag."""
+    from pydantic import ValidationError
+
+    from hlm_ray.serve.schemas import AppArgs
+
+    fields = ("model", "name", "device", "allow_raw_head", "max_batch_size",
+              "batch_wait_timeout_s", "request_timeout_s", "body_timeout_s", "decode_process")  # fmt: skip
+    try:
+        return AppArgs(api_key=args.api_key or None, **{f: getattr(args, f) for f in fields})
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise HLMError(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
+
+
+def plan_ports(args: argparse.Namespace):
+    """Where the server will answer (`launch.Ports`): direct ingress unless turned off or on a
+    cluster; every port checked free before Ray starts."""
+    from hlm_ray.serve.launch import Ports
+
+    if args.replicas < 1:
+        raise HLMError(f"--replicas={args.replicas} must be >= 1")
+    cluster = args.address or os.environ.get("RAY_ADDRESS")
+    if args.direct_ingress and cluster:
+        raise HLMError(
+            f"--direct-ingress needs a Ray that starts here, not the cluster at {cluster}: "
+            "start the cluster's Ray with RAY_SERVE_THROUGHPUT_OPTIMIZED=1, or drop the flag"
+        )
+    direct = not cluster if args.direct_ingress is None else args.direct_ingress
+    if cluster:  # the cluster's proxy: nothing listens here
+        if args.proxy_port is not None:
+            raise HLMError("--proxy-port needs direct ingress, which a cluster does not get here")
+        return Ports(args.host, args.port, args.port, args.replicas, direct=False)
+    return Ports.plan(
+        args.host, args.port, replicas=args.replicas, direct=direct, proxy_port=args.proxy_port
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """Deploy, print where, block until Ctrl-C, shut down. Bad options raise HLMError before
     Ray starts."""
-    from pydantic import ValidationError
-
     from hlm_ray.serve.app import make_app, model_name
-    from hlm_ray.serve.guard import guard_controller_options
-    from hlm_ray.serve.schemas import AppArgs
+    from hlm_ray.serve.launch import start
 
-    try:
-        app_args = AppArgs(
-            model=args.model,
-            name=args.name,
-            device=args.device,
-            allow_raw_head=args.allow_raw_head,
-            max_batch_size=args.max_batch_size,
-            request_timeout_s=args.request_timeout_s,
-            api_key=args.api_key or None,
-            body_timeout_s=args.body_timeout_s,
-            decode_process=args.decode_process,
-        )
-    except ValidationError as err:
-        first = err.errors()[0]
-        raise HLMError(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
-    if args.replicas < 1:
-        raise HLMError(f"--replicas={args.replicas} must be >= 1")
-    app = make_app(
-        app_args,
+    config = app_args(args)
+    app = make_app(  # checks the model first: a wrong one is the likelier mistake
+        config,
         num_replicas=args.replicas,
         num_cpus=args.num_cpus,
         num_gpus=args.num_gpus or None,
         max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests,
     )
-    local = not (args.address or os.environ.get("RAY_ADDRESS"))
-    if local:  # a local Ray starts the proxy
-        _check_port_free(args.host, args.port)
-    if args.direct_port is not None:
-        if not local:
-            raise HLMError(
-                "--direct-port needs a Ray that starts here: on a cluster, start it with "
-                "RAY_SERVE_THROUGHPUT_OPTIMIZED=1 (deploy/README.md)"
-            )
-        for port in range(args.direct_port, args.direct_port + args.replicas):
-            _check_port_free(args.host, port, "--direct-port")
-        os.environ.update(direct_ingress_env(args.direct_port, args.replicas))
-
+    ports = plan_ports(args)
     import ray
     from ray import serve
 
-    ray.init(address=args.address, log_to_driver=False)
     try:
-        serve.start(
-            http_options={
-                "host": args.host,
-                "port": args.port,
-                "keep_alive_timeout_s": args.keep_alive_timeout_s,
-            },
-            # The proxy's guard: bodies read there, under a deadline (hlm_ray.serve.guard).
-            controller_options=guard_controller_options(
-                body_timeout_s=args.body_timeout_s, max_body_bytes=app_args.max_body_bytes
-            ),
-        )
-        try:
-            serve.run(app, name="hlm", route_prefix="/")
-        except RuntimeError as err:
-            raise HLMError(f"the application failed to start: {_last_line(err)}") from None
+        guard = {"body_timeout_s": args.body_timeout_s, "max_body_bytes": config.max_body_bytes}
+        ray_options = {"address": args.address}
+        start(app, ports, guard=guard, ray=ray_options, keep_alive_s=args.keep_alive_timeout_s)
         _interrupt_on_signals()
-        if args.direct_port is not None:
-            last = args.direct_port + args.replicas - 1
-            ports = str(args.direct_port) + (f"-{last}" if last > args.direct_port else "")
-            print(f"replicas answer directly at http://{args.host}:{ports}/v1", flush=True)
+        decoding = "a child process decodes" if config.decode_process else "a thread decodes"
+        key = "API key required" if config.api_key else "no API key"
+        routes = "POST /v1/completions, /v1/chat/completions, GET /v1/models, GET /healthz"
         print(
-            f"serving {model_name(app_args)} at http://{args.host}:{args.port}/v1 "
-            "(POST /v1/completions, /v1/chat/completions, GET /v1/models, GET /healthz), "
-            f"{'API key required' if app_args.api_key else 'no API key'}; Ctrl-C to stop",
+            f"serving {model_name(config)} {ports.describe()}; {decoding}; {key}; {routes}; "
+            "Ctrl-C to stop",
             flush=True,
         )
         try:
@@ -199,8 +214,9 @@ def run(args: argparse.Namespace) -> int:
         except KeyboardInterrupt:
             print("shutting down", flush=True)
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
     return 0
 
 
@@ -213,21 +229,6 @@ def _interrupt_on_signals() -> None:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, interrupt)
-
-
-def _check_port_free(host: str, port: int, flag: str = "--port") -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((host, port))
-        except OSError as err:
-            raise HLMError(
-                f"cannot listen on {host}:{port} ({err.strerror}); pass another {flag}"
-            ) from None
-
-
-def _last_line(err: BaseException) -> str:
-    lines = [line for line in str(err).splitlines() if line.strip()]
-    return lines[-1] if lines else type(err).__name__
 
 
 def main(argv: list[str] | None = None) -> int:

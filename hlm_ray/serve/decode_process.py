@@ -34,6 +34,7 @@ import multiprocessing as mp
 import pickle
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from hlm_ray.errors import HLMError, one_line
@@ -44,26 +45,28 @@ log = logging.getLogger("ray.serve")
 START_TIMEOUT_S = 600.0  # loading a large model from a slow disk
 
 
-class DecodeProcess:
-    """`DecodeLoop` run by a child process (module docstring)."""
+@dataclass(frozen=True)
+class ChildSpec:
+    """What the child needs to load the model and run its `DecodeLoop` (sent to it once)."""
 
-    def __init__(
-        self,
-        model: str,
-        *,
-        device: str,
-        max_rows: int,
-        wait_s: float = 0.0,
-        allow_raw_head: bool = False,
-        name: str | None = None,
-        num_threads: int | None = None,
-        switch_interval_s: float | None = None,
-    ) -> None:
+    model: str  # a local model folder
+    device: str
+    max_rows: int
+    wait_s: float = 0.0
+    allow_raw_head: bool = False
+    name: str | None = None
+    num_threads: int | None = None
+    switch_interval_s: float | None = None
+
+
+class DecodeProcess:
+    """`DecodeLoop` run by a child process (module docstring). `options`: the rest of
+    `ChildSpec` (device, max_rows, ...)."""
+
+    def __init__(self, model: str, **options: Any) -> None:
+        spec = ChildSpec(model, **options)
         ctx = mp.get_context("spawn")  # no fork of a process holding threads (and CUDA)
         self._conn, child = ctx.Pipe()
-        spec = {"model": model, "device": device, "max_rows": max_rows, "wait_s": wait_s,
-                "allow_raw_head": allow_raw_head, "name": name, "num_threads": num_threads,
-                "switch_interval_s": switch_interval_s}  # fmt: skip
         self._proc = ctx.Process(target=_child_main, args=(child, spec), name="hlm-decode")
         self._proc.daemon = True
         self._proc.start()
@@ -218,7 +221,7 @@ class DecodeProcess:
 # ----------------------------------------------------------------------------- the child
 
 
-def _child_main(conn, spec: dict[str, Any]) -> None:
+def _child_main(conn, spec: ChildSpec) -> None:
     import sys
 
     import torch
@@ -226,10 +229,10 @@ def _child_main(conn, spec: dict[str, Any]) -> None:
     from hlm_ray.generate import Generator
     from hlm_ray.serve.engine import DecodeLoop
 
-    if spec["num_threads"]:
-        torch.set_num_threads(spec["num_threads"])
-    if spec["switch_interval_s"]:
-        sys.setswitchinterval(spec["switch_interval_s"])
+    if spec.num_threads:
+        torch.set_num_threads(spec.num_threads)
+    if spec.switch_interval_s:
+        sys.setswitchinterval(spec.switch_interval_s)
     send_lock = threading.Lock()
     jobs: dict[int, Job] = {}
     news: list[tuple] = []  # what a decoding pass told its jobs, sent when the pass ends
@@ -247,14 +250,12 @@ def _child_main(conn, spec: dict[str, Any]) -> None:
 
     try:
         gen = Generator.load(
-            spec["model"],
-            device=spec["device"],
-            allow_raw_head=spec["allow_raw_head"],
-            name=spec["name"],
+            spec.model,
+            device=spec.device,
+            allow_raw_head=spec.allow_raw_head,
+            name=spec.name,
         )
-        engine = DecodeLoop(
-            gen, max_rows=spec["max_rows"], wait_s=spec["wait_s"], after_pass=send_news
-        )
+        engine = DecodeLoop(gen, max_rows=spec.max_rows, wait_s=spec.wait_s, after_pass=send_news)
     except Exception as err:
         conn.send(("failed", one_line(err, with_type=True)))
         return

@@ -148,19 +148,27 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-class CompletionResponse(BaseModel):
-    """A completion, or one server-sent chunk of a streamed one (then `usage` is None except in
-    the last chunk when `stream_options.include_usage`)."""
+class _Response(BaseModel):
+    """What every answer and streamed chunk carries, in OpenAI's order; each kind narrows
+    `object` and `choices`."""
 
     id: str
-    object: Literal["text_completion"] = "text_completion"
+    object: str
     created: int
     model: str
-    choices: list[Choice]
+    choices: list
     usage: Usage | None = None
     system_fingerprint: str | None = None
     """Which weights answered: the `models:/NAME/VERSION` URI, or the served name (never a
     local path)."""
+
+
+class CompletionResponse(_Response):
+    """A completion, or one server-sent chunk of a streamed one (then `usage` is None except in
+    the last chunk when `stream_options.include_usage`)."""
+
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[Choice]
 
 
 class ModelCard(BaseModel):
@@ -231,9 +239,11 @@ class AppArgs(BaseModel):
     """Serve a headless decoder that was never fine-tuned, with its raw Eᵀ head."""
     max_batch_size: int = Field(16, ge=1)
     """Rows (prompts x n, over concurrent requests) decoded together; also a request's limit."""
-    batch_wait_timeout_s: float = Field(0.0, ge=0.0)
-    """How long an idle replica waits, after a request arrives, for others to share its prefill
-    (requests arriving later join the running batch at its next step, so 0 loses nothing)."""
+    batch_wait_timeout_s: float = Field(0.02, ge=0.0)
+    """How long an idle replica waits, after a request arrives, for others to share its first
+    prefill. Requests arriving later join the running batch at its next step, but rows prefilled
+    in several groups finish at different steps: 20 ms let 32 concurrent clients share one
+    prefill (docs/benchmarks.md). 0: a lone request starts at once."""
     max_prompt_tokens: int | None = Field(None, ge=1)
     """Longest prompt accepted, in tokens (default: the model's positions minus max_tokens)."""
     max_tokens_limit: int = Field(256, ge=1)
@@ -247,12 +257,13 @@ class AppArgs(BaseModel):
     body_timeout_s: float = Field(10.0, gt=0.0)
     """A request body not received within this long is answered 408 (the proxy's guard,
     `hlm_ray.serve.guard`, does this before a replica is involved; this is the fallback)."""
-    decode_process: bool = False
+    decode_process: bool = True
     """Decode in a child process of the replica (`hlm_ray.serve.decode_process`): HTTP and
-    decoding no longer share one interpreter lock (on 2 cores, with direct ingress and a 20 ms
-    first-batch wait, 32 clients' tokens/s of a tiny decoder reached 0.77-0.86 of in-process
-    decoding, median 0.81: docs/benchmarks.md). Costs a second process; the replica itself then
-    loads the tokenizer and the model's config only, not its weights."""
+    decoding no longer take turns on one interpreter lock (with a small model on 2 cores, the
+    served tokens/s of 32 clients rose from 0.27-0.29 of in-process decoding through the proxy
+    to about 0.8 with direct ingress: docs/benchmarks.md). Costs one more process per replica
+    (it holds the weights; the replica then loads the tokenizer and the model's config only)
+    and a pipe hop per request. False: decode on a thread of the replica."""
     num_threads: int | None = Field(None, ge=1)
     """torch threads per replica (default: torch's, i.e. the replica's CPUs under Ray)."""
     api_key: SecretStr | None = None
@@ -315,14 +326,10 @@ class ChatChoice(BaseModel):
     logprobs: None = None
 
 
-class ChatCompletion(BaseModel):
-    id: str
+class ChatCompletion(_Response):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
     usage: Usage
-    system_fingerprint: str | None = None
 
 
 class ChatDelta(BaseModel):
@@ -337,13 +344,8 @@ class ChatChunkChoice(BaseModel):
     logprobs: None = None
 
 
-class ChatChunk(BaseModel):
+class ChatChunk(_Response):
     """One server-sent event of a streamed chat completion."""
 
-    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
