@@ -218,12 +218,12 @@ CURVE_FAMILIES = {"tiny": ("tiny-encoder-curve",), "cpu": ("bert-cpu-curve",)}
 
 
 def add_curve_flag(parser: argparse.ArgumentParser) -> None:
+    presets = ", ".join(CURVE_FAMILIES)
     parser.add_argument(
         "--curve",
         action="store_true",
-        help="the data-efficiency curve: sweep "
-        + "; ".join(f"{p}: {', '.join(f)}" for p, f in CURVE_FAMILIES.items())
-        + " and score each trial's checkpoints at 25%%, 50%% and 100%% of its budget",
+        help=f"the data-efficiency curve (presets {presets}): the preset's encoder family, its "
+        "checkpoints at 25%%, 50%% and 100%% of the budget scored (default name <sweep>-<preset>-curve)",
     )
 
 
