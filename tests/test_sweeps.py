@@ -276,6 +276,13 @@ def test_sweep_spec_validates_settings():
 # ------------------------------------------------------------------------------ end to end
 
 
+def test_a_run_name_prefix_defaults_to_the_axis_names_first_letter():
+    from hlm_ray.tune.axis import Axis
+
+    assert Axis("toy", "optim.lr", "learning rate", ("lr", "lr")).short == "t"
+    assert SCRIPTS["headline"].AXIS.short == "f"  # f for family, as its runs were named
+
+
 def _hlm_sweep_parser(kind: str):
     """The parser of `hlm sweep <kind>`, as `hlm` builds it."""
     from hlm_ray.cli import build_parser
@@ -319,7 +326,7 @@ def test_a_scripts_report_follows_its_grid_sweep_only(monkeypatch, tmp_path, cap
     written = []
 
     def report(spec, name, preset):
-        written.append((spec.values, name, preset))
+        written.append((spec.values, spec.num_seeds, name, preset))
         (tmp_path / "report.md").write_text("# the report\n")
         return [tmp_path / "report.md", tmp_path / "fig.png"]
 
@@ -327,7 +334,7 @@ def test_a_scripts_report_follows_its_grid_sweep_only(monkeypatch, tmp_path, cap
     main = SweepScript(VOCAB.AXIS, VOCAB.PRESETS, report=report).main
     assert main(["--set", "sweep.values=[512]", "--num-seeds", "2"]) == 0
     out = capsys.readouterr().out
-    assert written == [((512,), "vocab-tiny", "tiny")]
+    assert written == [((512,), 2, "vocab-tiny", "tiny")]  # the spec the sweep ran
     assert out.index("| table |") < out.index("# the report") < out.index("report: ")
     assert main(["--search", "--set", "sweep.values=[512]"]) == 0
     assert main(["--dry-run", "--set", "sweep.values=[512]"]) == 0
