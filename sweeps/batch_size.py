@@ -15,8 +15,8 @@ spaced below it.
 import sys
 
 from hlm_ray.tune.axis import Axis, Figure
-from hlm_ray.tune.cli import sweep_main
-from hlm_ray.tune.spec import CC_NEWS, TINY_TRIAL, SweepSpec
+from hlm_ray.tune.cli import SweepScript
+from hlm_ray.tune.spec import paper_scale, tiny_scale
 
 
 def micro_batch_settings(micro_batch: int, workers: int) -> dict[str, int]:
@@ -30,7 +30,7 @@ def micro_batch_settings(micro_batch: int, workers: int) -> dict[str, int]:
 AXIS = Axis(
     name="batch_size",
     field="optim.micro_batch_size",
-    short="b",
+    settings=micro_batch_settings,
     label="micro-batch size (in-batch negatives)",
     column=("micro-batch", "micro_batch"),
     figures=(
@@ -42,34 +42,15 @@ AXIS = Axis(
             "bits per byte of held-out text (generator, lower is better)",
         ),
     ),
-    description="The batch_size ablation as a Ray Tune sweep (headless vs vanilla).",
-    settings=micro_batch_settings,
 )
 
 PRESETS = {
-    "tiny": SweepSpec(
-        axis=AXIS,
-        base="tiny-gpt2",
-        values=(8, 16),
-        overrides=TINY_TRIAL,
-        recipe="tiny",
-    ),
-    "paper": SweepSpec(
-        axis=AXIS,
-        base="gpt2-11m",
-        values=(16, 32, 64, 128),
-        overrides=(CC_NEWS,),
-        recipe="paper",
-        cpus_per_worker=4,
-        gpus_per_worker=1,
-    ),
+    "tiny": tiny_scale(AXIS, "tiny-gpt2", (8, 16)),
+    "paper": paper_scale(AXIS, "gpt2-11m", (16, 32, 64, 128)),
 }
 
-
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """Run the sweep with command-line `argv` (`hlm sweep batch_size` passes its own `prog`)."""
-    return sweep_main(AXIS, PRESETS, argv, prog)
-
+SCRIPT = SweepScript(AXIS, PRESETS)
+main = SCRIPT.main
 
 if __name__ == "__main__":
     sys.exit(main())

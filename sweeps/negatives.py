@@ -20,8 +20,8 @@ import sys
 
 from hlm_ray.errors import HLMError
 from hlm_ray.tune.axis import Axis, Figure
-from hlm_ray.tune.cli import sweep_main
-from hlm_ray.tune.spec import CC_NEWS, TINY_TRIAL, SweepSpec
+from hlm_ray.tune.cli import SweepScript
+from hlm_ray.tune.spec import SweepSpec, paper_scale, tiny_scale
 
 OWN, ALL_WORKERS = "own", "all_workers"
 
@@ -52,7 +52,8 @@ def check_negatives(spec: SweepSpec) -> None:
 AXIS = Axis(
     name="negatives",
     field="objective.num_negatives",
-    short="n",
+    settings=negatives_settings,
+    check=check_negatives,
     label="contrastive negatives per row (micro-batch fixed)",
     column=("negatives", "negatives"),
     figures=(
@@ -60,40 +61,34 @@ AXIS = Axis(
         Figure("negatives_bpb.png", "text_bpb", "bits per byte of held-out text (generator)"),
     ),
     description="The number of contrastive negatives at a fixed micro-batch, as a Ray Tune sweep.",
-    settings=negatives_settings,
-    check=check_negatives,
 )
 
+# 2 workers per trial, so that all_workers differs from own.
 PRESETS = {
-    "tiny": SweepSpec(
-        axis=AXIS,
-        base="tiny-gpt2",
-        # K = 16 × 63 = 1008 targets per worker; 2 workers.
-        values=(OWN, ALL_WORKERS, 64),
+    # K = 16 × 63 = 1008 targets per worker.
+    "tiny": tiny_scale(
+        AXIS,
+        "tiny-gpt2",
+        (OWN, ALL_WORKERS, 64),
+        "optim.micro_batch_size=16",
+        "optim.global_batch_size=32",
         objectives=("headless",),
-        overrides=(*TINY_TRIAL, "optim.micro_batch_size=16", "optim.global_batch_size=32"),
-        recipe="tiny",
         workers_per_trial=2,
     ),
-    "paper": SweepSpec(
-        axis=AXIS,
-        base="gpt2-11m",
-        # K = 64 × 127 = 8128 targets per worker; 2 workers: all_workers scores 16256.
-        values=(OWN, ALL_WORKERS, 256, 1024, 4096),
+    # K = 64 × 127 = 8128 targets per worker: all_workers scores 16256.
+    "paper": paper_scale(
+        AXIS,
+        "gpt2-11m",
+        (OWN, ALL_WORKERS, 256, 1024, 4096),
+        "optim.micro_batch_size=64",
+        "optim.global_batch_size=128",
         objectives=("headless",),
-        overrides=(CC_NEWS, "optim.micro_batch_size=64", "optim.global_batch_size=128"),
-        recipe="paper",
         workers_per_trial=2,
-        cpus_per_worker=4,
-        gpus_per_worker=1,
     ),
 }
 
-
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """Run the sweep with command-line `argv` (`hlm sweep` passes its own `prog`)."""
-    return sweep_main(AXIS, PRESETS, argv, prog)
-
+SCRIPT = SweepScript(AXIS, PRESETS)
+main = SCRIPT.main
 
 if __name__ == "__main__":
     sys.exit(main())

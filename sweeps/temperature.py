@@ -8,20 +8,22 @@ Every published headless run used τ = 1 (a plain dot product of hidden state an
 embedding); this sweep asks whether that choice matters. Headless encoders only (τ does not
 enter the cross-entropy of a vanilla model), scored by the GLUE-style fine-tuning average as in
 the vocabulary sweep.
+
+This file is the model of a new ablation: an `Axis` (the config field it varies, how its values
+are shown), its presets, and `SweepScript` for the command line, the summary and the figures.
 """
 
 import sys
 
 from hlm_ray.tune.axis import Axis, Figure
-from hlm_ray.tune.cli import sweep_main
-from hlm_ray.tune.spec import CC_NEWS, TINY_TRIAL, SweepSpec
+from hlm_ray.tune.cli import SweepScript
+from hlm_ray.tune.spec import paper_scale, tiny_scale
 
 AXIS = Axis(
-    name="temperature",
-    field="objective.temperature",
-    short="t",
-    label="CWT temperature τ",
-    column=("τ", "temperature"),
+    name="temperature",  # sweeps/temperature.py; runs/sweeps/temperature-<preset>
+    field="objective.temperature",  # the config field a value sets
+    label="CWT temperature τ",  # the figures' x axis
+    column=("τ", "temperature"),  # the value's column in summary.md, summary.csv
     figures=(
         Figure("temperature_score.png", "downstream/score", "downstream score"),
         Figure("temperature_loss.png", "loss", "validation CWT loss (depends on τ)"),
@@ -29,32 +31,20 @@ AXIS = Axis(
     description="The CWT temperature as a Ray Tune sweep (headless encoders).",
 )
 
+HEADLESS = ("headless",)  # τ does not enter a vanilla model's loss
 PRESETS = {
-    "tiny": SweepSpec(
-        axis=AXIS,
-        base="tiny-encoder",
-        values=(0.1, 1.0),
-        objectives=("headless",),
-        overrides=TINY_TRIAL,
-        recipe="tiny",
-    ),
-    "paper": SweepSpec(
-        axis=AXIS,
-        base="bert-small",
-        values=(0.05, 0.1, 0.2, 0.5, 1.0, 2.0),
-        objectives=("headless",),
-        overrides=(CC_NEWS, "tokenizer.train_sample_bytes=1000000000"),
-        recipe="paper",
-        cpus_per_worker=4,
-        gpus_per_worker=1,
+    "tiny": tiny_scale(AXIS, "tiny-encoder", (0.1, 1.0), objectives=HEADLESS),
+    "paper": paper_scale(
+        AXIS,
+        "bert-small",
+        (0.05, 0.1, 0.2, 0.5, 1.0, 2.0),
+        "tokenizer.train_sample_bytes=1000000000",
+        objectives=HEADLESS,
     ),
 }
 
-
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """Run the sweep with command-line `argv` (`hlm sweep` passes its own `prog`)."""
-    return sweep_main(AXIS, PRESETS, argv, prog)
-
+SCRIPT = SweepScript(AXIS, PRESETS)
+main = SCRIPT.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -32,8 +32,9 @@ import sys
 
 from hlm_ray.errors import HLMError
 from hlm_ray.tune.axis import Axis, Figure
-from hlm_ray.tune.cli import sweep_main
-from hlm_ray.tune.spec import CC_NEWS, TINY_TRIAL, SweepSpec
+from hlm_ray.tune.cli import SweepScript
+from hlm_ray.tune.spec import SweepSpec, paper_scale, tiny_scale
+from hlm_ray.tune.vocab_report import write_vocab_report
 
 
 def check_vocab_sizes(spec: SweepSpec) -> None:
@@ -103,16 +104,14 @@ def arm_settings(value, objective: str) -> dict:
 AXIS = Axis(
     name="vocab",
     field="tokenizer.vocab_size",
-    short="v",
-    label="vocabulary size",
+    settings=vocab_settings,
+    arm_settings=arm_settings,
     column=("vocab (asked)", "vocab_size"),
+    label="vocabulary size",
     figures=(
         Figure("fig7a_score_vs_vocab.png", "downstream/score", "downstream score"),
         Figure("fig7b_tokens_per_s_vs_vocab.png", "tokens_per_s", "training tokens / s"),
     ),
-    description="The vocab ablation as a Ray Tune sweep (headless vs vanilla).",
-    settings=vocab_settings,
-    arm_settings=arm_settings,
     check=check_vocab_sizes,
     prepared=check_real_sizes,
 )
@@ -137,13 +136,7 @@ EQUAL_FLOPS = 2e12
 
 PRESETS = {
     # The demo: sizes where the head matters, 50 steps each, one seed; ~3 minutes on 2 cores.
-    "tiny": SweepSpec(
-        axis=AXIS,
-        base="tiny-encoder",
-        values=(1024, 8192, 32_768),
-        overrides=(*TINY_TRIAL, "optim.max_steps=50"),
-        recipe="tiny",
-    ),
+    "tiny": tiny_scale(AXIS, "tiny-encoder", (1024, 8192, 32_768), "optim.max_steps=50"),
     # Figure 7 at CPU scale: equal FLOPs per trial, 3 seeds, the headline report per size.
     "cpu": SweepSpec(
         axis=AXIS,
@@ -153,16 +146,13 @@ PRESETS = {
         overrides=(*CPU_MODEL, f"budget.flops={EQUAL_FLOPS:g}"),
         recipe="tiny",
     ),
-    "paper": SweepSpec(
-        axis=AXIS,
-        base="bert-small",
-        values=(16_384, 32_768, 50_000, 65_536, 85_000, 100_000),
-        # BPE training reads the first GB of the corpus (all of it at once would need tens of
-        # GB of memory); pretraining reads all of it.
-        overrides=(CC_NEWS, "tokenizer.train_sample_bytes=1000000000"),
-        recipe="paper",
-        cpus_per_worker=4,
-        gpus_per_worker=1,
+    # BPE training reads the first GB of the corpus (all of it at once would need tens of GB of
+    # memory); pretraining reads all of it.
+    "paper": paper_scale(
+        AXIS,
+        "bert-small",
+        (16_384, 32_768, 50_000, 65_536, 85_000, 100_000),
+        "tokenizer.train_sample_bytes=1000000000",
     ),
 }
 
@@ -182,30 +172,8 @@ def equal_flops_steps(spec: SweepSpec) -> dict[tuple, int]:
     return out
 
 
-def main(argv: list[str] | None = None, prog: str | None = None) -> int:
-    """Run the sweep with command-line `argv` (`hlm sweep vocab` passes its own `prog`), then
-    its Figure 7 report."""
-    from hlm_ray.tune.cli import build_parser
-    from hlm_ray.tune.spec import get_sweep
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    status = sweep_main(AXIS, PRESETS, argv, prog)
-    args = build_parser(AXIS, PRESETS, prog).parse_args(argv)
-    if args.dry_run or args.search or status not in (0, 1):
-        return status
-    flags = {"num_seeds": args.num_seeds}
-    items = [*args.set, *(f"sweep.{k}={v}" for k, v in flags.items() if v is not None)]
-    try:
-        from hlm_ray.tune.vocab_report import write_vocab_report
-
-        spec = get_sweep(PRESETS, args.preset, items)
-        text = write_vocab_report(spec, args.name or f"{AXIS.name}-{args.preset}", args.preset)
-    except HLMError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print("\n" + text)
-    return status
-
+SCRIPT = SweepScript(AXIS, PRESETS, report=write_vocab_report)
+main = SCRIPT.main
 
 if __name__ == "__main__":
     sys.exit(main())

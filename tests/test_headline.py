@@ -1,5 +1,6 @@
-"""The headline comparison (sweeps/headline.py): its statistics against scipy on made-up scores,
-the baselines, the report, the equal-budget arithmetic, then the tiny sweep end to end."""
+"""The headline comparison (sweeps/headline.py, hlm_ray.tune.families and .headline): its
+statistics against scipy on made-up scores, the baselines, the report, the equal-budget
+arithmetic, then the tiny sweep end to end."""
 
 import importlib.util
 import math
@@ -16,6 +17,7 @@ from hlm_ray.classify.tasks import load_task
 from hlm_ray.downstream import share_steps
 from hlm_ray.errors import HLMError
 from hlm_ray.tune import report, stats
+from hlm_ray.tune.families import check_families
 from hlm_ray.tune.spec import get_sweep
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -205,7 +207,7 @@ def test_equal_budget_arms_and_the_generator_share():
     assert dec["vanilla"].optim.max_steps == 600 + 12
     assert dec["vanilla"].budget.tokens == dec["headless"].budget.tokens + 12 * 32 * 64
     with pytest.raises(HLMError, match="unknown family"):
-        HEADLINE.check_families(get_sweep(HEADLINE.PRESETS, "tiny", ["sweep.values=[nope]"]))
+        check_families(get_sweep(HEADLINE.PRESETS, "tiny", ["sweep.values=[nope]"]))
 
 
 def test_every_headline_preset_resolves_in_the_tune_space():
@@ -265,7 +267,7 @@ def test_sweep_figures_carry_a_title_and_error_bars_across_seeds(tmp_path, saved
     from hlm_ray.tune.axis import Axis, Figure
     from hlm_ray.tune.summary import _sd, write_summary
 
-    axis = Axis("toy", "optim.lr", "lr", "learning rate", ("lr", "lr"),
+    axis = Axis("toy", "optim.lr", "learning rate", ("lr", "lr"), short="lr",
                 figures=(Figure("toy.png", "downstream/score", "score"),))  # fmt: skip
     rows = [
         {"status": "FINISHED", "objective": o, "value": v, "seed": s, "run": "r", "trial_id": "t",

@@ -66,11 +66,18 @@ def test_every_preset_builds_valid_trial_configs(kind):
             spec.base_config()
 
 
+# One sweep's own code in hlm_ray/tune (its tables set config keys such as a vocabulary size).
+ONE_SWEEPS_CODE = ("families.py", "headline.py", "vocab_report.py")
+
+
 def test_the_tune_package_names_no_axis():
-    """Every ablation is described by its script's Axis; hlm_ray/tune knows none by name."""
+    """Every ablation is described by its script's Axis; the machinery of hlm_ray/tune (all but
+    the modules of one sweep's families and report) knows none by name."""
     names = {script.AXIS.name for script in SCRIPTS.values()}
     fields = {script.AXIS.field for script in SCRIPTS.values()}
-    for path in (ROOT / "hlm_ray" / "tune").glob("*.py"):
+    tune = ROOT / "hlm_ray" / "tune"
+    assert all((tune / name).is_file() for name in ONE_SWEEPS_CODE)
+    for path in (p for p in tune.glob("*.py") if p.name not in ONE_SWEEPS_CODE):
         tree = ast.parse(path.read_text())
         docs = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Expr)}
         strings = {
@@ -93,7 +100,8 @@ def test_an_empty_grid_fails_before_anything_runs():
 
 
 def test_the_headline_sweep_needs_its_downstream_scores():
-    check = SCRIPTS["headline"].check_families
+    from hlm_ray.tune.families import check_families as check
+
     check(get_sweep("headline", "tiny"))
     with pytest.raises(HLMError, match="sweep.recipe=none: the headline report needs"):
         check(get_sweep("headline", "tiny", ["sweep.recipe=none"]))
@@ -266,6 +274,71 @@ def test_sweep_spec_validates_settings():
 
 
 # ------------------------------------------------------------------------------ end to end
+
+
+def test_a_run_name_prefix_defaults_to_the_axis_names_first_letter():
+    from hlm_ray.tune.axis import Axis
+
+    assert Axis("toy", "optim.lr", "learning rate", ("lr", "lr")).short == "t"
+    assert SCRIPTS["headline"].AXIS.short == "f"  # f for family, as its runs were named
+
+
+def _hlm_sweep_parser(kind: str):
+    """The parser of `hlm sweep <kind>`, as `hlm` builds it."""
+    from hlm_ray.cli import build_parser
+
+    def sub(parser):
+        return next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+
+    return sub(sub(build_parser()).choices["sweep"]).choices[kind]
+
+
+@pytest.mark.parametrize("kind", sorted(SCRIPTS))
+def test_hlm_sweep_accepts_every_flag_of_the_script(kind):
+    def flags(parser):
+        return {s for a in parser._actions for s in a.option_strings if s not in ("-h", "--help")}
+
+    script = SCRIPTS[kind].SCRIPT
+    assert flags(_hlm_sweep_parser(kind)) == flags(script.parser()) >= {"--preset", "--dry-run"}
+
+
+def test_hlm_sweep_headline_curve_is_the_scripts_curve(capsys):
+    from hlm_ray.cli import main
+
+    argv = ["--preset", "tiny", "--curve", "--dry-run"]
+    assert SCRIPTS["headline"].main(argv) == 0
+    expected = capsys.readouterr().out
+    assert main(["sweep", "headline", *argv]) == 0
+    assert capsys.readouterr().out == expected
+    assert "plan for headline-tiny-curve: 4 trial(s)" in expected
+    assert "headline=tiny-encoder-curve" in expected and "headline=tiny-gpt2" not in expected
+
+
+def test_a_scripts_report_follows_its_grid_sweep_only(monkeypatch, tmp_path, capsys):
+    import hlm_ray.tune.sweep as sweep
+    from hlm_ray.tune.cli import SweepScript
+
+    def finished(spec, *, name, search, assumptions=None):
+        rows = [{"status": "FINISHED", "trial_id": "t0", "loss": 1.0, "lr": 1e-3}]
+        rows[0]["warmup_steps"] = 10
+        return sweep.SweepOutcome(name, tmp_path, rows, "| table |", [], None, False, 1.0)
+
+    written = []
+
+    def report(spec, name, preset):
+        written.append((spec.values, spec.num_seeds, name, preset))
+        (tmp_path / "report.md").write_text("# the report\n")
+        return [tmp_path / "report.md", tmp_path / "fig.png"]
+
+    monkeypatch.setattr(sweep, "run_sweep", finished)
+    main = SweepScript(VOCAB.AXIS, VOCAB.PRESETS, report=report).main
+    assert main(["--set", "sweep.values=[512]", "--num-seeds", "2"]) == 0
+    out = capsys.readouterr().out
+    assert written == [((512,), 2, "vocab-tiny", "tiny")]  # the spec the sweep ran
+    assert out.index("| table |") < out.index("# the report") < out.index("report: ")
+    assert main(["--search", "--set", "sweep.values=[512]"]) == 0
+    assert main(["--dry-run", "--set", "sweep.values=[512]"]) == 0
+    assert len(written) == 1 and "# the report" not in capsys.readouterr().out
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,7 @@ sweeps, as plain functions: no Ray, no training."""
 import pytest
 
 from hlm_ray.budget import flops_per_step
-from hlm_ray.tune import report, stats
+from hlm_ray.tune import families, report, stats
 from hlm_ray.tune.scripts import load_script
 from hlm_ray.tune.vocab_report import at_chance, plot_vs_vocab, scores_sentence, speed_sentence
 
@@ -113,26 +113,25 @@ def test_the_demo_reaches_a_vocabulary_where_the_head_matters():
 
 
 def test_headline_equal_compute_rows():
-    headline = load_script("headline")
-    spec = headline.PRESETS["cpu"]
+    spec = load_script("headline").PRESETS["cpu"]
     assert {"bert-cpu", "gpt2-cpu", "bert-cpu-flops", "gpt2-cpu-flops"} <= set(spec.values)
     for name in ("bert-cpu-flops", "gpt2-cpu-flops"):
-        f = headline.FAMILIES[name]
-        arms = {o: headline.arm_settings(name, o) for o in ("headless", "vanilla")}
+        f = families.FAMILIES[name]
+        arms = {o: families.arm_settings(name, o) for o in ("headless", "vanilla")}
         assert arms["headless"].keys() == arms["vanilla"].keys()
         assert arms["headless"]["budget.flops"] == f.flops
         # The cheaper head buys the headless arm more tokens at the same FLOPs.
         assert f.steps("headless") > 2 * f.steps("vanilla")
         cfg = spec.cell_config(name, "vanilla", 0)
         assert cfg.tokenizer.path == "tokenizers/gpt2"
-    gpt2 = headline.FAMILIES["gpt2-cpu-flops"]
-    extra = headline.arm_settings("gpt2-cpu-flops", "vanilla")["budget.flops"] - gpt2.flops
+    gpt2 = families.FAMILIES["gpt2-cpu-flops"]
+    extra = families.arm_settings("gpt2-cpu-flops", "vanilla")["budget.flops"] - gpt2.flops
     headless_tokens = gpt2.steps("headless") * 32 * 64
     per_token = flops_per_step(gpt2.arm_config("vanilla"), 50257) / (32 * 64)
     assert extra == pytest.approx(gpt2.share * headless_tokens * per_token)
     for name in ("bert-cpu-seconds", "gpt2-cpu-seconds"):
-        arms = [headline.arm_settings(name, o) for o in ("headless", "vanilla")]
-        assert arms[0] == arms[1] and arms[0]["budget.seconds"] == headline.CPU_SECONDS
+        arms = [families.arm_settings(name, o) for o in ("headless", "vanilla")]
+        assert arms[0] == arms[1] and arms[0]["budget.seconds"] == families.CPU_SECONDS
 
 
 def test_verdict_of_a_per_size_row_uses_the_headline_statistics():
@@ -153,16 +152,29 @@ def test_curve_checkpoints_at_a_quarter_a_half_and_the_end():
     assert checkpoint_settings(612)["run.checkpoint_every"] == 153
     odd = checkpoint_settings(10)  # steps 2 (2.5 rounded to even), 5, 10: every step kept
     assert curve_steps(10) == [2, 5, 10] and odd["run.keep_checkpoints"] == 10
-    headline = load_script("headline")
-    arm = headline.arm_settings("bert-cpu-curve", "vanilla")
+    arm = families.arm_settings("bert-cpu-curve", "vanilla")
     assert arm["run.checkpoint_every"] == 150 and arm["optim.max_steps"] == 600
-    argv, curve = headline.curve_argv(["--preset", "cpu", "--curve"])
-    assert curve and argv == [
-        "--preset", "cpu", "--set", "sweep.values=[bert-cpu-curve]", "--name", "headline-cpu-curve"
-    ]  # fmt: skip
-    assert headline.curve_argv(["--preset", "cpu"]) == (["--preset", "cpu"], False)
+
+
+def _curve_args(argv: list[str]):
+    """The headline script's arguments after its --curve hook."""
+    from hlm_ray.tune.headline import curve_args
+
+    script = load_script("headline").SCRIPT
+    args = script.parser().parse_args(argv)
+    curve_args(args, script.axis)
+    return args
+
+
+def test_curve_sweeps_the_presets_curve_families_under_its_own_name():
+    args = _curve_args(["--preset", "cpu", "--curve", "--set", "sweep.values=[bert-cpu]"])
+    assert args.set == ["sweep.values=[bert-cpu]", "sweep.values=[bert-cpu-curve]"]
+    assert args.name == "headline-cpu-curve"
+    assert _curve_args(["--preset", "tiny", "--curve", "--name", "x"]).name == "x"
+    plain = _curve_args(["--preset", "cpu"])
+    assert plain.set == [] and plain.name is None
     with pytest.raises(Exception, match="--curve runs with --preset"):
-        headline.curve_argv(["--preset", "paper", "--curve"])
+        _curve_args(["--preset", "paper", "--curve"])
 
 
 def test_curve_figure_draws_score_against_tokens_and_flops(tmp_path):
@@ -202,7 +214,8 @@ def test_the_score_is_named_by_the_recipe_with_its_majority_baseline():
 def test_the_report_says_what_each_arm_trained_at_equal_seconds(tmp_path):
     import json
 
-    headline = load_script("headline")
+    from hlm_ray.tune.headline import reached_notes
+
     rows = [("headless", 0, 900), ("headless", 1, 700), ("vanilla", 0, 40), ("vanilla", 1, 30)]
     lines = ["run,status,family,objective,seed"]
     for arm, seed, steps in rows:
@@ -213,8 +226,8 @@ def test_the_report_says_what_each_arm_trained_at_equal_seconds(tmp_path):
         (tmp_path / "trials" / run / "summary.json").write_text(json.dumps(summary))
     lines.append("x,FINISHED,bert-cpu,headless,0")  # an equal-token family: nothing to add
     (tmp_path / "summary.csv").write_text("\n".join(lines) + "\n")
-    spec = headline.PRESETS["cpu"]
-    assert headline.reached_notes(spec, tmp_path) == [
+    spec = load_script("headline").PRESETS["cpu"]
+    assert reached_notes(spec, tmp_path) == [
         "`gpt2-cpu-seconds` as trained (mean over seeds): headless 800 steps = 1,638,400 tokens; "
         "vanilla 35 steps = 71,680 tokens."
     ]

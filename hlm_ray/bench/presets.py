@@ -12,6 +12,7 @@ loss head is inside its grid (K both below and above V).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import partial
 
 from hlm_ray.config import ModelConfig
 from hlm_ray.errors import HLMError
@@ -129,9 +130,9 @@ class BenchPreset:
     """Per model: the (smallest, largest) V compared by the flat-in-V target."""
 
 
-def _neox(d: int, layers: int, heads: int, positions: int, inner: int | None = None):
+def _model(arch: str, d: int, layers: int, heads: int, positions: int, inner: int | None = None):
     return ModelConfig(
-        arch="gpt_neox",
+        arch=arch,
         hidden_size=d,
         num_layers=layers,
         num_heads=heads,
@@ -140,15 +141,13 @@ def _neox(d: int, layers: int, heads: int, positions: int, inner: int | None = N
     )
 
 
-def _bert(d: int, layers: int, heads: int, positions: int, inner: int | None = None):
-    return ModelConfig(
-        arch="bert",
-        hidden_size=d,
-        num_layers=layers,
-        num_heads=heads,
-        intermediate_size=inner,
-        max_positions=positions,
-    )
+_neox = partial(_model, "gpt_neox")
+_bert = partial(_model, "bert")
+
+
+def _at(micro_batch: int, *vocabs: int) -> tuple[tuple[int, int], ...]:
+    """(vocabulary size, micro-batch) points of one micro-batch."""
+    return tuple((v, micro_batch) for v in vocabs)
 
 
 SMOKE = BenchPreset(
@@ -262,17 +261,9 @@ GPU = BenchPreset(
                 ((32768, 8), (50304, 8), (131072, 8)),
             ),
             StepModel(
-                "pythia-70m",
-                _neox(512, 6, 8, 2048, 2048),
-                2048,
-                ((8192, 8), (50304, 8), (131072, 8)),
+                "pythia-70m", _neox(512, 6, 8, 2048, 2048), 2048, _at(8, 8192, 50304, 131072)
             ),
-            StepModel(
-                "bert-small",
-                _bert(512, 4, 8, 512, 2048),
-                128,
-                ((8192, 64), (32768, 64), (131072, 64)),
-            ),
+            StepModel("bert-small", _bert(512, 4, 8, 512, 2048), 128, _at(64, 8192, 32768, 131072)),
             StepModel(
                 "bert-base",
                 _bert(768, 12, 12, 512, 3072),

@@ -6,12 +6,16 @@
     outcome = run_sweep(spec, name="vocab-tiny")      # resumes when the name exists
     print(outcome.table)
 
-An ablation is an `Axis` record (`tune.axis`) and its presets (`SweepSpec`s), both defined in
-its script in `sweeps/`: this package knows no axis by name.
+An ablation is an `Axis` record (`tune.axis`) and its presets (`SweepSpec`s; `tiny_scale`,
+`paper_scale`), both defined in its script in `sweeps/` with a `SweepScript` (`tune.cli`): the
+machinery knows no axis by name. What belongs to one sweep lives in its own modules: the
+headline comparison's families (`tune.families`) and report (`tune.headline`), Figure 7's
+report (`tune.vocab_report`); `tune.stats`, `tune.report` and `tune.curve` serve them.
 
-Layers, each a floor above the next: `sweeps/*.py` (the experiment) -> `tune.cli` (arguments)
--> `tune.sweep` (grid, resources, shared preparation, parent MLflow run, Tuner and resume) ->
-`tune.trial` (one trial: a TorchTrainer through `hlm_ray.train.launch`, then the downstream
-protocol) -> `hlm_ray.train`. `tune.summary` writes the table and the axis's figures; `hlm_ray.tracking.server` runs the
-local tracking server the concurrent trials log through.
+Layers, each a floor above the next: `sweeps/*.py` (the experiment) -> `tune.cli` (arguments,
+dry run, the printed summary, the script's report) -> `tune.sweep` (grid, resources, shared
+preparation, parent MLflow run, Tuner and resume) -> `tune.trial` (one trial: a TorchTrainer
+through `hlm_ray.train.launch`, then the downstream protocol) -> `hlm_ray.train`.
+`tune.summary` writes the table and the axis's figures; `hlm_ray.tracking.server` runs the local
+tracking server the concurrent trials log through.
 """

@@ -3,11 +3,11 @@
     VOCAB = Axis(
         name="vocab",                          # the sweep's kind: default name, MLflow tag, resume
         field="tokenizer.vocab_size",          # the config field each value sets
-        short="v",                             # run names: headless-v512-s0-<trial id>
         label="vocabulary size",               # the figures' x axis
         column=("vocab (asked)", "vocab_size"),  # the value's header in summary.md / summary.csv
         figures=(Figure("fig7a_score_vs_vocab.png", "downstream/score", "downstream score"),),
         check=check_vocab_sizes,               # optional: raise HLMError before anything runs
+        short="v",                             # run names (default the name's first letter)
     )
 
 `hlm_ray.tune` knows no axis by name: the grid, the trial, the summary and the figures read
@@ -45,8 +45,6 @@ class Axis:
     `sweep_kind`, part of what a resumed sweep must match."""
     field: str
     """The dotted config field the swept value sets (`tokenizer.vocab_size`)."""
-    short: str
-    """Run-name prefix of the value: `headless-<short><value>-s<seed>-<trial id>`."""
     label: str
     """What the value is, in words (the figures' x axis)."""
     column: tuple[str, str]
@@ -68,6 +66,13 @@ class Axis:
     may refuse a size or warn."""
     log_x: bool = True
     """Plot numeric values on a log2 axis."""
+    short: str = ""
+    """Run-name prefix of the value: `headless-<short><value>-s<seed>-<trial id>` (default:
+    the name's first letter)."""
+
+    def __post_init__(self):
+        if not self.short:
+            object.__setattr__(self, "short", self.name[0])
 
     def overrides(self, value: Value, workers: int, objective: str | None = None) -> dict[str, Any]:
         """The config overrides of one value of the axis (of one arm, given its objective)."""

@@ -1,4 +1,9 @@
-"""The command line shared by the scripts in `sweeps/` (each is `sweep_main(AXIS, PRESETS, argv)`).
+"""The command line of every script in `sweeps/`: a script declares its `Axis`, its presets and
+what only it does (its own flags, its report) in a `SweepScript`; `main` is the rest.
+
+    SCRIPT = SweepScript(AXIS, PRESETS)                  # sweeps/temperature.py
+    SCRIPT = SweepScript(AXIS, PRESETS, report=write_vocab_report)       # + its report
+    main = SCRIPT.main                                   # main(argv, prog) -> exit status
 
     python sweeps/vocab.py --preset tiny
     python sweeps/vocab.py --preset tiny --set optim.max_steps=20 --set sweep.values=[512,768]
@@ -16,17 +21,49 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 from hlm_ray.errors import HLMError
 from hlm_ray.tune.axis import Axis
 from hlm_ray.tune.spec import SweepSpec
 
 
+@dataclass(frozen=True)
+class SweepScript:
+    """One `sweeps/*.py` script: the same command line as `python sweeps/<name>.py` and
+    `hlm sweep <name>` (both build their parser with `parser`)."""
+
+    axis: Axis
+    presets: dict[str, SweepSpec]
+    flags: Callable[[argparse.ArgumentParser], None] | None = None
+    """Adds the script's own flags to the common ones (the headline's --curve)."""
+    adjust: Callable[[argparse.Namespace, Axis], None] | None = None
+    """Rewrites the parsed arguments before anything runs (--curve sets its families and the
+    sweep's default name); raises `HLMError` on bad input."""
+    report: Callable[[SweepSpec, str, str], list[Path]] | None = None
+    """(spec, sweep name, preset) -> the files of the script's report in runs/sweeps/<name>,
+    Markdown first; called after the trials of a grid sweep (not --dry-run, not --search)."""
+
+    def parser(self, prog: str | None = None, **kwargs) -> argparse.ArgumentParser:
+        p = build_parser(self.axis, self.presets, prog, **kwargs)
+        if self.flags is not None:
+            self.flags(p)
+        return p
+
+    def main(self, argv: list[str] | None = None, prog: str | None = None) -> int:
+        """Parse `argv`, run the sweep, print its table (and report); the exit status. `prog`:
+        the command that ran it (default ``python sweeps/<name>.py``), used in help and in the
+        command printed to continue an interrupted sweep."""
+        return sweep_main(self.axis, self.presets, argv, prog, script=self)
+
+
 def build_parser(
     axis: Axis, presets: dict[str, SweepSpec], prog: str | None = None, **kwargs
 ) -> argparse.ArgumentParser:
-    """The script's parser; `prog` is how it was called (`hlm sweep vocab`), `kwargs` go to
-    `ArgumentParser` (`hlm` builds its `sweep vocab` subcommand from this parser)."""
+    """The flags every script has; `prog` is how it was called (`hlm sweep vocab`), `kwargs`
+    go to `ArgumentParser` (`hlm` builds its `sweep vocab` subcommand from this parser)."""
     kind = axis.name
     p = argparse.ArgumentParser(
         prog=prog or f"python sweeps/{kind}.py",
@@ -67,6 +104,23 @@ def build_parser(
     return p
 
 
+def sweep_items(args: argparse.Namespace) -> list[str]:
+    """The `--set` items of the parsed arguments, the sweep flags (--num-seeds, ...) last."""
+    flags = {
+        "num_seeds": args.num_seeds,
+        "workers_per_trial": args.workers_per_trial,
+        "cpus_per_worker": args.cpus_per_worker,
+        "gpus_per_worker": args.gpus_per_worker,
+        "max_failures": args.max_failures,
+    }
+    return [*args.set, *(f"sweep.{k}={v}" for k, v in flags.items() if v is not None)]
+
+
+def default_name(axis: Axis, args: argparse.Namespace) -> str:
+    """`--name`, else <sweep>-<preset> (-search with --search): the folder runs/sweeps/<name>."""
+    return args.name or f"{axis.name}-{args.preset}" + ("-search" if args.search else "")
+
+
 def _with_name(argv: list[str], name: str) -> list[str]:
     """The command's arguments with --name spelled out (resuming needs the same name)."""
     if "--name" in argv or any(a.startswith("--name=") for a in argv):
@@ -79,48 +133,25 @@ def sweep_main(
     presets: dict[str, SweepSpec],
     argv: list[str] | None = None,
     prog: str | None = None,
+    script: SweepScript | None = None,
 ) -> int:
-    """Parse the script's arguments, run its sweep, print the table; the exit status. `prog`:
-    the command that ran it (default ``python sweeps/<name>.py``), used in help and in the
-    command printed to continue an interrupted sweep."""
+    """`SweepScript(axis, presets).main(argv, prog)`: parse, run, print; the exit status."""
     from hlm_ray.train.interrupt import EXIT_INTERRUPTED
 
-    kind = axis.name
+    script = script or SweepScript(axis, presets)
     argv = list(sys.argv[1:] if argv is None else argv)
-    prog = prog or f"python sweeps/{kind}.py"
-    args = build_parser(axis, presets, prog).parse_args(argv)
-    flags = {
-        "num_seeds": args.num_seeds,
-        "workers_per_trial": args.workers_per_trial,
-        "cpus_per_worker": args.cpus_per_worker,
-        "gpus_per_worker": args.gpus_per_worker,
-        "max_failures": args.max_failures,
-    }
-    overrides = [*args.set, *(f"sweep.{k}={v}" for k, v in flags.items() if v is not None)]
-    name = args.name or f"{kind}-{args.preset}" + ("-search" if args.search else "")
+    prog = prog or f"python sweeps/{axis.name}.py"
+    args = script.parser(prog).parse_args(argv)
+    name = default_name(axis, args)
     try:
-        from hlm_ray.tune.spec import get_sweep
-        from hlm_ray.tune.sweep import run_sweep
-
-        spec = get_sweep(presets, args.preset, overrides)
-        from hlm_ray.plan import assumptions_from, format_plan, sweep_plan
-
-        assumptions = assumptions_from(args)
+        if script.adjust is not None:
+            script.adjust(args, axis)
+        name = default_name(axis, args)
+        spec = _get_spec(presets, args)
         if args.dry_run:
-            from hlm_ray.tune.sweep import plan_concurrency
-
-            trials = len(spec.cells())
-            fit = lambda nodes: plan_concurrency(spec, trials, nodes)  # noqa: E731
-            print(format_plan(sweep_plan(spec, assumptions, fit=fit, name=name)))
+            _print_plan(spec, args, name)
             return 0
-        if args.search:
-            print(
-                f"--search: random lr / warm-up samples with ASHA for objective="
-                f"{spec.objectives[0]}, {axis.field}={spec.values[0]} (validation losses are "
-                "not comparable across objectives or vocabularies); pick the cell with "
-                "--set sweep.objectives=[...] --set sweep.values=[...]"
-            )
-        outcome = run_sweep(spec, name=name, search=args.search, assumptions=assumptions)
+        outcome = _run(spec, args, name)
     except HLMError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -128,11 +159,7 @@ def sweep_main(
         again = " ".join([prog, *(shlex.quote(a) for a in _with_name(argv, name))])
         print(f"\ninterrupted; continue with: {again}", file=sys.stderr)
         return EXIT_INTERRUPTED
-    print(f"\n== sweep {outcome.name}: {len(outcome.rows)} trial(s) in {outcome.seconds:.0f} s")
-    print(outcome.table)
-    print("\nfiles (also on the parent MLflow run):")
-    for path in outcome.files:
-        print(f"  {path}")
+    _print_table(outcome)
     if outcome.interrupted:
         killed = sum(r["status"] == "KILLED" for r in outcome.rows)
         again = " ".join([prog, *(shlex.quote(a) for a in _with_name(argv, name))])
@@ -142,11 +169,65 @@ def sweep_main(
             file=sys.stderr,
         )
         return EXIT_INTERRUPTED
+    status = _print_outcome(outcome, args.search)
+    if script.report is None or args.search:
+        return status
+    try:
+        files = script.report(spec, name, args.preset)
+    except HLMError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print("\n" + files[0].read_text())
+    print("report: " + ", ".join(str(p) for p in files))
+    return status
+
+
+def _get_spec(presets: dict[str, SweepSpec], args: argparse.Namespace) -> SweepSpec:
+    from hlm_ray.tune.spec import get_sweep
+
+    return get_sweep(presets, args.preset, sweep_items(args))
+
+
+def _print_plan(spec: SweepSpec, args: argparse.Namespace, name: str) -> None:
+    """--dry-run: the trials, their steps, FLOPs and GPU-hours; nothing started."""
+    from hlm_ray.plan import assumptions_from, format_plan, sweep_plan
+    from hlm_ray.tune.sweep import plan_concurrency
+
+    trials = len(spec.cells())
+    fit = lambda nodes: plan_concurrency(spec, trials, nodes)  # noqa: E731
+    print(format_plan(sweep_plan(spec, assumptions_from(args), fit=fit, name=name)))
+
+
+def _run(spec: SweepSpec, args: argparse.Namespace, name: str):
+    from hlm_ray.plan import assumptions_from
+    from hlm_ray.tune.sweep import run_sweep
+
+    if args.search:
+        print(
+            f"--search: random lr / warm-up samples with ASHA for objective="
+            f"{spec.objectives[0]}, {spec.axis.field}={spec.values[0]} (validation losses are "
+            "not comparable across objectives or vocabularies); pick the cell with "
+            "--set sweep.objectives=[...] --set sweep.values=[...]"
+        )
+    assumptions = assumptions_from(args)
+    return run_sweep(spec, name=name, search=args.search, assumptions=assumptions)
+
+
+def _print_table(outcome) -> None:
+    print(f"\n== sweep {outcome.name}: {len(outcome.rows)} trial(s) in {outcome.seconds:.0f} s")
+    print(outcome.table)
+    print("\nfiles (also on the parent MLflow run):")
+    for path in outcome.files:
+        print(f"  {path}")
+
+
+def _print_outcome(outcome, search: bool) -> int:
+    """The trials ASHA stopped, the best of a search; 0 when every trial finished, else 1."""
     stopped = [r for r in outcome.rows if r["status"] == "STOPPED"]
     if stopped:
         ids = ", ".join(r["trial_id"] for r in stopped)
         print(f"\n{len(stopped)} trial(s) stopped early by ASHA: {ids}")
-    best = outcome.best() if args.search else None
+    best = outcome.best() if search else None
     if best is not None:
         score = best.get("downstream/score")
         print(

@@ -47,24 +47,23 @@ def add_parser(sub) -> None:
         "`python sweeps/<name>.py` (the scripts stay the way to submit it as a Ray job).",
     )
     kinds = sweep.add_subparsers(dest="sweep", required=True, metavar="SWEEP")
-    from hlm_ray.tune.cli import build_parser as sweep_parser
-
     for kind in SWEEPS:
         try:
             script = load_script(kind)
         except HLMError:
             continue  # an install without the checkout's sweeps/: the command says so
-        axis = script.AXIS
-        parent = sweep_parser(axis, script.PRESETS, f"hlm sweep {kind}", add_help=False)
+        # The script's own parser (its own flags too: the headline's --curve) as the parent.
+        parent = script.SCRIPT.parser(f"hlm sweep {kind}", add_help=False)
         kinds.add_parser(
             kind,
             parents=[parent],
-            help=(script.__doc__ or axis.description).strip().splitlines()[0],
+            help=(script.__doc__ or script.AXIS.description).strip().splitlines()[0],
             description=parent.description,
         )
 
 
 def run(args, argv: list[str]) -> int:
-    """`hlm sweep KIND ...`: the script's `main` with the arguments after KIND."""
+    """`hlm sweep KIND ...`: the script's `main` with the arguments after KIND (parsed again
+    there, by the same parser)."""
     rest = argv[argv.index("sweep") + 2 :]  # `hlm` has no option that takes a value
     return load_script(args.sweep).main(rest, f"hlm sweep {args.sweep}")

@@ -3,6 +3,8 @@
     spec = SweepSpec(axis=VOCAB, base="tiny-encoder", values=(512, 1024))
     spec = with_overrides(spec, ["optim.max_steps=20", "sweep.values=[512,768]"])
     spec = get_sweep(PRESETS, "tiny", ["sweep.num_seeds=2"])   # a script's named scales
+    tiny_scale(VOCAB, "tiny-encoder", (1024, 8192))      # the demo scale of a script's PRESETS
+    paper_scale(VOCAB, "bert-small", (16_384, 32_768))   # the paper's scale: CC-News, GPUs
     spec.cells()              # [{"value": 512, "objective": "headless", "seed": 0}, ...]
     spec.base_config()        # the validated Config every trial starts from
 
@@ -183,6 +185,22 @@ class SweepSpec:
             "axis": self.axis.field,
             **{k: _plain(v) for k, v in data.items() if k not in RUNTIME_FIELDS},
         }
+
+
+def tiny_scale(axis: Axis, base: str, values, *overrides: str, **fields) -> SweepSpec:
+    """A script's `tiny` preset: `TINY_TRIAL` then `overrides` on `base`, the tiny downstream
+    recipe, one CPU per worker; `fields` set any other `SweepSpec` field."""
+    overrides = (*TINY_TRIAL, *overrides)
+    return SweepSpec(axis, base, tuple(values), overrides=overrides, recipe="tiny", **fields)
+
+
+def paper_scale(axis: Axis, base: str, values, *overrides: str, **fields) -> SweepSpec:
+    """A script's `paper` preset: the paper's data (`CC_NEWS`) then `overrides`, its downstream
+    recipe, 4 CPUs and one GPU per worker; `fields` set any other `SweepSpec` field."""
+    gpus = {"cpus_per_worker": 4, "gpus_per_worker": 1, **fields}
+    return SweepSpec(
+        axis, base, tuple(values), overrides=(CC_NEWS, *overrides), recipe="paper", **gpus
+    )
 
 
 def with_overrides(spec: SweepSpec, items: list[str]) -> SweepSpec:

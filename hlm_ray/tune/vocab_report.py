@@ -2,7 +2,7 @@
 figures with what they measure, and two closing sentences computed from the data.
 
     rows = read_rows(folder)                   # summary.csv: one dict per trial
-    text = write_vocab_report(spec, "vocab-tiny", "tiny")   # report.md, fig7a/fig7b, printed
+    files = write_vocab_report(spec, "vocab-tiny", "tiny")  # [report.md, fig7a, fig7b]
     speed_sentence({"vanilla": {1024: 9000.0, 32768: 2000.0}, "headless": {...}}, updates)
     scores_sentence(compared_rows)             # can the scores be told apart at this scale?
 
@@ -190,9 +190,9 @@ def downstream_score(recipe: str) -> tuple[str, float | None, str]:
     return label, sum(bases) / len(bases), "mean of the tasks' majority classes"
 
 
-def write_vocab_report(spec, name: str, preset: str) -> str:
-    """report.md and the two figures in runs/sweeps/<name>, logged on the parent run; returns
-    the report's text (ending with the two closing sentences)."""
+def write_vocab_report(spec, name: str, preset: str) -> list[Path]:
+    """report.md (ending with the two closing sentences) and the two figures in
+    runs/sweeps/<name>, logged on the parent run; the three files, report.md first."""
     from hlm_ray.paths import resolve_output
     from hlm_ray.tune.sweep import SWEEPS_DIR
 
@@ -243,4 +243,4 @@ def write_vocab_report(spec, name: str, preset: str) -> str:
     md = folder / "report.md"
     md.write_text(text)
     report.log_to_parent(folder, [md, fig_a, fig_b], text, spec.experiment)
-    return text
+    return [md, fig_a, fig_b]
