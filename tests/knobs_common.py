@@ -6,9 +6,10 @@ and rebuild what its first step saw (initial weights, micro-batches) to apply a 
     start = first_step(cfg)                          # the loop's initial model and step 0's batches
     expected = by_hand(start, lambda x, labels, seed: cwt(start, x, labels, temperature=0.05))
 
-The rebuild goes through the same public functions as `hlm_ray.train.loop._setup`/`_step`:
-`torch.manual_seed(run.seed)` then tokenizer, corpus and `build_model`; `BlockSampler.shard`
-and `load_batch` (masking, seeded by `stream_seed`) for the micro-batches.
+The rebuild goes through the same public functions as `hlm_ray.train.setup.setup_run` and
+`hlm_ray.train.step.train_step`: `torch.manual_seed(run.seed)` then tokenizer, corpus and
+`build_model`; `BlockSampler.shard` and `load_batch` (masking, seeded by `stream_seed`) for the
+micro-batches.
 """
 
 from __future__ import annotations

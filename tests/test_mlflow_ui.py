@@ -153,17 +153,18 @@ def test_the_k_tag_is_the_mean_k_the_metric_logs(client, tmp_path, monkeypatch, 
     from hlm_ray.paths import data_dir
     from hlm_ray.presets import load_config
     from hlm_ray.train import loop
+    from hlm_ray.train import step as step_module  # where the step looks load_batch up
     from hlm_ray.train.launch import open_mlflow_run
 
     counts = []  # (step, masked positions) of every training micro-batch, as the loss sees them
-    real_batch = loop.load_batch  # training's batches (validation has its own binding)
+    real_batch = step_module.load_batch  # training's batches (validation has its own binding)
 
     def counting(blocks, idx, env, masking, seed, step, micro):
         input_ids, labels = real_batch(blocks, idx, env, masking, seed, step, micro)
         counts.append((step, int((labels != -100).sum())))
         return input_ids, labels
 
-    monkeypatch.setattr(loop, "load_batch", counting)
+    monkeypatch.setattr(step_module, "load_batch", counting)
     cfg = load_config(
         "tiny-encoder",
         objective="headless",

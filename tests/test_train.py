@@ -237,7 +237,7 @@ def test_empty_corpus_and_existing_output_are_refused(tmp_path, capsys):
 
 
 def test_measured_u_counts_distinct_ids_among_all_workers_negatives():
-    from hlm_ray.train.loop import measured_unique_columns
+    from hlm_ray.train.log_window import measured_unique_columns
 
     ids_BL = torch.tensor([[5, 1, 1, 2], [5, 2, 2, 2]])  # targets 1 1 2 2 2 2: U = 2
     assert measured_unique_columns(ids_BL, None, None) == 2
