@@ -73,17 +73,10 @@ def _cwt_rows(
 
 
 def _cwt_per_row(
-    pred_KD: Tensor,
-    cols_UD: Tensor,
-    pos_K: Tensor,
-    log_count_U: Tensor | None,
-    temperature: float,
-    mask_same: bool,
-    col_ids_U: Tensor | None,
-    chunk_size: int | None,
+    chunk_size: int | None, pred_KD: Tensor, cols_UD: Tensor, pos_K: Tensor, *args
 ) -> tuple[Tensor, Tensor | None]:
-    """`_cwt_rows`, optionally over row chunks so only chunk×U logits ever exist."""
-    args = (log_count_U, temperature, mask_same, col_ids_U)
+    """``_cwt_rows(pred_KD, cols_UD, pos_K, *args)``, optionally over row chunks of
+    ``chunk_size`` so only chunk×U logits ever exist."""
     K = pred_KD.shape[0]
     if chunk_size is None or chunk_size >= K:
         return _cwt_rows(pred_KD, cols_UD, pos_K, *args)
@@ -103,7 +96,7 @@ def _cwt_per_row(
         )
         losses.append(loss_C)
         corrects.append(correct_C)
-    return torch.cat(losses), None if col_ids_U is None else torch.cat(corrects)
+    return torch.cat(losses), None if corrects[0] is None else torch.cat(corrects)
 
 
 def cwt_loss(
@@ -123,7 +116,7 @@ def cwt_loss(
     """
     pos_K = torch.arange(predictions.shape[0], device=predictions.device)
     loss_K, _ = _cwt_per_row(
-        _upcast(predictions), _upcast(targets), pos_K, None, temperature, False, None, chunk_size
+        chunk_size, _upcast(predictions), _upcast(targets), pos_K, None, temperature, False, None
     )
     return _reduce(loss_K, reduction)
 
@@ -200,6 +193,7 @@ def cwt_loss_from_ids(
     if variant != "plain":
         log_count_U = count_U.to(pred_KD.dtype).log()
     loss_K, correct_K = _cwt_per_row(
+        chunk_size,
         pred_KD,
         cols_UD,
         pos_K,
@@ -207,7 +201,6 @@ def cwt_loss_from_ids(
         temperature,
         variant == "mask_same",
         col_ids_U if return_accuracy else None,
-        chunk_size,
     )
     loss = _reduce(loss_K, reduction)
     if not return_accuracy:

@@ -88,40 +88,29 @@ def headless_loss(
     ids_K: Tensor,
     embedding_weight_VD: Tensor,
     *,
-    temperature: float = 1.0,
-    variant: str = "dedup",
-    negative_ids: Tensor | None = None,
-    chunk_size: int | None = None,
-    return_accuracy: bool = False,
-    sparse_grad: bool = False,
     num_negatives: int | None = None,
     generator: torch.Generator | None = None,
+    **cwt_options,
 ) -> LossOutput:
     """CWT of K prediction rows (K×D) for their target ids (K,), whichever model made them.
 
-    ``num_negatives`` N: score against N sampled targets (`cwt_loss_sampled`, drawn with
-    ``generator``) instead of all K. See `cwt_loss_from_ids` for the other arguments.
+    ``cwt_options`` are `cwt_loss_from_ids`'s keywords (temperature, variant, negative_ids,
+    chunk_size, return_accuracy, sparse_grad). ``num_negatives`` N: score against N sampled
+    targets instead (`cwt_loss_sampled`, drawn with ``generator``; it counts repeats plainly and
+    holds N columns, so variant, negative_ids and chunk_size do not apply to it).
     """
     if num_negatives is not None:
         rows_N = sample_negative_rows(len(ids_K), num_negatives, generator)
-        flags = dict(return_accuracy=return_accuracy, sparse_grad=sparse_grad)
-        args = (pred_KD, ids_K, embedding_weight_VD, rows_N, temperature)
-        out = cwt_loss_sampled(*args, **flags)
+        sampled = {k: v for k, v in cwt_options.items() if k in _SAMPLED_OPTIONS}
+        out = cwt_loss_sampled(pred_KD, ids_K, embedding_weight_VD, rows_N, **sampled)
     else:
-        out = cwt_loss_from_ids(
-            pred_KD,
-            ids_K,
-            embedding_weight_VD,
-            temperature,
-            variant=variant,
-            negative_ids=negative_ids,
-            chunk_size=chunk_size,
-            return_accuracy=return_accuracy,
-            sparse_grad=sparse_grad,
-        )
-    if return_accuracy:
+        out = cwt_loss_from_ids(pred_KD, ids_K, embedding_weight_VD, **cwt_options)
+    if cwt_options.get("return_accuracy"):
         return LossOutput(loss=out[0], num_rows=len(ids_K), accuracy=out[1])
     return LossOutput(loss=out, num_rows=len(ids_K))
+
+
+_SAMPLED_OPTIONS = ("temperature", "reduction", "return_accuracy", "sparse_grad")
 
 
 def headless_causal_loss(
