@@ -245,3 +245,18 @@ def test_measured_u_counts_distinct_ids_among_all_workers_negatives():
     assert measured_unique_columns(ids_BL, labels_BL, None) == 2
     gathered = torch.tensor([1, 1, 2, 2, 2, 2, 9, 1, 4, 4, 2, 2])  # two workers' targets
     assert measured_unique_columns(ids_BL, None, gathered) == 4
+
+
+def test_the_summary_table_names_its_columns_and_groups_large_counts():
+    """`hlm train`'s printed table: one row a run, metrics only where some run has them."""
+    from hlm_ray.train.summary import format_summary
+
+    run = {"objective": "headless", "arch": "gpt_neox", "steps": 10, "tokens": 123456}
+    run |= {"tokens_per_s": 12345.6, "vocab_size": 512, "parameters": 1234567}
+    run |= {"metrics": {"train/loss": 1.5}, "model_dir": "runs/x/model"}
+    assert format_summary([run]).splitlines() == [
+        "| objective | arch | steps | tokens | tokens/s | vocab | params | train loss |",
+        "|---|---|---|---|---|---|---|---|",
+        "| headless | gpt_neox | 10 | 123,456 | 12,346 | 512 | 1,234,567 | 1.5000 |",
+        "headless model: runs/x/model",
+    ]
