@@ -150,8 +150,8 @@ def test_the_k_tag_is_the_mean_k_the_metric_logs(client, tmp_path, monkeypatch, 
     """A masked LM's K (masked positions) differs from micro-batch to micro-batch: `train/K`
     is their mean over the log window, and the `K` tag says the same (it said the FLOP model's
     expected K, and `train/K` was the last micro-batch's count)."""
-    from hlm_ray.paths import data_dir
-    from hlm_ray.presets import load_config
+    from tiny_runs import tiny_run_cfg
+
     from hlm_ray.train import loop
     from hlm_ray.train import step as step_module  # where the step looks load_batch up
     from hlm_ray.train.launch import open_mlflow_run
@@ -165,19 +165,7 @@ def test_the_k_tag_is_the_mean_k_the_metric_logs(client, tmp_path, monkeypatch, 
         return input_ids, labels
 
     monkeypatch.setattr(step_module, "load_batch", counting)
-    cfg = load_config(
-        "tiny-encoder",
-        objective="headless",
-        overrides={
-            "data.sources": [str(data_dir() / "corpus" / "en" / "tinyshakespeare.txt")],
-            "tokenizer.vocab_size": 512,
-            "optim.max_steps": 6,
-            "run.log_every": 3,
-            "run.eval_every": 6,
-            "run.checkpoint_every": 6,
-            "run.output_dir": str(tmp_path / "run"),
-        },
-    )
+    cfg = tiny_run_cfg(tmp_path / "run", "tiny-encoder", steps=6, every=(3, 6, 6))
     tracker, tracking = open_mlflow_run(
         cfg, Path(cfg.run.output_dir), experiment=f"k-{request.node.name}", resume=False
     )

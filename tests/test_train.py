@@ -4,13 +4,12 @@ import json
 
 import pytest
 import torch
+from tiny_runs import SHAKESPEARE, tiny_run_cfg
 from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
 from hlm_ray.cli import main
 from hlm_ray.data import BlockSampler
 from hlm_ray.flops import config_step_flops
-from hlm_ray.paths import data_dir
-from hlm_ray.presets import load_config
 from hlm_ray.tokenizer import token_byte_lengths
 from hlm_ray.tracking import read_metrics
 from hlm_ray.train import checkpoint as ckpt
@@ -18,22 +17,11 @@ from hlm_ray.train.inputs import Masking, build_corpus, build_tokenizer, special
 from hlm_ray.train.lm_objective import LMObjective
 from hlm_ray.train.loop import WorkerEnv, evaluate, train_worker
 
-SHAKESPEARE = str(data_dir() / "corpus" / "en" / "tinyshakespeare.txt")
-
 
 def tiny_cfg(preset, objective, out, **extra):
-    overrides = {
-        "data.sources": [SHAKESPEARE],
-        "tokenizer.vocab_size": 512,
-        "optim.max_steps": 40,
-        "optim.warmup_steps": 5,
-        "run.output_dir": str(out),
-        "run.log_every": 5,
-        "run.eval_every": 40,
-        "run.checkpoint_every": 20,
-        **extra,
-    }
-    return load_config(preset, objective=objective, overrides=overrides)
+    """40 steps (5 of warm-up), logged every 5, validated at the end, checkpointed every 20."""
+    extra = {"optim.warmup_steps": 5, **extra}
+    return tiny_run_cfg(out, preset, objective, steps=40, every=(5, 40, 20), **extra)
 
 
 def reload_plain(model_dir, cfg):
