@@ -63,7 +63,7 @@ class FirstStep:
 
 def first_step(cfg, rank: int = 0, world_size: int = 1) -> FirstStep:
     """The loop's initial model (train mode) and rank's micro-batches of step 0."""
-    torch.manual_seed(cfg.run.seed)  # as _setup does, before building anything
+    torch.manual_seed(cfg.run.seed)  # as setup_run does, before building anything
     tokenizer = build_tokenizer(cfg)
     corpus = build_corpus(cfg, tokenizer)
     ids = special_ids(tokenizer)

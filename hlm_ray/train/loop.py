@@ -6,12 +6,12 @@
 This module is the loop alone: when to step, log, validate and checkpoint, and when to stop (the
 last step, or `budget.seconds` spent). Each of those is its own module:
 
-    setup.py         the run built (tokenizer, corpus, model, objective, optimizer), resume
-    step.py          one optimizer step (micro-batches, clip, update)
-    log_window.py    the metrics of the steps since the last log line
-    validate.py      the held-out slice scored by the run's objective
-    checkpointing.py the step's checkpoint, the best one, the final model
-    finish.py        the run's summary and artifacts
+    setup.py            the run built (tokenizer, corpus, model, objective, optimizer), resume
+    step.py             one optimizer step (micro-batches, clip, update)
+    log_window.py       the metrics of the steps since the last log line
+    validate.py         the held-out slice scored by the run's objective
+    run_checkpoints.py  the step's checkpoint, the best one, the final model
+    finish.py           the run's summary and artifacts
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from tqdm.auto import tqdm
 
 from hlm_ray.budget import deadline_passed
 from hlm_ray.config import Config
-from hlm_ray.train.checkpointing import BEST, save_checkpoint
 from hlm_ray.train.finish import finish_run
 from hlm_ray.train.log_window import log_window
+from hlm_ray.train.run_checkpoints import BEST, save_checkpoint
 from hlm_ray.train.run_state import LocalReporter, TrainRun, WorkerEnv
 from hlm_ray.train.setup import quiet_library_progress_bars, setup_run
 from hlm_ray.train.step import train_step

@@ -32,7 +32,6 @@ from hlm_ray.flops import config_step_flops, describe, device_peak_flops
 from hlm_ray.models import build_model, init_from_pretrained
 from hlm_ray.tokenizer import token_byte_lengths
 from hlm_ray.tracking import Tracker
-from hlm_ray.train.checkpointing import best_val_loss, clear_stale, restore, truncate_metrics
 from hlm_ray.train.inputs import (
     Masking,
     build_corpus,
@@ -43,6 +42,7 @@ from hlm_ray.train.inputs import (
 )
 from hlm_ray.train.lm_objective import LMObjective
 from hlm_ray.train.optim import build_optimizer, build_scheduler
+from hlm_ray.train.run_checkpoints import best_val_loss, clear_stale, restore, truncate_metrics
 from hlm_ray.train.run_state import LocalReporter, TrainRun, WorkerEnv
 from hlm_ray.train.run_tracking import open_tracker, run_tags
 
