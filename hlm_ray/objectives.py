@@ -83,6 +83,10 @@ def _masked_rows(hidden_BLD: Tensor, labels_BL: Tensor) -> tuple[Tensor, Tensor]
     return hidden_BLD[masked_BL], labels_BL[masked_BL]
 
 
+# The keywords of cwt_loss_from_ids that the sampled-negatives loss takes too.
+_SAMPLED_OPTIONS = ("temperature", "reduction", "return_accuracy", "sparse_grad")
+
+
 def headless_loss(
     pred_KD: Tensor,
     ids_K: Tensor,
@@ -108,9 +112,6 @@ def headless_loss(
     if cwt_options.get("return_accuracy"):
         return LossOutput(loss=out[0], num_rows=len(ids_K), accuracy=out[1])
     return LossOutput(loss=out, num_rows=len(ids_K))
-
-
-_SAMPLED_OPTIONS = ("temperature", "reduction", "return_accuracy", "sparse_grad")
 
 
 def headless_causal_loss(
