@@ -40,75 +40,56 @@ from hlm_ray.config import ModelConfig
 from hlm_ray.errors import HLMError
 from hlm_ray.objectives import LMHead
 
+_HF_CLASSES: dict[str, type[PretrainedConfig]] = {
+    "gpt_neox": GPTNeoXConfig,
+    "gpt2": GPT2Config,
+    "bert": BertConfig,
+    "distilbert": DistilBertConfig,
+}
+_MPE = "max_position_embeddings"
+# Each ModelConfig field under its name in each architecture's config (in _HF_CLASSES's order).
+_HF_NAMES = {
+    "hidden_size": ("hidden_size", "n_embd", "hidden_size", "dim"),
+    "num_layers": ("num_hidden_layers", "n_layer", "num_hidden_layers", "n_layers"),
+    "num_heads": ("num_attention_heads", "n_head", "num_attention_heads", "n_heads"),
+    "intermediate_size": ("intermediate_size", "n_inner", "intermediate_size", "hidden_dim"),
+    "max_positions": (_MPE, "n_positions", _MPE, _MPE),
+}
+# The dropout fields that all take model.dropout.
+_HF_DROPOUT = {
+    "gpt_neox": ("hidden_dropout", "attention_dropout"),
+    "gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
+    "bert": ("hidden_dropout_prob", "attention_probs_dropout_prob"),
+    "distilbert": ("dropout", "attention_dropout"),
+}
+
 
 def hf_config(
     cfg: ModelConfig, vocab_size: int, objective: str, special_ids: dict[str, int]
 ) -> PretrainedConfig:
     """The `transformers` config for `cfg`, with the tokenizer's size and special ids."""
-    inner = cfg.intermediate_size or 4 * cfg.hidden_size
+    column = list(_HF_CLASSES).index(cfg.arch)
+    values = {f: getattr(cfg, f) for f in _HF_NAMES}
+    values["intermediate_size"] = cfg.intermediate_size or 4 * cfg.hidden_size
+    kwargs = {names[column]: values[f] for f, names in _HF_NAMES.items()}
+    kwargs |= dict.fromkeys(_HF_DROPOUT[cfg.arch], cfg.dropout)
     eos, pad = special_ids.get("eos_token"), special_ids.get("pad_token")
-    if cfg.arch == "gpt_neox":
-        hf = GPTNeoXConfig(
-            vocab_size=vocab_size,
-            hidden_size=cfg.hidden_size,
-            num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_heads,
-            intermediate_size=inner,
-            max_position_embeddings=cfg.max_positions,
-            rope_parameters={
-                "rope_type": "default",
-                "rope_theta": 10000.0,
-                "partial_rotary_factor": cfg.rotary_pct,
-            },
-            hidden_dropout=cfg.dropout,
-            attention_dropout=cfg.dropout,
-            use_parallel_residual=True,
-            # Pythia's head is untied; a headless decoder's only head is Eᵀ.
-            tie_word_embeddings=objective == "headless",
-            bos_token_id=eos,
-            eos_token_id=eos,
-            pad_token_id=pad,
-        )
-    elif cfg.arch == "gpt2":
-        hf = GPT2Config(
-            vocab_size=vocab_size,
-            n_embd=cfg.hidden_size,
-            n_layer=cfg.num_layers,
-            n_head=cfg.num_heads,
-            n_inner=inner,
-            n_positions=cfg.max_positions,
-            resid_pdrop=cfg.dropout,
-            embd_pdrop=cfg.dropout,
-            attn_pdrop=cfg.dropout,
-            tie_word_embeddings=True,  # GPT-2 ties its head, vanilla or headless
-            bos_token_id=eos,
-            eos_token_id=eos,
-            pad_token_id=pad,
-        )
-    elif cfg.arch == "bert":
-        hf = BertConfig(
-            vocab_size=vocab_size,
-            hidden_size=cfg.hidden_size,
-            num_hidden_layers=cfg.num_layers,
-            num_attention_heads=cfg.num_heads,
-            intermediate_size=inner,
-            max_position_embeddings=cfg.max_positions,
-            hidden_dropout_prob=cfg.dropout,
-            attention_probs_dropout_prob=cfg.dropout,
-            pad_token_id=pad if pad is not None else 0,
-        )
+    if cfg.family == "decoder":
+        kwargs |= dict(bos_token_id=eos, eos_token_id=eos, pad_token_id=pad)
     else:
-        hf = DistilBertConfig(
-            vocab_size=vocab_size,
-            dim=cfg.hidden_size,
-            n_layers=cfg.num_layers,
-            n_heads=cfg.num_heads,
-            hidden_dim=inner,
-            max_position_embeddings=cfg.max_positions,
-            dropout=cfg.dropout,
-            attention_dropout=cfg.dropout,
-            pad_token_id=pad if pad is not None else 0,
-        )
+        kwargs["pad_token_id"] = pad if pad is not None else 0
+    if cfg.arch == "gpt_neox":
+        rope = {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": cfg.rotary_pct,
+        }
+        # Pythia's head is untied; a headless decoder's only head is Eᵀ.
+        kwargs |= dict(rope_parameters=rope, use_parallel_residual=True)
+        kwargs["tie_word_embeddings"] = objective == "headless"
+    elif cfg.arch == "gpt2":
+        kwargs["tie_word_embeddings"] = True  # GPT-2 ties its head, vanilla or headless
+    hf = _HF_CLASSES[cfg.arch](vocab_size=vocab_size, **kwargs)
     hf.hlm_objective = objective
     hf.hlm_family = cfg.family
     return hf

@@ -1,17 +1,18 @@
-"""Training objectives: Contrastive Weight Tying (CWT) and the vocabulary cross-entropy it replaces.
+"""Training objectives over a model's hidden states: headless (CWT) and vanilla (cross-entropy).
 
-CWT (Godey et al. 2024, "Headless Language Models") scores each of K target positions against the
-*input-embedding rows* of the micro-batch's true tokens instead of against the whole vocabulary:
-with predictions O (K×D, last hidden states) and targets E (K×D, embedding rows of the true
-tokens, not detached), ``loss_i = -log softmax(O Eᵀ / τ)[i, i]``.
+Which rows are predictions, and of what: a decoder's hidden[:, :-1] predicts input[:, 1:]; an
+encoder's raw last layer predicts the original token at masked positions. The CWT loss over those
+rows is `hlm_ray.cwt`; the vocabulary head and its cross-entropy (with the optional fused GPU
+kernels) are `hlm_ray.cross_entropy`. Both are re-exported here, so `hlm_ray.objectives` is the
+one import for every loss.
 
 Shape suffixes on tensor names: B batch (sequences), L sequence length, D hidden width,
 V vocabulary, K target rows of one loss (K = B·(L−1) for a decoder, the masked positions of an
-encoder), U distinct target ids (U <= min(K, V)), N negatives, C a chunk of rows.
+encoder).
 
 Usage::
 
-    from hlm_ray.objectives import cwt_loss, cwt_loss_from_ids, headless_causal_loss
+    from hlm_ray.objectives import headless_causal_loss, vanilla_masked_loss
 
     hidden_BLD = model(input_ids_BL).last_hidden_state
     out = headless_causal_loss(
@@ -20,32 +21,21 @@ Usage::
     out.loss.backward()  # the embedding table gets gradient as input and as target
     print(out.num_rows, out.accuracy)
 
-    # Low-level forms: predictions (K×D) against target rows (K×D), or against token ids.
-    loss = cwt_loss(predictions_KD, targets_KD)
-    loss, acc = cwt_loss_from_ids(predictions_KD, ids_K, emb_VD, return_accuracy=True)
-
-    # A separate negative set S_N: N of the K targets, sampled with a seeded generator.
-    rows_N = sample_negative_rows(K, 64, torch.Generator().manual_seed(0))
-    loss = cwt_loss_sampled(predictions_KD, ids_K, emb_VD, rows_N)
-
     # Vanilla baseline: softmax head, logits at masked positions only.
     head = LMHead(transform=bert_head_transform, weight=decoder.weight, bias=decoder.bias)
     out = vanilla_masked_loss(hidden_BLD, labels_BL, head, impl="chunked")
 
-Every logit is computed in float32 (bf16/fp16 inputs are upcast first) and reduced with
-``F.cross_entropy``, never exp→sum→log: the authors' code did the latter and produced NaN as soon
-as a logit passed ~88.7. The vocabulary head (`LMHead`, `cross_entropy_head`, with the optional
-fused GPU kernels) lives in `hlm_ray.cross_entropy` and is re-exported here.
+The losses look up `cwt_loss_from_ids`, `cwt_loss_sampled` and `cross_entropy_head` in this
+module when called, so a test that patches `hlm_ray.objectives.<name>` sees every call.
 """
 
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 
-# The vocabulary head and its cross-entropy live in hlm_ray.cross_entropy (re-exported here).
+# The vocabulary head and its cross-entropy live in hlm_ray.cross_entropy, the CWT loss in
+# hlm_ray.cwt (both re-exported here).
 from hlm_ray.cross_entropy import (  # noqa: F401
     CE_IMPLS,
     IGNORE_INDEX,
@@ -53,11 +43,13 @@ from hlm_ray.cross_entropy import (  # noqa: F401
     LMHead,
     cross_entropy_head,
 )
-from hlm_ray.cross_entropy import reduce_loss as _reduce
-from hlm_ray.cross_entropy import upcast as _upcast
-from hlm_ray.device import float32_region
-
-CWT_VARIANTS = ("plain", "dedup", "mask_same")
+from hlm_ray.cwt import (  # noqa: F401
+    CWT_VARIANTS,
+    cwt_loss,
+    cwt_loss_from_ids,
+    cwt_loss_sampled,
+    sample_negative_rows,
+)
 
 
 # eq=False: the generated __eq__ would compare tensors, whose truth value is ambiguous.
@@ -72,237 +64,6 @@ class LossOutput:
     loss: Tensor
     num_rows: int | Tensor
     accuracy: Tensor | None = None
-
-
-# ---------------------------------------------------------------------------------------------
-# CWT
-# ---------------------------------------------------------------------------------------------
-
-
-def _cwt_rows(
-    pred_KD: Tensor,
-    cols_UD: Tensor,
-    pos_K: Tensor,
-    log_count_U: Tensor | None,
-    temperature: float,
-    mask_same: bool,
-    col_ids_U: Tensor | None,
-) -> tuple[Tensor, Tensor | None]:
-    """Per-row CWT loss of K predictions against U columns; pos_K = each row's own column.
-
-    log_count_U (dedup form): each column stands for count_u identical negatives, so
-    log(count_u) is added to its logit; the positive still counts once. Returns the loss (K,)
-    and, when col_ids_U is given, whether each row's top-scoring column has its own id (K,).
-    """
-    # Scaling the K×D side is cheaper than dividing the K×U logits; float32 even under autocast.
-    with float32_region(pred_KD.device.type):
-        logits_KU = (pred_KD / temperature) @ cols_UD.T
-    correct_K = None
-    if col_ids_U is not None:
-        with torch.no_grad():
-            # Before the log-count term: accuracy ranks the distinct tokens by score alone.
-            correct_K = col_ids_U[logits_KU.argmax(dim=1)] == col_ids_U[pos_K]
-    if log_count_U is None:
-        return F.cross_entropy(logits_KU, pos_K, reduction="none"), correct_K
-    logits_KU = logits_KU + log_count_U
-    if mask_same:
-        # Same-id negatives are dropped: the own column keeps weight 1 (log 1 = 0), so the
-        # denominator is exp(pos) + the columns of other ids, and cross-entropy is exact.
-        # In place is safe: nothing saved for backward holds this sum.
-        rows_K = torch.arange(len(pos_K), device=pos_K.device)
-        logits_KU[rows_K, pos_K] -= log_count_U[pos_K]
-        return F.cross_entropy(logits_KU, pos_K, reduction="none"), correct_K
-    # cross_entropy's positive term carries the own column's log count: add it back, since the
-    # positive is one copy (the other c-1 copies stay in the denominator as negatives).
-    loss_K = F.cross_entropy(logits_KU, pos_K, reduction="none") + log_count_U[pos_K]
-    return loss_K, correct_K
-
-
-def _cwt_per_row(
-    pred_KD: Tensor,
-    cols_UD: Tensor,
-    pos_K: Tensor,
-    log_count_U: Tensor | None,
-    temperature: float,
-    mask_same: bool,
-    col_ids_U: Tensor | None,
-    chunk_size: int | None,
-) -> tuple[Tensor, Tensor | None]:
-    """`_cwt_rows`, optionally over row chunks so only chunk×U logits ever exist."""
-    args = (log_count_U, temperature, mask_same, col_ids_U)
-    K = pred_KD.shape[0]
-    if chunk_size is None or chunk_size >= K:
-        return _cwt_rows(pred_KD, cols_UD, pos_K, *args)
-    losses, corrects = [], []
-    for start in range(0, K, chunk_size):
-        rows = slice(start, start + chunk_size)
-        # Checkpointing drops the chunk's logits after forward and recomputes them in backward,
-        # so the K×U matrix is neither materialised nor saved. No randomness: skip RNG state.
-        loss_C, correct_C = checkpoint(
-            _cwt_rows,
-            pred_KD[rows],
-            cols_UD,
-            pos_K[rows],
-            *args,
-            use_reentrant=False,
-            preserve_rng_state=False,
-        )
-        losses.append(loss_C)
-        corrects.append(correct_C)
-    return torch.cat(losses), None if col_ids_U is None else torch.cat(corrects)
-
-
-def cwt_loss(
-    predictions: Tensor,
-    targets: Tensor,
-    temperature: float = 1.0,
-    *,
-    chunk_size: int | None = None,
-    reduction: str = "mean",
-) -> Tensor:
-    """Contrastive Weight Tying loss: mean_i of ``-log softmax(O Eᵀ / τ)[i, i]``.
-
-    predictions O (K×D) and targets E (K×D, embedding rows of the true tokens) both get
-    gradient. Repeated tokens count as negatives of each other (the paper's objective); see
-    `cwt_loss_from_ids` for the cheaper exact de-duplicated form. ``chunk_size`` bounds the
-    logits held at once to chunk_size×K rows (same value and gradients).
-    """
-    pos_K = torch.arange(predictions.shape[0], device=predictions.device)
-    loss_K, _ = _cwt_per_row(
-        _upcast(predictions), _upcast(targets), pos_K, None, temperature, False, None, chunk_size
-    )
-    return _reduce(loss_K, reduction)
-
-
-def _locate(ids_K: Tensor, sorted_ids_N: Tensor) -> Tensor:
-    """Index into sorted_ids_N of each id; ValueError if one is absent."""
-    idx_K = torch.searchsorted(sorted_ids_N, ids_K).clamp_(max=len(sorted_ids_N) - 1)
-    found_K = sorted_ids_N[idx_K] == ids_K
-    if not bool(found_K.all()):
-        missing = ids_K[~found_K].unique()[:10].tolist()
-        raise ValueError(
-            f"negative_ids must contain every target id (each row's own positive); "
-            f"missing {missing}"
-        )
-    return idx_K
-
-
-def cwt_loss_from_ids(
-    predictions: Tensor,
-    target_ids: Tensor,
-    embedding_weight: Tensor,
-    temperature: float = 1.0,
-    *,
-    variant: str = "dedup",
-    negative_ids: Tensor | None = None,
-    chunk_size: int | None = None,
-    reduction: str = "mean",
-    return_accuracy: bool = False,
-    sparse_grad: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """CWT loss of predictions (K×D) for target token ids (K,) with the embedding table (V×D).
-
-    Gradient flows into ``embedding_weight`` through the gathered rows. Variants:
-
-    - ``"plain"``: exactly ``cwt_loss(predictions, embedding_weight[target_ids])`` (K×K logits).
-    - ``"dedup"`` (default): the same value and gradients, computed against the U unique ids
-      with log(count) added to each column (K×U logits, U <= min(K, V)).
-    - ``"mask_same"``: a different objective (ablation): negatives with the row's own id are
-      removed, so a token repeated c times is no longer held to a loss >= log c.
-
-    ``negative_ids`` (N,): build the columns from these ids instead of ``target_ids``, e.g. all
-    workers' target ids concatenated (repeats kept: each occurrence is one negative, as in the
-    plain loss over the concatenated rows). Each target must be among them (ValueError if not).
-
-    With ``return_accuracy``, returns ``(loss, accuracy)``: the fraction of rows whose
-    top-scoring distinct column (plain dot products) is their own id, without gradient.
-
-    ``sparse_grad``: the table's gradient from the gathered rows is a sparse (COO) tensor of U
-    rows instead of a dense V×D one (for a row-wise optimizer update; same values).
-    """
-    if variant not in CWT_VARIANTS:
-        raise ValueError(f"variant={variant!r}; use one of {', '.join(CWT_VARIANTS)}")
-    log_count_U = None
-    if variant == "plain":
-        if negative_ids is None:
-            col_ids_U = target_ids
-            pos_K = torch.arange(len(target_ids), device=target_ids.device)
-        else:
-            # Any copy of the own id is a correct positive column: copies have equal embeddings.
-            col_ids_U = negative_ids
-            sorted_ids_N, order_N = negative_ids.sort()
-            pos_K = order_N[_locate(target_ids, sorted_ids_N)]
-    else:
-        if negative_ids is None:
-            col_ids_U, pos_K, count_U = torch.unique(
-                target_ids, return_inverse=True, return_counts=True
-            )
-        else:
-            col_ids_U, count_U = torch.unique(negative_ids, return_counts=True)
-            pos_K = _locate(target_ids, col_ids_U)  # torch.unique sorts
-    pred_KD = _upcast(predictions)
-    # Gather before upcasting: only U rows of the table are converted, not all V.
-    cols_UD = _upcast(F.embedding(col_ids_U, embedding_weight, sparse=sparse_grad))
-    if variant != "plain":
-        log_count_U = count_U.to(pred_KD.dtype).log()
-    loss_K, correct_K = _cwt_per_row(
-        pred_KD,
-        cols_UD,
-        pos_K,
-        log_count_U,
-        temperature,
-        variant == "mask_same",
-        col_ids_U if return_accuracy else None,
-        chunk_size,
-    )
-    loss = _reduce(loss_K, reduction)
-    if not return_accuracy:
-        return loss
-    return loss, correct_K.float().mean()
-
-
-def sample_negative_rows(num_rows: int, num_negatives: int, generator: torch.Generator) -> Tensor:
-    """Positions (N,) of a seeded random subset of N of the K rows (all K when N >= K), on CPU."""
-    return torch.randperm(num_rows, generator=generator)[:num_negatives]
-
-
-def cwt_loss_sampled(
-    predictions: Tensor,
-    target_ids: Tensor,
-    embedding_weight: Tensor,
-    negative_rows: Tensor,
-    temperature: float = 1.0,
-    *,
-    reduction: str = "mean",
-    return_accuracy: bool = False,
-    sparse_grad: bool = False,
-) -> Tensor | tuple[Tensor, Tensor]:
-    """CWT against a separate negative set S_N (the paper's footnote): row i scores its own
-    target's embedding against the targets at ``negative_rows`` (N,) other than row i itself,
-    ``loss_i = -log(exp(s_ii) / (exp(s_ii) + Σ_{j∈S, j≠i} exp(s_ij)))`` with s = O Eᵀ / τ.
-    Repeated tokens count as negatives, as in the plain loss; with S = all K rows this *is* the
-    plain loss. Accuracy: the top-scoring column carries the row's own id."""
-    pred_KD = _upcast(predictions) / temperature
-    rows_N = negative_rows.to(target_ids.device)
-    targets_KD = _upcast(F.embedding(target_ids, embedding_weight, sparse=sparse_grad))
-    positive_K = (pred_KD * targets_KD).sum(dim=1)
-    negative_KN = pred_KD @ targets_KD[rows_N].T
-    own_KN = rows_N[None, :] == torch.arange(len(target_ids), device=rows_N.device)[:, None]
-    logits_K1N = torch.cat([positive_K[:, None], negative_KN.masked_fill(own_KN, -torch.inf)], 1)
-    zeros_K = torch.zeros(len(target_ids), dtype=torch.long, device=target_ids.device)
-    loss = _reduce(F.cross_entropy(logits_K1N, zeros_K, reduction="none"), reduction)
-    if not return_accuracy:
-        return loss
-    with torch.no_grad():
-        col_ids = torch.cat([target_ids.new_full((1,), -1), target_ids[rows_N]])
-        top_K = logits_K1N.argmax(dim=1)
-        correct_K = (top_K == 0) | (col_ids[top_K] == target_ids)
-    return loss, correct_K.float().mean()
-
-
-# ---------------------------------------------------------------------------------------------
-# Model-level objectives
-# ---------------------------------------------------------------------------------------------
 
 
 def _causal_rows(
@@ -322,37 +83,33 @@ def _masked_rows(hidden_BLD: Tensor, labels_BL: Tensor) -> tuple[Tensor, Tensor]
     return hidden_BLD[masked_BL], labels_BL[masked_BL]
 
 
-def _headless(
+# The keywords of cwt_loss_from_ids that the sampled-negatives loss takes too.
+_SAMPLED_OPTIONS = ("temperature", "reduction", "return_accuracy", "sparse_grad")
+
+
+def headless_loss(
     pred_KD: Tensor,
     ids_K: Tensor,
     embedding_weight_VD: Tensor,
-    temperature: float,
-    variant: str,
-    negative_ids: Tensor | None,
-    chunk_size: int | None,
-    return_accuracy: bool,
-    sparse_grad: bool = False,
+    *,
     num_negatives: int | None = None,
     generator: torch.Generator | None = None,
+    **cwt_options,
 ) -> LossOutput:
+    """CWT of K prediction rows (K×D) for their target ids (K,), whichever model made them.
+
+    ``cwt_options`` are `cwt_loss_from_ids`'s keywords (temperature, variant, negative_ids,
+    chunk_size, return_accuracy, sparse_grad). ``num_negatives`` N: score against N sampled
+    targets instead (`cwt_loss_sampled`, drawn with ``generator``; it counts repeats plainly and
+    holds N columns, so variant, negative_ids and chunk_size do not apply to it).
+    """
     if num_negatives is not None:
         rows_N = sample_negative_rows(len(ids_K), num_negatives, generator)
-        flags = dict(return_accuracy=return_accuracy, sparse_grad=sparse_grad)
-        args = (pred_KD, ids_K, embedding_weight_VD, rows_N, temperature)
-        out = cwt_loss_sampled(*args, **flags)
+        sampled = {k: v for k, v in cwt_options.items() if k in _SAMPLED_OPTIONS}
+        out = cwt_loss_sampled(pred_KD, ids_K, embedding_weight_VD, rows_N, **sampled)
     else:
-        out = cwt_loss_from_ids(
-            pred_KD,
-            ids_K,
-            embedding_weight_VD,
-            temperature,
-            variant=variant,
-            negative_ids=negative_ids,
-            chunk_size=chunk_size,
-            return_accuracy=return_accuracy,
-            sparse_grad=sparse_grad,
-        )
-    if return_accuracy:
+        out = cwt_loss_from_ids(pred_KD, ids_K, embedding_weight_VD, **cwt_options)
+    if cwt_options.get("return_accuracy"):
         return LossOutput(loss=out[0], num_rows=len(ids_K), accuracy=out[1])
     return LossOutput(loss=out, num_rows=len(ids_K))
 
@@ -363,68 +120,26 @@ def headless_causal_loss(
     embedding_weight_VD: Tensor,
     *,
     target_mask_BL: Tensor | None = None,
-    temperature: float = 1.0,
-    variant: str = "dedup",
-    negative_ids: Tensor | None = None,
-    chunk_size: int | None = None,
-    return_accuracy: bool = False,
-    sparse_grad: bool = False,
-    num_negatives: int | None = None,
-    generator: torch.Generator | None = None,
+    **cwt_options,
 ) -> LossOutput:
     """CWT for a decoder: hidden[:, :-1] predicts the embedding of input_ids[:, 1:].
 
     K = B·(L−1) rows, less those whose target is False in ``target_mask_BL`` (padding).
-    ``num_negatives`` N: score against N sampled targets (`cwt_loss_sampled`, drawn with
-    ``generator``) instead of all K. See `cwt_loss_from_ids` for the other arguments.
+    ``cwt_options`` are `headless_loss`'s (temperature, variant, num_negatives, ...).
     """
     pred_KD, ids_K = _causal_rows(hidden_BLD, input_ids_BL, target_mask_BL)
-    return _headless(
-        pred_KD,
-        ids_K,
-        embedding_weight_VD,
-        temperature,
-        variant,
-        negative_ids,
-        chunk_size,
-        return_accuracy,
-        sparse_grad,
-        num_negatives,
-        generator,
-    )
+    return headless_loss(pred_KD, ids_K, embedding_weight_VD, **cwt_options)
 
 
 def headless_masked_loss(
-    hidden_BLD: Tensor,
-    labels_BL: Tensor,
-    embedding_weight_VD: Tensor,
-    *,
-    temperature: float = 1.0,
-    variant: str = "dedup",
-    negative_ids: Tensor | None = None,
-    chunk_size: int | None = None,
-    return_accuracy: bool = False,
-    sparse_grad: bool = False,
-    num_negatives: int | None = None,
-    generator: torch.Generator | None = None,
+    hidden_BLD: Tensor, labels_BL: Tensor, embedding_weight_VD: Tensor, **cwt_options
 ) -> LossOutput:
     """CWT for an encoder: at masked positions only, the raw last hidden state predicts the
     embedding of the original token. ``labels_BL`` holds that token id there and -100 elsewhere.
+    ``cwt_options`` are `headless_loss`'s (temperature, variant, num_negatives, ...).
     """
     pred_KD, ids_K = _masked_rows(hidden_BLD, labels_BL)
-    return _headless(
-        pred_KD,
-        ids_K,
-        embedding_weight_VD,
-        temperature,
-        variant,
-        negative_ids,
-        chunk_size,
-        return_accuracy,
-        sparse_grad,
-        num_negatives,
-        generator,
-    )
+    return headless_loss(pred_KD, ids_K, embedding_weight_VD, **cwt_options)
 
 
 def vanilla_causal_loss(

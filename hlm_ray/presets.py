@@ -32,176 +32,79 @@ _TINY_OPTIM = {
     "weight_decay": 0.01,
 }
 
+# Tiny CPU variants (train in well under a minute on 2 cores): D=64, 2 layers, 2 heads, 128
+# positions, their own 1024-token BPE, 64-token blocks. tiny-gpt2 is gpt2-11m shrunk to CPU
+# scale with its own small BPE (the 50k GPT-2 vocabulary would make the vanilla head most of
+# the work): the tiny decoder sweeps.
+_TINY: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    # name: (arch, extra model fields, optimiser changes)
+    "tiny-decoder": ("gpt_neox", {}, {}),
+    "tiny-encoder": ("bert", {}, {}),
+    "tiny-gpt2": ("gpt2", {"dropout": 0.0}, {"schedule": "cosine", "grad_clip": 1.0}),
+}
+
+# The paper's setups (Appendix A), one row each: arch, width D, layers, heads, MLP width (None:
+# 4 D), positions, dropout, the tokenizer (a data-folder path or hub name; a number: a BPE of
+# that size trained on the corpus), sequence length.
+_MULTILINGUAL = "distilbert/distilbert-base-multilingual-cased"
+_PAPER_MODELS: dict[str, tuple] = {
+    # Table 10 / Figure 8: the batch-size ablation decoder (GPT-2, 11M parameters).
+    "gpt2-11m": ("gpt2", 192, 3, 3, None, 1024, 0.1, "tokenizers/gpt2", 128),
+    # Table 9 / Figure 7: the vocabulary ablation encoder (BERT-Small, L4 H512 A8).
+    "bert-small": ("bert", 512, 4, 8, 2048, 512, 0.1, 32768, 128),
+    # Table 7: Pythia-70M decoders (K = 8 × 2047 rows per device).
+    "pythia-70m": ("gpt_neox", 512, 6, 8, 2048, 2048, 0.0, "tokenizers/gpt-neox-20b", 2048),
+    # Table 6: bert-base encoders with the Pythia tokenizer, sequence length 128.
+    "bert-base": ("bert", 768, 12, 12, 3072, 512, 0.1, "tokenizers/gpt-neox-20b", 128),
+    # Table 8: the multilingual encoder (distilbert-base-multilingual-cased, 119k vocabulary).
+    "distilbert-multilingual": ("distilbert", 768, 6, 12, 3072, 512, 0.1, _MULTILINGUAL, 128),
+}
+# lr, schedule, warm-up steps, steps, global batch, micro-batch, then validation, checkpoint and
+# log intervals (steps). Weight decay 0.01 and clipping at 1.0 unless _PAPER_EXTRA says more.
+_PAPER_OPTIM: dict[str, tuple] = {
+    "gpt2-11m": (2.5e-4, "cosine", 2000, 1_000_000, 64, 64, 2000, 5000, 50),
+    "bert-small": (2e-4, "linear", 10_000, 400_000, 64, 64, 5000, 10_000, 50),
+    "pythia-70m": (1e-3, "cosine", 1430, 143_000, 1024, 8, 1000, 1000, 10),
+    "bert-base": (1e-4, "linear", 10_000, 1_000_000, 256, 32, 10_000, 10_000, 100),
+    "distilbert-multilingual": (2e-4, "linear", 10_000, 400_000, 64, 64, 10_000, 10_000, 100),
+}
+_PAPER_EXTRA = {"pythia-70m": {"betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}}
+
+
+def _tiny(arch: str, model: dict[str, Any], optim: dict[str, Any]) -> dict[str, Any]:
+    """A tiny preset: the shared CPU-scale settings, then its row of `_TINY`."""
+    shape = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "max_positions": 128}
+    return {
+        "model": {"arch": arch, **shape, **model},
+        "tokenizer": {"kind": "bpe", "vocab_size": 1024},
+        "data": {"seq_len": 64},
+        "optim": {**_TINY_OPTIM, **optim},
+        "run": _TINY_RUN,
+    }
+
+
+def _paper(name: str) -> dict[str, Any]:
+    """A paper preset from its rows of `_PAPER_MODELS` and `_PAPER_OPTIM`."""
+    arch, width, layers, heads, mlp, positions, dropout, tokenizer, seq_len = _PAPER_MODELS[name]
+    lr, schedule, warmup, steps, batch, micro, *intervals = _PAPER_OPTIM[name]
+    model = dict(arch=arch, hidden_size=width, num_layers=layers, num_heads=heads)
+    model.update(intermediate_size=mlp, max_positions=positions, dropout=dropout)
+    optim = dict(lr=lr, weight_decay=0.01, grad_clip=1.0, schedule=schedule)
+    optim.update(warmup_steps=warmup, max_steps=steps)
+    optim.update(global_batch_size=batch, micro_batch_size=micro, **_PAPER_EXTRA.get(name, {}))
+    bpe = {"kind": "bpe", "vocab_size": tokenizer}
+    return {
+        "model": model,
+        "tokenizer": bpe if isinstance(tokenizer, int) else {"kind": "file", "path": tokenizer},
+        "data": {"seq_len": seq_len},
+        "optim": optim,
+        "run": dict(zip(("eval_every", "checkpoint_every", "log_every"), intervals, strict=True)),
+    }
+
+
 PRESETS: dict[str, dict[str, Any]] = {
-    # Tiny CPU variants: train in well under a minute on 2 cores.
-    "tiny-decoder": {
-        "model": {
-            "arch": "gpt_neox",
-            "hidden_size": 64,
-            "num_layers": 2,
-            "num_heads": 2,
-            "max_positions": 128,
-        },
-        "tokenizer": {"kind": "bpe", "vocab_size": 1024},
-        "data": {"seq_len": 64},
-        "optim": _TINY_OPTIM,
-        "run": _TINY_RUN,
-    },
-    "tiny-encoder": {
-        "model": {
-            "arch": "bert",
-            "hidden_size": 64,
-            "num_layers": 2,
-            "num_heads": 2,
-            "max_positions": 128,
-        },
-        "tokenizer": {"kind": "bpe", "vocab_size": 1024},
-        "data": {"seq_len": 64},
-        "optim": _TINY_OPTIM,
-        "run": _TINY_RUN,
-    },
-    # gpt2-11m shrunk to CPU scale with its own small BPE (the 50k GPT-2 vocabulary would make
-    # the vanilla head most of the work): the tiny decoder sweeps.
-    "tiny-gpt2": {
-        "model": {
-            "arch": "gpt2",
-            "hidden_size": 64,
-            "num_layers": 2,
-            "num_heads": 2,
-            "max_positions": 128,
-            "dropout": 0.0,
-        },
-        "tokenizer": {"kind": "bpe", "vocab_size": 1024},
-        "data": {"seq_len": 64},
-        "optim": {**_TINY_OPTIM, "schedule": "cosine", "grad_clip": 1.0},
-        "run": _TINY_RUN,
-    },
-    # Paper Table 10 / Figure 8: the batch-size ablation decoder (GPT-2, 11M parameters).
-    "gpt2-11m": {
-        "model": {
-            "arch": "gpt2",
-            "hidden_size": 192,
-            "num_layers": 3,
-            "num_heads": 3,
-            "max_positions": 1024,
-            "dropout": 0.1,
-        },
-        "tokenizer": {"kind": "file", "path": "tokenizers/gpt2"},
-        "data": {"seq_len": 128},
-        "optim": {
-            "lr": 2.5e-4,
-            "weight_decay": 0.01,
-            "grad_clip": 1.0,
-            "schedule": "cosine",
-            "warmup_steps": 2000,
-            "max_steps": 1_000_000,
-            "global_batch_size": 64,
-            "micro_batch_size": 64,
-        },
-        "run": {"eval_every": 2000, "checkpoint_every": 5000, "log_every": 50},
-    },
-    # Paper Table 9 / Figure 7: the vocabulary ablation encoder (BERT-Small, L4 H512 A8).
-    "bert-small": {
-        "model": {
-            "arch": "bert",
-            "hidden_size": 512,
-            "num_layers": 4,
-            "num_heads": 8,
-            "intermediate_size": 2048,
-            "max_positions": 512,
-            "dropout": 0.1,
-        },
-        "tokenizer": {"kind": "bpe", "vocab_size": 32768},
-        "data": {"seq_len": 128},
-        "optim": {
-            "lr": 2e-4,
-            "weight_decay": 0.01,
-            "grad_clip": 1.0,
-            "schedule": "linear",
-            "warmup_steps": 10_000,
-            "max_steps": 400_000,
-            "global_batch_size": 64,
-            "micro_batch_size": 64,
-        },
-        "run": {"eval_every": 5000, "checkpoint_every": 10_000, "log_every": 50},
-    },
-    # Paper Table 7: Pythia-70M decoders (K = 8 × 2047 rows per device).
-    "pythia-70m": {
-        "model": {
-            "arch": "gpt_neox",
-            "hidden_size": 512,
-            "num_layers": 6,
-            "num_heads": 8,
-            "intermediate_size": 2048,
-            "max_positions": 2048,
-            "rotary_pct": 0.25,
-        },
-        "tokenizer": {"kind": "file", "path": "tokenizers/gpt-neox-20b"},
-        "data": {"seq_len": 2048},
-        "optim": {
-            "lr": 1e-3,
-            "betas": [0.9, 0.95],
-            "eps": 1e-8,
-            "weight_decay": 0.1,
-            "grad_clip": 1.0,
-            "schedule": "cosine",
-            "warmup_steps": 1430,
-            "max_steps": 143_000,
-            "global_batch_size": 1024,
-            "micro_batch_size": 8,
-        },
-        "run": {"eval_every": 1000, "checkpoint_every": 1000, "log_every": 10},
-    },
-    # Paper Table 6: bert-base encoders with the Pythia tokenizer, sequence length 128.
-    "bert-base": {
-        "model": {
-            "arch": "bert",
-            "hidden_size": 768,
-            "num_layers": 12,
-            "num_heads": 12,
-            "intermediate_size": 3072,
-            "max_positions": 512,
-            "dropout": 0.1,
-        },
-        "tokenizer": {"kind": "file", "path": "tokenizers/gpt-neox-20b"},
-        "data": {"seq_len": 128},
-        "optim": {
-            "lr": 1e-4,
-            "weight_decay": 0.01,
-            "grad_clip": 1.0,
-            "schedule": "linear",
-            "warmup_steps": 10_000,
-            "max_steps": 1_000_000,
-            "global_batch_size": 256,
-            "micro_batch_size": 32,
-        },
-        "run": {"eval_every": 10_000, "checkpoint_every": 10_000, "log_every": 100},
-    },
-    # Paper Table 8: the multilingual encoder (distilbert-base-multilingual-cased, 119k vocab).
-    "distilbert-multilingual": {
-        "model": {
-            "arch": "distilbert",
-            "hidden_size": 768,
-            "num_layers": 6,
-            "num_heads": 12,
-            "intermediate_size": 3072,
-            "max_positions": 512,
-            "dropout": 0.1,
-        },
-        "tokenizer": {"kind": "file", "path": "distilbert/distilbert-base-multilingual-cased"},
-        "data": {"seq_len": 128},
-        "optim": {
-            "lr": 2e-4,
-            "weight_decay": 0.01,
-            "grad_clip": 1.0,
-            "schedule": "linear",
-            "warmup_steps": 10_000,
-            "max_steps": 400_000,
-            "global_batch_size": 64,
-            "micro_batch_size": 64,
-        },
-        "run": {"eval_every": 10_000, "checkpoint_every": 10_000, "log_every": 100},
-    },
+    **{name: _tiny(*row) for name, row in _TINY.items()},
+    **{name: _paper(name) for name in _PAPER_MODELS},
 }
 
 # Where the paper trained the arms differently (Table 6: device batch 32 / 64, batch 256 / 512).

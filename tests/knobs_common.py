@@ -6,9 +6,10 @@ and rebuild what its first step saw (initial weights, micro-batches) to apply a 
     start = first_step(cfg)                          # the loop's initial model and step 0's batches
     expected = by_hand(start, lambda x, labels, seed: cwt(start, x, labels, temperature=0.05))
 
-The rebuild goes through the same public functions as `hlm_ray.train.loop._setup`/`_step`:
-`torch.manual_seed(run.seed)` then tokenizer, corpus and `build_model`; `BlockSampler.shard`
-and `load_batch` (masking, seeded by `stream_seed`) for the micro-batches.
+The rebuild goes through the same public functions as `hlm_ray.train.setup.setup_run` and
+`hlm_ray.train.step.train_step`: `torch.manual_seed(run.seed)` then tokenizer, corpus and
+`build_model`; `BlockSampler.shard` and `load_batch` (masking, seeded by `stream_seed`) for the
+micro-batches.
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from tiny_runs import tiny_run_cfg
 
 from hlm_ray import objectives
 from hlm_ray.data import BlockSampler
 from hlm_ray.models import build_model, hidden_states, input_embedding_weight, lm_head
-from hlm_ray.paths import data_dir
-from hlm_ray.presets import load_config
 from hlm_ray.tracking import read_metrics
 from hlm_ray.train.inputs import (
     Masking,
@@ -34,23 +34,12 @@ from hlm_ray.train.inputs import (
 )
 from hlm_ray.train.loop import WorkerEnv, train_worker
 
-SHAKESPEARE = str(data_dir() / "corpus" / "en" / "tinyshakespeare.txt")
-
 
 def knob_cfg(out, preset: str = "tiny-decoder", objective: str = "headless", **overrides):
     """A tiny CPU run of one step (global batch 32 = 2 micro-batches of 16), step 1 logged."""
-    base = {
-        "data.sources": [SHAKESPEARE],
-        "tokenizer.vocab_size": 512,
-        "optim.max_steps": 1,
-        "run.log_every": 1,
-        "run.eval_every": 1000,
-        "run.eval_batches": 1,
-        "run.checkpoint_every": 1000,
-        "run.device": "cpu",
-        "run.output_dir": str(out),
-    }
-    return load_config(preset, objective=objective, overrides={**base, **overrides})
+    quick = {"run.eval_batches": 1, "run.device": "cpu"}
+    every = (1, 1000, 1000)  # log every step, no validation or checkpoint before the last
+    return tiny_run_cfg(out, preset, objective, steps=1, every=every, **{**quick, **overrides})
 
 
 def train_losses(cfg, **kwargs) -> list[float]:
@@ -74,7 +63,7 @@ class FirstStep:
 
 def first_step(cfg, rank: int = 0, world_size: int = 1) -> FirstStep:
     """The loop's initial model (train mode) and rank's micro-batches of step 0."""
-    torch.manual_seed(cfg.run.seed)  # as _setup does, before building anything
+    torch.manual_seed(cfg.run.seed)  # as setup_run does, before building anything
     tokenizer = build_tokenizer(cfg)
     corpus = build_corpus(cfg, tokenizer)
     ids = special_ids(tokenizer)
@@ -102,20 +91,24 @@ def by_hand(start: FirstStep, loss_fn, *, grad: bool = False) -> torch.Tensor:
 
 def cwt(start: FirstStep, input_ids_BL, labels_BL, **kwargs) -> objectives.LossOutput:
     """The headless loss of one micro-batch, called directly on `hlm_ray.objectives`."""
-    hidden_BLD = hidden_states(start.model, input_ids_BL)
-    weight_VD = input_embedding_weight(start.model)
-    if labels_BL is None:
-        return objectives.headless_causal_loss(hidden_BLD, input_ids_BL, weight_VD, **kwargs)
-    return objectives.headless_masked_loss(hidden_BLD, labels_BL, weight_VD, **kwargs)
+    losses = (objectives.headless_causal_loss, objectives.headless_masked_loss)
+    return _loss(start, input_ids_BL, labels_BL, input_embedding_weight, losses, kwargs)
 
 
 def ce(start: FirstStep, input_ids_BL, labels_BL, **kwargs) -> objectives.LossOutput:
     """The vanilla loss of one micro-batch, called directly on `hlm_ray.objectives`."""
+    losses = (objectives.vanilla_causal_loss, objectives.vanilla_masked_loss)
+    return _loss(start, input_ids_BL, labels_BL, lm_head, losses, kwargs)
+
+
+def _loss(start, input_ids_BL, labels_BL, weights_of, losses, kwargs) -> objectives.LossOutput:
+    """A decoder's loss of (inputs, their next tokens) or an encoder's of (masked inputs,
+    labels), with the model's weights for it: the embedding table (CWT) or the head (CE)."""
     hidden_BLD = hidden_states(start.model, input_ids_BL)
-    head = lm_head(start.model)
+    causal, masked = losses
     if labels_BL is None:
-        return objectives.vanilla_causal_loss(hidden_BLD, input_ids_BL, head, **kwargs)
-    return objectives.vanilla_masked_loss(hidden_BLD, labels_BL, head, **kwargs)
+        return causal(hidden_BLD, input_ids_BL, weights_of(start.model), **kwargs)
+    return masked(hidden_BLD, labels_BL, weights_of(start.model), **kwargs)
 
 
 def spy(monkeypatch, name: str) -> list[dict]:

@@ -7,31 +7,15 @@ on the CWT loss in tests/test_fused_ce.py.
 
 import pytest
 import torch._dynamo
+from tiny_runs import tiny_run_cfg
 
-from hlm_ray.paths import data_dir
-from hlm_ray.presets import load_config
 from hlm_ray.tracking import read_metrics
 from hlm_ray.train.loop import train_worker
 
-SHAKESPEARE = str(data_dir() / "corpus" / "en" / "tinyshakespeare.txt")
-
 
 def _losses(out, **extra):
-    overrides = {
-        "data.sources": [SHAKESPEARE],
-        "tokenizer.vocab_size": 300,
-        "optim.max_steps": 6,
-        "optim.warmup_steps": 1,
-        "optim.micro_batch_size": 4,
-        "optim.global_batch_size": 4,
-        "data.seq_len": 32,
-        "run.output_dir": str(out),
-        "run.log_every": 1,
-        "run.eval_every": 6,
-        "run.checkpoint_every": 6,
-        **extra,
-    }
-    cfg = load_config("tiny-decoder", objective="headless", overrides=overrides)
+    short = {"optim.warmup_steps": 1, "data.seq_len": 32}
+    cfg = tiny_run_cfg(out, steps=6, every=(1, 6, 6), vocab=300, batch=(4, 4), **short, **extra)
     train_worker(cfg.to_dict(), progress=False)
     return [r["train/loss"] for r in read_metrics(out) if "train/loss" in r]
 

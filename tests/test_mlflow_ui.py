@@ -150,33 +150,22 @@ def test_the_k_tag_is_the_mean_k_the_metric_logs(client, tmp_path, monkeypatch, 
     """A masked LM's K (masked positions) differs from micro-batch to micro-batch: `train/K`
     is their mean over the log window, and the `K` tag says the same (it said the FLOP model's
     expected K, and `train/K` was the last micro-batch's count)."""
-    from hlm_ray.paths import data_dir
-    from hlm_ray.presets import load_config
+    from tiny_runs import tiny_run_cfg
+
     from hlm_ray.train import loop
+    from hlm_ray.train import step as step_module  # where the step looks load_batch up
     from hlm_ray.train.launch import open_mlflow_run
 
     counts = []  # (step, masked positions) of every training micro-batch, as the loss sees them
-    real_batch = loop.load_batch  # training's batches (validation has its own binding)
+    real_batch = step_module.load_batch  # training's batches (validation has its own binding)
 
     def counting(blocks, idx, env, masking, seed, step, micro):
         input_ids, labels = real_batch(blocks, idx, env, masking, seed, step, micro)
         counts.append((step, int((labels != -100).sum())))
         return input_ids, labels
 
-    monkeypatch.setattr(loop, "load_batch", counting)
-    cfg = load_config(
-        "tiny-encoder",
-        objective="headless",
-        overrides={
-            "data.sources": [str(data_dir() / "corpus" / "en" / "tinyshakespeare.txt")],
-            "tokenizer.vocab_size": 512,
-            "optim.max_steps": 6,
-            "run.log_every": 3,
-            "run.eval_every": 6,
-            "run.checkpoint_every": 6,
-            "run.output_dir": str(tmp_path / "run"),
-        },
-    )
+    monkeypatch.setattr(step_module, "load_batch", counting)
+    cfg = tiny_run_cfg(tmp_path / "run", "tiny-encoder", steps=6, every=(3, 6, 6))
     tracker, tracking = open_mlflow_run(
         cfg, Path(cfg.run.output_dir), experiment=f"k-{request.node.name}", resume=False
     )

@@ -237,29 +237,16 @@ def test_ddp_averages_sparse_gradients_over_gloo() -> None:
 
 def test_training_with_lazy_update_resumes_exactly(tmp_path) -> None:
     from safetensors.torch import load_file
+    from tiny_runs import tiny_run_cfg
 
-    from hlm_ray.paths import data_dir
     from hlm_ray.train.loop import train_worker
 
+    small = {"data.max_tokens": 40_000, "model.hidden_size": 32, "model.num_layers": 1}
+    lazy = {"optim.embedding_update": "lazy", "optim.warmup_steps": 1, "run.eval_batches": 1}
+
     def cfg(out, steps):
-        return load_config(
-            "tiny-decoder",
-            objective="headless",
-            overrides={
-                "data.sources": [str(data_dir() / "corpus" / "en" / "tinyshakespeare.txt")],
-                "data.max_tokens": 40_000,
-                "tokenizer.vocab_size": 300,
-                "model.hidden_size": 32,
-                "model.num_layers": 1,
-                "optim.embedding_update": "lazy",
-                "optim.max_steps": steps,
-                "optim.warmup_steps": 1,
-                "run.output_dir": str(out),
-                "run.log_every": 2,
-                "run.eval_every": 100,
-                "run.eval_batches": 1,
-                "run.checkpoint_every": 2,
-            },
+        return tiny_run_cfg(
+            out, steps=steps, every=(2, 100, 2), vocab=300, **small, **lazy
         ).to_dict()
 
     straight = train_worker(cfg(tmp_path / "a", 4), progress=False)

@@ -2,11 +2,10 @@
 MLflow on a temporary sqlite store. Few tests, each a whole run: a TorchTrainer costs 15-40 s."""
 
 import pytest
+from tiny_runs import tiny_run_cfg
 from transformers import AutoModelForCausalLM
 
 from hlm_ray.errors import HLMError
-from hlm_ray.paths import data_dir
-from hlm_ray.presets import load_config
 from hlm_ray.tracking import read_metrics
 from hlm_ray.train import checkpoint as ckpt
 from hlm_ray.train.launch import launch
@@ -14,23 +13,10 @@ from hlm_ray.train.loop import train_worker
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
-SHAKESPEARE = str(data_dir() / "corpus" / "en" / "tinyshakespeare.txt")
-
 
 def cfg_for(out, **extra):
-    overrides = {
-        "data.sources": [SHAKESPEARE],
-        "tokenizer.vocab_size": 512,
-        "optim.max_steps": 16,
-        "optim.global_batch_size": 16,
-        "optim.micro_batch_size": 8,  # 2 workers × 8 == 1 process × 8 × 2 accumulation steps
-        "run.output_dir": str(out),
-        "run.log_every": 1,
-        "run.eval_every": 16,
-        "run.checkpoint_every": 8,
-        **extra,
-    }
-    return load_config("tiny-decoder", objective="headless", overrides=overrides)
+    # Micro-batches of 8: 2 workers × 8 == 1 process × 8 × 2 accumulation steps.
+    return tiny_run_cfg(out, steps=16, every=(1, 16, 8), batch=(16, 8), **extra)
 
 
 def test_two_workers_survive_a_killed_worker_and_log_one_mlflow_run(

@@ -4,13 +4,12 @@ import json
 
 import pytest
 import torch
+from tiny_runs import SHAKESPEARE, tiny_run_cfg
 from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
 from hlm_ray.cli import main
 from hlm_ray.data import BlockSampler
 from hlm_ray.flops import config_step_flops
-from hlm_ray.paths import data_dir
-from hlm_ray.presets import load_config
 from hlm_ray.tokenizer import token_byte_lengths
 from hlm_ray.tracking import read_metrics
 from hlm_ray.train import checkpoint as ckpt
@@ -18,22 +17,11 @@ from hlm_ray.train.inputs import Masking, build_corpus, build_tokenizer, special
 from hlm_ray.train.lm_objective import LMObjective
 from hlm_ray.train.loop import WorkerEnv, evaluate, train_worker
 
-SHAKESPEARE = str(data_dir() / "corpus" / "en" / "tinyshakespeare.txt")
-
 
 def tiny_cfg(preset, objective, out, **extra):
-    overrides = {
-        "data.sources": [SHAKESPEARE],
-        "tokenizer.vocab_size": 512,
-        "optim.max_steps": 40,
-        "optim.warmup_steps": 5,
-        "run.output_dir": str(out),
-        "run.log_every": 5,
-        "run.eval_every": 40,
-        "run.checkpoint_every": 20,
-        **extra,
-    }
-    return load_config(preset, objective=objective, overrides=overrides)
+    """40 steps (5 of warm-up), logged every 5, validated at the end, checkpointed every 20."""
+    extra = {"optim.warmup_steps": 5, **extra}
+    return tiny_run_cfg(out, preset, objective, steps=40, every=(5, 40, 20), **extra)
 
 
 def reload_plain(model_dir, cfg):
@@ -237,7 +225,7 @@ def test_empty_corpus_and_existing_output_are_refused(tmp_path, capsys):
 
 
 def test_measured_u_counts_distinct_ids_among_all_workers_negatives():
-    from hlm_ray.train.loop import measured_unique_columns
+    from hlm_ray.train.log_window import measured_unique_columns
 
     ids_BL = torch.tensor([[5, 1, 1, 2], [5, 2, 2, 2]])  # targets 1 1 2 2 2 2: U = 2
     assert measured_unique_columns(ids_BL, None, None) == 2
@@ -245,3 +233,18 @@ def test_measured_u_counts_distinct_ids_among_all_workers_negatives():
     assert measured_unique_columns(ids_BL, labels_BL, None) == 2
     gathered = torch.tensor([1, 1, 2, 2, 2, 2, 9, 1, 4, 4, 2, 2])  # two workers' targets
     assert measured_unique_columns(ids_BL, None, gathered) == 4
+
+
+def test_the_summary_table_names_its_columns_and_groups_large_counts():
+    """`hlm train`'s printed table: one row a run, metrics only where some run has them."""
+    from hlm_ray.train.summary import format_summary
+
+    run = {"objective": "headless", "arch": "gpt_neox", "steps": 10, "tokens": 123456}
+    run |= {"tokens_per_s": 12345.6, "vocab_size": 512, "parameters": 1234567}
+    run |= {"metrics": {"train/loss": 1.5}, "model_dir": "runs/x/model"}
+    assert format_summary([run]).splitlines() == [
+        "| objective | arch | steps | tokens | tokens/s | vocab | params | train loss |",
+        "|---|---|---|---|---|---|---|---|",
+        "| headless | gpt_neox | 10 | 123,456 | 12,346 | 512 | 1,234,567 | 1.5000 |",
+        "headless model: runs/x/model",
+    ]

@@ -110,24 +110,15 @@ class LMObjective(nn.Module):
 
     def _ce(self, hidden_BLD, input_ids_BL, labels_BL):
         head = lm_head(self.model)
-        if self.causal:
-            return vanilla_causal_loss(
-                hidden_BLD,
-                input_ids_BL,
-                head,
-                impl=self.cfg.ce_impl,
-                chunk_size=self.cfg.ce_chunk_size,
-                vanilla_impl=self.cfg.vanilla_impl,
-            )
-        return vanilla_masked_loss(
-            hidden_BLD,
-            labels_BL,
-            head,
-            full_logits=self.cfg.mlm_full_logits,
+        kwargs = dict(
             impl=self.cfg.ce_impl,
             chunk_size=self.cfg.ce_chunk_size,
             vanilla_impl=self.cfg.vanilla_impl,
         )
+        if self.causal:
+            return vanilla_causal_loss(hidden_BLD, input_ids_BL, head, **kwargs)
+        full = self.cfg.mlm_full_logits
+        return vanilla_masked_loss(hidden_BLD, labels_BL, head, full_logits=full, **kwargs)
 
     @staticmethod
     def target_ids(input_ids_BL: torch.Tensor, labels_BL: torch.Tensor | None) -> torch.Tensor:

@@ -16,15 +16,11 @@ from typing import Any
 from hlm_ray.tracking.base import read_metrics
 from hlm_ray.tracking.store import is_number
 
-_COLUMNS = [
-    ("objective", "objective", "{}"),
-    ("arch", "arch", "{}"),
-    ("steps", "steps", "{}"),
-    ("tokens", "tokens", "{:,}"),
-    ("tokens/s", "tokens_per_s", "{:,.0f}"),
-    ("vocab", "vocab_size", "{}"),
-    ("params", "parameters", "{:,}"),
-]
+# The summary's keys in table order; a header is its key unless renamed, a value prints as is
+# unless it is a large count (thousands separators).
+_COLUMNS = ("objective", "arch", "steps", "tokens", "tokens_per_s", "vocab_size", "parameters")
+_HEADERS = {"tokens_per_s": "tokens/s", "vocab_size": "vocab", "parameters": "params"}
+_FORMATS = {"tokens": "{:,}", "tokens_per_s": "{:,.0f}", "parameters": "{:,}"}
 _METRICS = [
     ("train loss", "train/loss"),
     ("val loss", "val/loss"),
@@ -37,10 +33,10 @@ _METRICS = [
 def format_summary(summaries: list[dict[str, Any]]) -> str:
     """A Markdown table, one row per run, then where each model is."""
     metric_cols = [(h, k) for h, k in _METRICS if any(k in s["metrics"] for s in summaries)]
-    header = [h for h, _, _ in _COLUMNS] + [h for h, _ in metric_cols]
+    header = [_HEADERS.get(key, key) for key in _COLUMNS] + [h for h, _ in metric_cols]
     rows = []
     for s in summaries:
-        row = [fmt.format(s[key]) for _, key, fmt in _COLUMNS]
+        row = [_FORMATS.get(key, "{}").format(s[key]) for key in _COLUMNS]
         row += [f"{s['metrics'][k]:.4f}" if k in s["metrics"] else "-" for _, k in metric_cols]
         rows.append(row)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

@@ -1,28 +1,24 @@
-"""The typed config tree (model, tokenizer, data, objective, optim, run, init): the schema alone.
+"""The typed config tree (model, tokenizer, data, objective, optim, run, init, budget): the schema.
 
-Every entry point builds one `Config` from a preset, an optional YAML file and dotted overrides
-(`hlm_ray.presets.load_config`), and validates it before any work starts. Ray and Tune carry it
-as a plain dict (`to_dict` / `Config.from_dict`) and turn it back into a `Config` on the first
-line of a worker.
+Frozen dataclasses, a docstring under each field. Parsing a dict or dotted overrides into them is
+`hlm_ray.config.parse`; the checks that span fields are `hlm_ray.config.checks`.
 
-    cfg = apply_overrides(Config(), ["objective.name=vanilla", "optim.lr=3e-4"])
-    cfg.optim.grad_accum_steps(world_size=2)   # derived from the global batch, checked
-    spec = build(SweepSpec, {"values": [8, 16]}, prefix="sweep.")   # any dataclass from a dict
-
-An invalid value raises `HLMError` naming the field, the value and what is allowed.
+    cfg = Config()                               # every default
+    cfg.optim.grad_accum_steps(world_size=2)     # derived from the global batch, checked
+    cfg = Config.from_dict(cfg.to_dict())        # what a Ray worker does on its first line
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Literal, get_args
 
 import yaml
 
+from hlm_ray.config.checks import validate
+from hlm_ray.config.parse import build, to_plain
 from hlm_ray.errors import HLMError
 
 Arch = Literal["gpt_neox", "gpt2", "bert", "distilbert"]
@@ -260,7 +256,7 @@ class Config:
     """The preset this config started from (recorded, not used)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return _to_plain(dataclasses.asdict(self))
+        return to_plain(dataclasses.asdict(self))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Config:
@@ -271,241 +267,3 @@ class Config:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_yaml())
-
-
-def _to_plain(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _to_plain(v) for k, v in value.items()}
-    if isinstance(value, tuple | list):
-        return [_to_plain(v) for v in value]
-    return value
-
-
-def build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
-    """A dataclass from a nested dict, coercing values to the annotated types; an unknown key
-    or a value of the wrong type raises `HLMError` naming `prefix` + the field."""
-    if not isinstance(data, dict):
-        raise HLMError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
-    hints = get_type_hints(cls)
-    known = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise HLMError(
-            f"unknown config field {prefix}{unknown[0]}; allowed: {', '.join(sorted(known))}"
-        )
-    kwargs = {}
-    for name, value in data.items():
-        hint = hints[name]
-        if dataclasses.is_dataclass(hint) and isinstance(value, hint):
-            kwargs[name] = value  # already built (a sweep's axis record)
-        elif dataclasses.is_dataclass(hint):
-            kwargs[name] = build(hint, value, f"{prefix}{name}.")
-        else:
-            kwargs[name] = _coerce(value, hint, f"{prefix}{name}")
-    return cls(**kwargs)
-
-
-def _coerce(value: Any, hint: Any, name: str) -> Any:
-    """Turn YAML / command-line values into the field's type, or fail naming the field."""
-    origin, args = get_origin(hint), get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        is_none = value is None or (isinstance(value, str) and value.lower() in ("none", "null"))
-        if is_none and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, name)
-            except HLMError as err:
-                errors.append(str(err))
-        raise HLMError(errors[0] if errors else f"{name}={value!r} is not allowed")
-    if origin is Literal:
-        if value not in args:
-            allowed = " | ".join(map(str, args))
-            raise HLMError(f"{name}={value!r} is not allowed; choose one of: {allowed}")
-        return value
-    if origin is tuple:
-        if isinstance(value, str):
-            value = [v.strip() for v in value.strip("()[]").split(",") if v.strip()]
-        if not isinstance(value, list | tuple):
-            raise HLMError(f"{name}={value!r} is not allowed; expected a list")
-        item_types = args if args and args[-1] is not Ellipsis else (args[0],) * len(value)
-        if len(item_types) != len(value):
-            raise HLMError(f"{name}={value!r} is not allowed; expected {len(item_types)} values")
-        return tuple(_coerce(v, t, name) for v, t in zip(value, item_types, strict=True))
-    try:
-        if hint is bool:
-            if isinstance(value, str):
-                if value.lower() not in ("true", "false", "1", "0", "yes", "no"):
-                    raise ValueError
-                return value.lower() in ("true", "1", "yes")
-            if not isinstance(value, bool | int):
-                raise ValueError
-            return bool(value)
-        if hint is int:
-            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
-                raise ValueError
-            return int(float(value)) if isinstance(value, str) and "e" in value else int(value)
-        if hint is float:
-            return float(value)
-        if hint is str:
-            if not isinstance(value, str | int | float):
-                raise ValueError
-            return str(value)
-    except (TypeError, ValueError):
-        raise HLMError(f"{name}={value!r} is not allowed; expected {hint.__name__}") from None
-    return value
-
-
-def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise HLMError(f"{name}={value!r} is not allowed; {allowed}")
-
-
-def validate(cfg: Config) -> Config:
-    """Checks that span fields; returns `cfg` unchanged or raises a one-line HLMError."""
-    m, t, d, o, p, r = cfg.model, cfg.tokenizer, cfg.data, cfg.objective, cfg.optim, cfg.run
-    for name in ("hidden_size", "num_layers", "num_heads", "max_positions"):
-        _check(getattr(m, name) > 0, f"model.{name}", getattr(m, name), "must be > 0")
-    _check(
-        m.hidden_size % m.num_heads == 0,
-        "model.num_heads",
-        m.num_heads,
-        f"must divide model.hidden_size={m.hidden_size}",
-    )
-    _check(0 <= m.dropout < 1, "model.dropout", m.dropout, "must be in [0, 1)")
-    _check(t.kind != "file" or bool(t.path), "tokenizer.path", t.path, "required when kind=file")
-    _check(t.vocab_size > 0, "tokenizer.vocab_size", t.vocab_size, "must be > 0")
-    _check(bool(d.sources), "data.sources", d.sources, "give at least one corpus")
-    _check(d.seq_len >= 2, "data.seq_len", d.seq_len, "must be >= 2")
-    _check(
-        d.seq_len <= m.max_positions,
-        "data.seq_len",
-        d.seq_len,
-        f"must not exceed model.max_positions={m.max_positions}; lower the sequence length "
-        "or raise model.max_positions",
-    )
-    _check(d.shard_tokens > 0, "data.shard_tokens", d.shard_tokens, "must be > 0")
-    _check(
-        t.train_sample_bytes is None or t.train_sample_bytes > 0,
-        "tokenizer.train_sample_bytes",
-        t.train_sample_bytes,
-        "must be > 0 (or none for all the training text)",
-    )
-    _check(0 < d.val_fraction < 0.5, "data.val_fraction", d.val_fraction, "must be in (0, 0.5)")
-    _check(0 < d.mlm_probability < 1, "data.mlm_probability", d.mlm_probability, "in (0, 1)")
-    _check(o.temperature > 0, "objective.temperature", o.temperature, "must be > 0")
-    n = o.num_negatives
-    _check(n is None or n >= 1, "objective.num_negatives", n, "must be >= 1 (or null: all)")
-    _check(
-        n is None or not (o.cross_worker_negatives or o.cwt_variant == "mask_same"),
-        "objective.num_negatives",
-        n,
-        "samples the worker's own targets: not with cross_worker_negatives or mask_same",
-    )
-    _check(p.lr > 0, "optim.lr", p.lr, "must be > 0")
-    _check(p.max_steps > 0, "optim.max_steps", p.max_steps, "must be > 0")
-    _check(p.warmup_steps >= 0, "optim.warmup_steps", p.warmup_steps, "must be >= 0")
-    _check(p.micro_batch_size > 0, "optim.micro_batch_size", p.micro_batch_size, "must be > 0")
-    p.grad_accum_steps(world_size=1)
-    _check(
-        p.embedding_update == "dense" or o.name == "headless" or m.arch == "gpt_neox",
-        "optim.embedding_update",
-        p.embedding_update,
-        "lazy needs an input embedding no vocabulary head reads: the headless objective, or "
-        "arch gpt_neox (untied head); use dense",
-    )
-    for name in ("log_every", "eval_every", "checkpoint_every", "eval_batches"):
-        _check(getattr(r, name) > 0, f"run.{name}", getattr(r, name), "must be > 0")
-    _check(r.keep_checkpoints >= 1, "run.keep_checkpoints", r.keep_checkpoints, "must be >= 1")
-    _check(r.device in ("auto", "cpu", "cuda"), "run.device", r.device, "auto | cpu | cuda")
-    _check_budget(cfg.budget)
-    i = cfg.init
-    _check(
-        not (i.new_head or i.train == "head") or bool(i.model_dir),
-        "init.model_dir",
-        i.model_dir,
-        "required with init.new_head or init.train=head",
-    )
-    _check(
-        i.train == "all" or i.new_head,
-        "init.train",
-        i.train,
-        "head needs init.new_head=true (only a new head can be probed)",
-    )
-    return cfg
-
-
-def _check_budget(b: BudgetConfig) -> None:
-    given = [k for k in ("tokens", "flops", "seconds") if getattr(b, k) is not None]
-    _check(
-        len(given) <= 1,
-        f"budget.{given[-1] if given else 'tokens'}",
-        getattr(b, given[-1]) if given else None,
-        f"give one budget, not {' and '.join('budget.' + k for k in given)}",
-    )
-    for name in given:
-        _check(getattr(b, name) > 0, f"budget.{name}", getattr(b, name), "must be > 0")
-    u = b.unique_columns
-    _check(u is None or u >= 1, "budget.unique_columns", u, "must be >= 1 (or null: measured)")
-    _check(
-        u is None or b.flops is not None,
-        "budget.unique_columns",
-        u,
-        "only applies with budget.flops",
-    )
-
-
-def apply_overrides(cfg: Config, overrides: list[str] | dict[str, Any]) -> Config:
-    """Apply dotted overrides (``optim.lr=3e-4`` strings or a ``{"optim.lr": 3e-4}`` dict)."""
-    items = overrides.items() if isinstance(overrides, dict) else map(_split_override, overrides)
-    data = cfg.to_dict()
-    for key, value in items:
-        node = data
-        *parents, leaf = key.split(".")
-        for part in parents:
-            if not isinstance(node.get(part), dict):
-                raise HLMError(f"unknown config field {key}; sections: {', '.join(data)}")
-            node = node[part]
-        if leaf not in node:
-            raise HLMError(f"unknown config field {key}; allowed: {', '.join(sorted(node))}")
-        node[leaf] = yaml.safe_load(value) if isinstance(value, str) else value
-    return Config.from_dict(data)
-
-
-def _split_override(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise HLMError(f"override {text!r} must look like section.field=value, e.g. optim.lr=3e-4")
-    return key.strip(), value.strip()
-
-
-def flatten(data: dict[str, Any], prefix: str = ""):
-    """Nested dict -> (dotted key, value) pairs."""
-    for key, value in data.items():
-        if isinstance(value, dict):
-            yield from flatten(value, f"{prefix}{key}.")
-        else:
-            yield f"{prefix}{key}", value
-
-
-__all__ = [
-    "BudgetConfig",
-    "ClassifyConfig",
-    "Config",
-    "DataConfig",
-    "InitConfig",
-    "ModelConfig",
-    "ObjectiveConfig",
-    "OptimConfig",
-    "RunConfig",
-    "TokenizerConfig",
-    "OBJECTIVES",
-    "apply_overrides",
-    "build",
-    "flatten",
-    "replace",
-    "validate",
-]

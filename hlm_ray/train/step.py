@@ -1,0 +1,61 @@
+"""One optimizer step of one worker: its micro-batches of the step's global batch, then update.
+
+    train_step(run, step)   # run: a TrainRun (hlm_ray.train.run_state); advances its counters
+
+The step's global batch is a pure function of (seed, step) (`BlockSampler.shard`), so a resumed
+run needs no sampler state. `grad_accum` micro-batches of `optim.micro_batch_size` sequences
+each (K for CWT comes from one micro-batch), then clip and step. The loss stays on the device
+(summed into `run.loss_sum`): no host sync per step; the log window reads it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from hlm_ray.device import autocast
+from hlm_ray.train.distributed import gather_negative_ids
+from hlm_ray.train.inputs import load_batch, stream_seed
+from hlm_ray.train.lm_objective import LMObjective
+from hlm_ray.train.optim import clip_grad_norm
+from hlm_ray.train.run_state import TrainRun
+
+
+def train_step(run: TrainRun, step: int) -> None:
+    """One optimizer step: this worker's `accum` micro-batches of the step's global batch, then
+    clip and update. The loss stays on the device (summed into `run.loss_sum`)."""
+    cfg, env = run.cfg, run.env
+    step_start = time.perf_counter()
+    micro_batches = run.sampler.shard(step, env.rank, env.world_size, cfg.optim.micro_batch_size)
+    for i, idx in enumerate(micro_batches):
+        input_ids, labels = load_batch(
+            run.corpus.train, idx, env, run.masking, cfg.run.seed, step, i
+        )
+        negatives = None
+        if cfg.objective.cross_worker_negatives:
+            negatives = gather_negative_ids(LMObjective.target_ids(input_ids, labels))
+        sync = i == len(micro_batches) - 1 or env.world_size == 1
+        seed = stream_seed(cfg.run.seed, step, env.rank, i)
+        with _no_sync(run.module, sync), autocast(env.device, run.amp):
+            out = run.module(input_ids, labels, negative_ids=negatives, negative_seed=seed)["loss"]
+        run.scaler.scale(out.loss / run.accum).backward()
+        run.loss_sum += out.loss.detach() / run.accum
+        # An int for CWT and decoders, a 0-d tensor for the masked vanilla loss: no sync here.
+        run.rows_sum += out.num_rows / run.accum
+    run.scaler.unscale_(run.optimizer)
+    # Sparse-aware (the lazy embedding update's gradient): torch's clip_grad_norm_ raises.
+    run.grad_norm = clip_grad_norm(run.model.parameters(), cfg.optim.grad_clip or float("inf"))
+    run.scaler.step(run.optimizer)
+    run.scaler.update()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.last_batch = (input_ids, labels, negatives)  # for the measured U at log steps
+    run.train_time += time.perf_counter() - step_start
+    run.window_steps += 1
+
+
+def _no_sync(module, sync: bool):
+    """DDP's gradient all-reduce only on the last micro-batch of a step."""
+    if sync or not hasattr(module, "no_sync"):
+        return contextlib.nullcontext()
+    return module.no_sync()

@@ -1,0 +1,39 @@
+"""Tiny training runs on the shipped tinyshakespeare text, for tests that train through the real
+loop (`train_worker`, in process or on Ray Train workers).
+
+    cfg = tiny_run_cfg(tmp_path / "run", steps=6, every=(1, 6, 6), vocab=300)
+    cfg = tiny_run_cfg(out, "tiny-encoder", "vanilla", steps=40, every=(5, 40, 20),
+                       batch=(16, 8), **{"optim.warmup_steps": 5})
+"""
+
+from __future__ import annotations
+
+from hlm_ray.config import Config
+from hlm_ray.paths import data_dir
+from hlm_ray.presets import load_config
+
+SHAKESPEARE = str(data_dir() / "corpus" / "en" / "tinyshakespeare.txt")
+
+
+def tiny_run_cfg(
+    out,
+    preset: str = "tiny-decoder",
+    objective: str = "headless",
+    *,
+    steps: int,
+    every: tuple[int, int, int],
+    vocab: int = 512,
+    batch: tuple[int, int] | None = None,
+    **dotted,
+) -> Config:
+    """`preset` for `objective` on tinyshakespeare, writing to `out`: `steps` optimizer steps,
+    `every` = (log, validation, checkpoint) intervals in steps, a BPE of `vocab` tokens,
+    `batch` = (global, micro) sequences (None: the preset's), then `dotted` overrides."""
+    log_every, eval_every, checkpoint_every = every
+    overrides = {"data.sources": [SHAKESPEARE], "tokenizer.vocab_size": vocab}
+    overrides |= {"optim.max_steps": steps, "run.output_dir": str(out)}
+    overrides |= {"run.log_every": log_every, "run.eval_every": eval_every}
+    overrides["run.checkpoint_every"] = checkpoint_every
+    if batch is not None:
+        overrides |= {"optim.global_batch_size": batch[0], "optim.micro_batch_size": batch[1]}
+    return load_config(preset, objective=objective, overrides={**overrides, **dotted})
