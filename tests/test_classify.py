@@ -318,6 +318,11 @@ def test_decoder_is_refused(tmp_path):
         finetune_classifier(folder, "glue:sst2", output_dir=tmp_path / "out")
 
 
+def _quiet_finetune(model, task: str, settings, out: Path, **options) -> dict:
+    """`finetune_classifier` without progress bars, its results in `out`."""
+    return finetune_classifier(model, task, settings, output_dir=out, progress=False, **options)
+
+
 class RecordingTracker(Tracker):
     def __init__(self):
         self.metrics, self.params, self.artifacts = [], {}, []
@@ -338,14 +343,8 @@ def test_tiny_finetune_end_to_end(encoders, tmp_path):
 
     tracker = RecordingTracker()
     settings = replace(TINY, epochs=2, train_limit=96, eval_limit=64)
-    result = finetune_classifier(
-        encoders["headless"],
-        "glue:sst2",
-        settings,
-        output_dir=tmp_path,
-        tracker=tracker,
-        progress=False,
-        save_best_model=True,
+    result = _quiet_finetune(
+        encoders["headless"], "glue:sst2", settings, tmp_path, tracker=tracker, save_best_model=True
     )
     assert json.loads((tmp_path / "classify_glue_sst2.json").read_text()) == result
     (seed,) = result["seeds"]
@@ -378,13 +377,8 @@ def test_tiny_finetune_end_to_end(encoders, tmp_path):
 @needs_shared
 def test_xnli_zero_shot_and_regression_from_user_files(encoders, tmp_path):
     small = replace(TINY, epochs=1, train_limit=32, eval_limit=24)
-    xnli = finetune_classifier(
-        encoders["vanilla"],
-        "xnli:en",
-        small,
-        eval_languages=["en", "fr"],
-        output_dir=tmp_path,
-        progress=False,
+    xnli = _quiet_finetune(
+        encoders["vanilla"], "xnli:en", small, tmp_path, eval_languages=["en", "fr"]
     )
     assert xnli["main_metric"] == "eval/mean/accuracy"
     (epoch,) = xnli["seeds"][0]["epochs"]
@@ -394,13 +388,8 @@ def test_xnli_zero_shot_and_regression_from_user_files(encoders, tmp_path):
     rows = ["sentence1\tsentence2\tscore"]
     rows += [f"a man plays {i}\ta man plays {i % 7}\t{i % 6}" for i in range(40)]
     (tmp_path / "stsb.tsv").write_text("\n".join(rows) + "\n")
-    stsb = finetune_classifier(
-        encoders["headless"],
-        "glue:stsb",
-        small,
-        progress=False,
-        eval_file=tmp_path / "stsb.tsv",
-        output_dir=tmp_path,
+    stsb = _quiet_finetune(
+        encoders["headless"], "glue:stsb", small, tmp_path, eval_file=tmp_path / "stsb.tsv"
     )
     assert stsb["data"]["source"] == "file-split" and stsb["settings"]["loss"] == "mse"
     assert set(stsb["summary"]) == {"train/loss", "eval/spearman", "eval/pearson"}
@@ -466,13 +455,8 @@ def test_pipeline_on_a_saved_pair_classifier_predicts_what_hlm_predicts(encoders
     from transformers import pipeline
 
     settings = replace(TINY, epochs=1, train_limit=64, eval_limit=32)
-    result = finetune_classifier(
-        encoders["headless"],
-        "glue:mrpc",
-        settings,
-        output_dir=tmp_path,
-        progress=False,
-        save_best_model=True,
+    result = _quiet_finetune(
+        encoders["headless"], "glue:mrpc", settings, tmp_path, save_best_model=True
     )
     folder = Path(result["best_model"])
     card = (folder / "README.md").read_text()
