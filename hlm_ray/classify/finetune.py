@@ -32,9 +32,9 @@ from hlm_ray.classify.tasks import get_task, load_task
 from hlm_ray.config import ClassifyConfig
 from hlm_ray.device import resolve_device
 from hlm_ray.errors import HLMError
+from hlm_ray.finetune.source import source_model
 from hlm_ray.model_card import write_model_card
 from hlm_ray.models import max_input_positions
-from hlm_ray.pretrained import model_info, resolve_model_dir
 from hlm_ray.tokenizer import load_tokenizer
 from hlm_ray.tracking import Tracker
 
@@ -93,10 +93,7 @@ def finetune_classifier(
             f"need epochs >= 1, batch_size >= 1 and a seed (got {epochs}, "
             f"{batch_size}, {list(seeds)})"
         )
-    folder = resolve_model_dir(model_ref)
-    info = model_info(folder)
-    if info["family"] != "encoder":
-        raise HLMError(f"{task} needs an encoder; {folder} is a decoder ({info['model_type']})")
+    folder, info = source_model(model_ref, "encoder", task)
     data = load_task(
         task,
         train_file=train_file,

@@ -174,9 +174,10 @@ def cmd_eval(args) -> int:
     from hlm_ray import downstream
     from hlm_ray.evaluate import format_results
     from hlm_ray.evaluate.harness import split_tasks
+    from hlm_ray.pretrained import resolve_model_dir
 
     tasks = split_tasks(args.task)
-    output = args.output or str(Path(downstream.resolve_model_dir(args.model)).parent / "eval")
+    output = args.output or str(Path(resolve_model_dir(args.model)).parent / "eval")
     if args.model.startswith("models:/"):
         output = args.output or default_output(args.model, "eval")
     tracker = downstream.run_tracker(args.model, args.experiment)
