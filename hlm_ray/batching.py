@@ -111,15 +111,9 @@ class RunningBatch:
         ones_B1 = self._mask_BL.new_ones(len(self.rows), 1)
         mask_BL = torch.cat([self._mask_BL, ones_B1], dim=1)
         try:
-            out = self.gen.model(
-                input_ids=self._next_B[:, None],
-                attention_mask=mask_BL,
-                position_ids=self._position_B[:, None],
-                past_key_values=self._past,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            next_B, logprobs = self._choose(out.logits[:, -1].float())
+            ids_B1, positions_B1 = self._next_B[:, None], self._position_B[:, None]
+            logits_BV, _ = _forward(self.gen.model, ids_B1, mask_BL, positions_B1, self._past)
+            next_B, logprobs = self._choose(logits_BV)
         except Exception:
             # The forward appends to the cache in place: cut it back, so that the batch is as
             # it was and its rows can step again (alone: `hlm_ray.serve.engine`). A row's
@@ -147,14 +141,7 @@ class RunningBatch:
         if any(row.params.prompt_logprobs for row in self.rows):
             logits_BV, past = gen._prefill_scoring(self.rows, ids_BL, mask_BL, positions_BL)
         else:
-            out = gen.model(
-                input_ids=ids_BL,
-                attention_mask=mask_BL,
-                position_ids=positions_BL,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            logits_BV, past = out.logits[:, -1].float(), out.past_key_values
+            logits_BV, past = _forward(gen.model, ids_BL, mask_BL, positions_BL)
         self._past, self._mask_BL = past, mask_BL
         self._position_B = mask_BL.sum(-1)
         # Rows that asked for no new token: their prompt (scored above) was all they wanted.
@@ -230,6 +217,20 @@ class RunningBatch:
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _forward(model, ids_BL, mask_BL, positions_BL, past=None):
+    """One cached forward pass (the prefill, or a step that appends to `past` in place): the
+    last position's logits (B, V) in float32 and the cache."""
+    out = model(
+        input_ids=ids_BL,
+        attention_mask=mask_BL,
+        position_ids=positions_BL,
+        past_key_values=past,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    return out.logits[:, -1].float(), out.past_key_values
 
 
 def _draw(row) -> random.Random | None:

@@ -23,8 +23,9 @@ from typing import Any
 from hlm_ray.config import Config, apply_overrides
 from hlm_ray.device import device_name
 from hlm_ray.errors import HLMError
+from hlm_ray.finetune.source import source_model
 from hlm_ray.model_card import write_model_card
-from hlm_ray.pretrained import load_pretrained, model_info, resolve_model_dir
+from hlm_ray.pretrained import load_pretrained, model_info
 from hlm_ray.tracking import MlflowTracker, Tracker, default_tracking_uri, read_run_ref
 
 # Registered models' input examples (MLflow shows them and checks the signature with them).
@@ -251,13 +252,7 @@ def finetune_encoder(
     from hlm_ray.classify.finetune import finetune_classifier
     from hlm_ray.classify.finetune import recipe as classify_recipe
 
-    folder = resolve_model_dir(model_ref)
-    info = model_info(folder)
-    if info["family"] != "encoder":
-        raise HLMError(
-            f"{task} needs an encoder; {model_ref} is a decoder ({info['model_type']}): "
-            "decoders are fine-tuned with --task clm"
-        )
+    source_model(model_ref, "encoder", task, hint="decoders are fine-tuned with --task clm")
     chosen = classify_recipe(recipe, task)
     names = {f.name for f in fields(chosen)}
     overrides = {k: v for k, v in (settings or {}).items() if k in names}

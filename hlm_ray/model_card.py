@@ -196,15 +196,10 @@ def model_card_text(
     return "\n".join(front) + "\n"
 
 
-def write_model_card(
-    folder: str | Path,
-    *,
-    scores: dict[str, Any] | None = None,
-    notes: list[str] | None = None,
-    base: str | Path | None = None,
-) -> Path:
-    """Write ``<folder>/README.md`` (replacing an older card); returns its path. `base`: the
-    model folder it was fine-tuned from, whose run facts (corpus, steps, tokens) are added."""
+def write_model_card(folder: str | Path, **details: Any) -> Path:
+    """Write ``<folder>/README.md`` (replacing an older card); returns its path. `details`: those
+    of `model_card_text` (scores, notes, and `base`: the model folder it was fine-tuned from,
+    whose run facts (corpus, steps, tokens) are added)."""
     path = Path(folder) / CARD_FILE
-    path.write_text(model_card_text(folder, scores=scores, notes=notes, base=base))
+    path.write_text(model_card_text(folder, **details))
     return path

@@ -171,8 +171,10 @@ def train_plan(
     workers: int,
     gpus_per_worker: float,
     cpus_per_worker: float,
+    overhead_s: float = 0.0,
 ) -> Plan:
-    """The plan of one `hlm train` run."""
+    """The plan of one `hlm train` run; `overhead_s`: its fixed cost (start-up, checkpoints),
+    none unless given (`hlm train --dry-run --overhead-s`)."""
     trial = trial_plan(
         cfg,
         f"{cfg.objective.name} {cfg.preset or cfg.model.arch}",
@@ -181,7 +183,7 @@ def train_plan(
         cpus_per_worker=cpus_per_worker,
     )
     cluster, notes = _cluster(assumptions, gpus_per_worker > 0)
-    assumptions = dataclasses.replace(assumptions, overhead_s=0.0)
+    assumptions = dataclasses.replace(assumptions, overhead_s=overhead_s)
     return Plan("hlm train", [trial], assumptions, 1, cluster, notes)
 
 

@@ -15,7 +15,8 @@ from scipy import stats
 from sklearn import metrics as skm
 
 from hlm_ray.classify import TINY, finetune_classifier, load_task, recipe
-from hlm_ray.classify.finetune import PairEncoder, _truncate_pair, load_classifier
+from hlm_ray.classify.finetune import load_classifier
+from hlm_ray.classify.inputs import PairEncoder, encode_split, truncate_pair
 from hlm_ray.classify.loss import balanced_cross_entropy, plain_cross_entropy
 from hlm_ray.classify.metrics import (
     accuracy,
@@ -254,7 +255,7 @@ def test_pairs_are_wrapped_in_cls_and_sep_and_truncated_longest_first(encoders):
         tok.sep_token_id,
     ]
     for len_a, len_b, budget in itertools.product(range(12), range(12), range(1, 20)):
-        assert _truncate_pair(len_a, len_b, budget) == _hf_longest_first(len_a, len_b, budget)
+        assert truncate_pair(len_a, len_b, budget) == _hf_longest_first(len_a, len_b, budget)
 
 
 def _hf_longest_first(len_a: int, len_b: int, budget: int) -> tuple[int, int]:
@@ -317,6 +318,11 @@ def test_decoder_is_refused(tmp_path):
         finetune_classifier(folder, "glue:sst2", output_dir=tmp_path / "out")
 
 
+def _quiet_finetune(model, task: str, settings, out: Path, **options) -> dict:
+    """`finetune_classifier` without progress bars, its results in `out`."""
+    return finetune_classifier(model, task, settings, output_dir=out, progress=False, **options)
+
+
 class RecordingTracker(Tracker):
     def __init__(self):
         self.metrics, self.params, self.artifacts = [], {}, []
@@ -337,14 +343,8 @@ def test_tiny_finetune_end_to_end(encoders, tmp_path):
 
     tracker = RecordingTracker()
     settings = replace(TINY, epochs=2, train_limit=96, eval_limit=64)
-    result = finetune_classifier(
-        encoders["headless"],
-        "glue:sst2",
-        settings,
-        output_dir=tmp_path,
-        tracker=tracker,
-        progress=False,
-        save_best_model=True,
+    result = _quiet_finetune(
+        encoders["headless"], "glue:sst2", settings, tmp_path, tracker=tracker, save_best_model=True
     )
     assert json.loads((tmp_path / "classify_glue_sst2.json").read_text()) == result
     (seed,) = result["seeds"]
@@ -367,34 +367,18 @@ def test_tiny_finetune_end_to_end(encoders, tmp_path):
     # A transformers pipeline on the saved folder predicts what hlm's own predict path does.
     from transformers import pipeline
 
-    from hlm_ray.classify.finetune import _encode, predict
-
     rows = _shared_rows("glue:sst2", 24)
-    spec = TASKS["glue:sst2"]
-    encoder = PairEncoder(load_tokenizer(encoders["headless"]), settings.max_length)
-    ours = predict(
-        best,
-        _encode(encoder, rows, spec),
-        spec,
-        batch_size=8,
-        pad_id=encoder.pad_id,
-        device=torch.device("cpu"),
-    )
+    ours = _hlm_predictions(best, encoders, settings, "glue:sst2", rows)
     clf = pipeline("text-classification", model=result["best_model"], device="cpu")
     theirs = clf([r.text_a for r in rows], batch_size=8, truncation=True)
-    assert [best.config.label2id[p["label"]] for p in theirs] == ours.tolist()
+    assert [best.config.label2id[p["label"]] for p in theirs] == ours
 
 
 @needs_shared
 def test_xnli_zero_shot_and_regression_from_user_files(encoders, tmp_path):
     small = replace(TINY, epochs=1, train_limit=32, eval_limit=24)
-    xnli = finetune_classifier(
-        encoders["vanilla"],
-        "xnli:en",
-        small,
-        eval_languages=["en", "fr"],
-        output_dir=tmp_path,
-        progress=False,
+    xnli = _quiet_finetune(
+        encoders["vanilla"], "xnli:en", small, tmp_path, eval_languages=["en", "fr"]
     )
     assert xnli["main_metric"] == "eval/mean/accuracy"
     (epoch,) = xnli["seeds"][0]["epochs"]
@@ -404,13 +388,8 @@ def test_xnli_zero_shot_and_regression_from_user_files(encoders, tmp_path):
     rows = ["sentence1\tsentence2\tscore"]
     rows += [f"a man plays {i}\ta man plays {i % 7}\t{i % 6}" for i in range(40)]
     (tmp_path / "stsb.tsv").write_text("\n".join(rows) + "\n")
-    stsb = finetune_classifier(
-        encoders["headless"],
-        "glue:stsb",
-        small,
-        progress=False,
-        eval_file=tmp_path / "stsb.tsv",
-        output_dir=tmp_path,
+    stsb = _quiet_finetune(
+        encoders["headless"], "glue:stsb", small, tmp_path, eval_file=tmp_path / "stsb.tsv"
     )
     assert stsb["data"]["source"] == "file-split" and stsb["settings"]["loss"] == "mse"
     assert set(stsb["summary"]) == {"train/loss", "eval/spearman", "eval/pearson"}
@@ -418,6 +397,17 @@ def test_xnli_zero_shot_and_regression_from_user_files(encoders, tmp_path):
 
 
 # ----------------------------------------------------------------------------- saved classifiers
+
+
+def _hlm_predictions(model, encoders, settings, task: str, rows) -> list[int]:
+    """What hlm's own predict path gives for `rows` (a pipeline on the saved folder must agree)."""
+    from hlm_ray.classify.loop import predict
+
+    spec = TASKS[task]
+    encoder = PairEncoder(load_tokenizer(encoders["headless"]), settings.max_length)
+    split = encode_split(encoder, rows, spec)
+    cpu = torch.device("cpu")
+    return predict(model, split, spec, batch_size=8, pad_id=encoder.pad_id, device=cpu).tolist()
 
 
 def _shared_rows(task: str, n: int):
@@ -464,16 +454,9 @@ def _hand_built(tok, max_len: int) -> PairEncoder:
 def test_pipeline_on_a_saved_pair_classifier_predicts_what_hlm_predicts(encoders, tmp_path):
     from transformers import pipeline
 
-    from hlm_ray.classify.finetune import _encode, predict
-
     settings = replace(TINY, epochs=1, train_limit=64, eval_limit=32)
-    result = finetune_classifier(
-        encoders["headless"],
-        "glue:mrpc",
-        settings,
-        output_dir=tmp_path,
-        progress=False,
-        save_best_model=True,
+    result = _quiet_finetune(
+        encoders["headless"], "glue:mrpc", settings, tmp_path, save_best_model=True
     )
     folder = Path(result["best_model"])
     card = (folder / "README.md").read_text()
@@ -481,18 +464,9 @@ def test_pipeline_on_a_saved_pair_classifier_predicts_what_hlm_predicts(encoders
     assert "glue:mrpc" in card and "corpus" in card  # the base encoder's run facts
 
     rows = _shared_rows("glue:mrpc", 24)
-    spec = TASKS["glue:mrpc"]
-    model, _ = load_classifier(folder, spec, torch.device("cpu"))
-    encoder = PairEncoder(load_tokenizer(encoders["headless"]), settings.max_length)
-    ours = predict(
-        model,
-        _encode(encoder, rows, spec),
-        spec,
-        batch_size=8,
-        pad_id=encoder.pad_id,
-        device=torch.device("cpu"),
-    )
+    model, _ = load_classifier(folder, TASKS["glue:mrpc"], torch.device("cpu"))
+    ours = _hlm_predictions(model, encoders, settings, "glue:mrpc", rows)
     clf = pipeline("text-classification", model=str(folder), device="cpu")
     pairs = [{"text": r.text_a, "text_pair": r.text_b} for r in rows]
     theirs = clf(pairs, batch_size=8, truncation=True)  # training truncated to max_length too
-    assert [model.config.label2id[p["label"]] for p in theirs] == ours.tolist()
+    assert [model.config.label2id[p["label"]] for p in theirs] == ours

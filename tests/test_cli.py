@@ -131,3 +131,19 @@ def test_an_interrupted_hlm_sweep_prints_the_hlm_command_to_continue(monkeypatch
     assert (
         "continue with: hlm sweep batch_size --set optim.max_steps=20 --name batch_size-tiny" in err
     )
+
+
+def _train_plan_wall_time(capsys, *extra: str) -> str:
+    argv = ["train", "--preset", "tiny-decoder", "--dry-run", "--cluster-gpus", "1", *extra]
+    assert main(argv) == 0
+    [line] = [s for s in capsys.readouterr().out.splitlines() if "expected wall time" in s]
+    return line
+
+
+def test_train_dry_run_adds_the_overhead_it_is_given(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    plain = _train_plan_wall_time(capsys)
+    assert "wall time   0 s (+ 0 s fixed cost" in plain  # one run: no fixed cost unless asked
+    with_overhead = _train_plan_wall_time(capsys, "--overhead-s", "7200")
+    assert "wall time   2.0 h (+ 7200 s fixed cost" in with_overhead
+    assert not (tmp_path / "runs").exists()

@@ -196,7 +196,7 @@ def test_bad_lambada_files_name_the_line_and_field(tmp_path):
     with pytest.raises(HLMError, match=r"line 2: missing or empty field 'continuation'"):
         load_lambada(path)
     path.write_text(good + "\n{not json\n")
-    with pytest.raises(HLMError, match="line 2: invalid JSON"):
+    with pytest.raises(HLMError, match="line 2: not valid JSON"):
         load_lambada(path)
     path.write_text(good + "\n" + good + "\n")
     assert load_lambada(path, limit=1) == [{"context": "a b", "continuation": "c"}]

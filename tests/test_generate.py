@@ -21,7 +21,6 @@ from hlm_ray.generate import (
     Generator,
     Row,
     SamplingParams,
-    _held_back,
     apply_temperature,
     default_model_name,
     row_seed,
@@ -29,6 +28,7 @@ from hlm_ray.generate import (
     top_k_filter,
     top_p_filter,
 )
+from hlm_ray.generate.stops import held_back
 from hlm_ray.paths import data_dir
 
 PROMPTS = ["The cat sat on the", "Once", "", "In 1999 the city of New York had a population"]
@@ -214,9 +214,9 @@ def test_stream_concatenates_to_generate(gen):
 
 
 def test_held_back_covers_partial_stop_sequences():
-    assert _held_back("hello wor", ("world",)) == 3
-    assert _held_back("hello", ("xyz",)) == 0
-    assert _held_back("ab", ()) == 0
+    assert held_back("hello wor", ("world",)) == 3
+    assert held_back("hello", ("xyz",)) == 0
+    assert held_back("ab", ()) == 0
 
 
 def test_rows_past_their_deadline_time_out(gen):

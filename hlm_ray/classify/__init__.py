@@ -6,10 +6,13 @@
     result["summary"]["eval/accuracy"]["mean"]
 
 Modules: `tasks` (the task registry and data loading), `metrics` (GLUE metrics in numpy),
-`loss` (balanced and plain cross-entropy), `finetune` (the training loop and recipes).
+`loss` (balanced and plain cross-entropy), `recipes` (tiny and the paper's settings), `inputs`
+(pairs to token ids, batches), `model` (the classifier's load and save), `loop` (epochs per
+seed, the best epoch), `finetune` (`finetune_classifier`, the entry point).
 """
 
-from hlm_ray.classify.finetune import PAPER, PAPER_XNLI, RECIPES, TINY, finetune_classifier, recipe
+from hlm_ray.classify.finetune import finetune_classifier
+from hlm_ray.classify.recipes import PAPER, PAPER_XNLI, RECIPES, TINY, recipe
 from hlm_ray.classify.tasks import TASKS, Example, TaskData, TaskSpec, get_task, load_task
 
 __all__ = [

@@ -39,7 +39,7 @@ def majority_baseline(
 ) -> float:
     """The task's main metric for always predicting the majority class of its evaluation rows
     (the rows `finetune_classifier` evaluates with these settings)."""
-    from hlm_ray.classify.finetune import limit_examples
+    from hlm_ray.classify.inputs import limit_examples
 
     spec = get_task(task)
     data = load_task(task, eval_fraction=eval_fraction, split_seed=split_seed)

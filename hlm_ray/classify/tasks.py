@@ -33,7 +33,6 @@ with the field names. Labels are the class names (``entailment``) or their ids.
 from __future__ import annotations
 
 import csv
-import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from hlm_ray.errors import HLMError
+from hlm_ray.jsonl import json_objects
 from hlm_ray.paths import DATA_ENV, cache_dir, data_dir, has_shared, hub_datasets
 
 XNLI_LANGUAGES = ("ar", "de", "en", "es", "fr", "hi", "zh")  # the paper's seven
@@ -242,18 +242,8 @@ def _row_fields(row: list[str], columns: dict[str, int], where: str) -> dict[str
 
 
 def _read_jsonl(path: Path, spec: TaskSpec) -> Iterator[Example]:
-    with path.open(encoding="utf-8-sig") as f:
-        for line, text in enumerate(f, start=1):
-            if not text.strip():
-                continue
-            where = f"{path}, line {line}"
-            try:
-                record = json.loads(text)
-            except json.JSONDecodeError as err:
-                raise HLMError(f"{where}: not valid JSON ({err.msg})") from None
-            if not isinstance(record, dict):
-                raise HLMError(f"{where}: expected a JSON object with {', '.join(_needed(spec))}")
-            yield _example(_record_fields(record, spec, where), spec, where)
+    for where, record in json_objects(path, expected=", ".join(_needed(spec))):
+        yield _example(_record_fields(record, spec, where), spec, where)
 
 
 def _record_fields(record: dict[str, Any], spec: TaskSpec, where: str) -> dict[str, Any]:

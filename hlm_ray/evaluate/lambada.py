@@ -22,7 +22,6 @@ trained on as `max_length` (`evaluate.common.trained_context_length`) and record
 from __future__ import annotations
 
 import inspect
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from tqdm.auto import tqdm
 
 from hlm_ray.errors import HLMError
 from hlm_ray.evaluate.common import eval_mode
+from hlm_ray.jsonl import json_objects
 from hlm_ray.models import max_input_positions
 from hlm_ray.paths import DATA_ENV, data_dir, has_shared, hub_datasets, shared_file
 
@@ -66,25 +66,16 @@ def load_lambada(source: str | Path | None = None, limit: int | None = None) -> 
 
 def _read_jsonl(path: Path, limit: int | None) -> list[dict]:
     examples = []
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if limit is not None and len(examples) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise HLMError(f"{path} line {number}: invalid JSON ({err.msg})") from None
-            if not isinstance(row, dict):
-                raise HLMError(f"{path} line {number}: expected a JSON object, got {row!r:.40}")
-            for field in _FIELDS:
-                if not isinstance(row.get(field), str) or not row[field]:
-                    raise HLMError(
-                        f"{path} line {number}: missing or empty field {field!r} "
-                        '(each line must be {"context": ..., "continuation": ...})'
-                    )
-            examples.append({"context": row["context"], "continuation": row["continuation"]})
+    for where, row in json_objects(path, expected='{"context": ..., "continuation": ...}'):
+        if limit is not None and len(examples) >= limit:
+            break
+        for field in _FIELDS:
+            if not isinstance(row.get(field), str) or not row[field]:
+                raise HLMError(
+                    f"{where}: missing or empty field {field!r} "
+                    '(each line must be {"context": ..., "continuation": ...})'
+                )
+        examples.append({"context": row["context"], "continuation": row["continuation"]})
     if not examples:
         raise HLMError(f"{path} holds no LAMBADA passages")
     return examples

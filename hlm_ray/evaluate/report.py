@@ -86,17 +86,18 @@ def _trained_context(pre: Pretrained) -> tuple[int, str]:
     return context_length_of(pre.run_config, getattr(pre.model, "config", None), str(pre.source))
 
 
-def _lambada(pre: Pretrained, *, output_dir, limit, batch_size, device, progress) -> dict:
-    examples = load_lambada(limit=limit)
+def _at_trained_length(pre: Pretrained, scorer, data, length_keyword: str, options: dict):
+    """`scorer(model, tokenizer, data, **options)` at the context length `pre` was trained on;
+    its output, that length and where the length came from (every decoder score records them)."""
     length, source = _trained_context(pre)
-    metrics = score_lambada(
-        pre.model,
-        pre.tokenizer,
-        examples,
-        batch_size=batch_size,
-        device=device,
-        progress=progress,
-        max_length=length,
+    out = scorer(pre.model, pre.tokenizer, data, **{length_keyword: length}, **options)
+    return out, length, source
+
+
+def _lambada(pre: Pretrained, *, output_dir, limit, **options) -> dict:
+    examples = load_lambada(limit=limit)
+    metrics, length, source = _at_trained_length(
+        pre, score_lambada, examples, "max_length", options
     )
     return {
         "metrics": {**metrics, CONTEXT_METRIC: length},
@@ -110,18 +111,9 @@ def _lambada_source() -> str:
     return LAMBADA_FILE if has_shared(LAMBADA_FILE) else LAMBADA_HUB[0]
 
 
-def _bpb(pre: Pretrained, *, output_dir, limit, batch_size, device, progress) -> dict:
+def _bpb(pre: Pretrained, *, output_dir, limit, **options) -> dict:
     texts = default_bpb_texts(limit=limit or DEFAULT_NUM_TEXTS)
-    length, source = _trained_context(pre)
-    out = bits_per_byte(
-        pre.model,
-        pre.tokenizer,
-        texts,
-        batch_size=batch_size,
-        seq_len=length,
-        device=device,
-        progress=progress,
-    )
+    out, length, source = _at_trained_length(pre, bits_per_byte, texts, "seq_len", options)
     metrics = {
         "bpb/bits_per_byte": out["bpb"],
         "bpb/nats_per_token": out["nats_per_token"],

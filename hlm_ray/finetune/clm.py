@@ -29,7 +29,8 @@ from typing import Any
 
 from hlm_ray.config import Config, ModelConfig, apply_overrides
 from hlm_ray.errors import HLMError
-from hlm_ray.pretrained import model_info, resolve_model_dir, run_config_of
+from hlm_ray.finetune.source import source_model
+from hlm_ray.pretrained import run_config_of
 
 # §4.2: "we fine-tune our headless models ... for 10000 steps using an effective batch size of
 # 256" (Table 14 agrees).
@@ -100,13 +101,8 @@ def clm_config(
     """The training config of the fine-tune, and facts to log (source, token fraction)."""
     if recipe not in RECIPES:
         raise HLMError(f"unknown clm recipe {recipe!r}; choose one of: {', '.join(RECIPES)}")
-    folder = resolve_model_dir(model_ref)
-    info = model_info(folder)
-    if info["family"] != "decoder":
-        raise HLMError(
-            f"--task clm needs a decoder; {model_ref} is an encoder ({info['model_type']}): "
-            "fine-tune encoders with --task glue:<name> or xnli:<lang>"
-        )
+    hint = "fine-tune encoders with --task glue:<name> or xnli:<lang>"
+    folder, info = source_model(model_ref, "decoder", "--task clm", hint=hint)
     if info["objective"] != "headless":
         raise HLMError(
             f"{model_ref} is a {info['objective']} decoder: it was trained with a real head, so "

@@ -7,21 +7,19 @@
     prepared = ensure_prepared(cfg)     # data.prepared, or the cache folder for data.sources
     train = TokenBlocks.open(prepared, "train", seq_len=cfg.data.seq_len)
 
-See `pipeline` (preparing), `sources` (files, pieces, documents), `store` (atomic files,
-shards) and `reader` (memory-mapped blocks).
+See `pipeline` (the steps of preparing), `request` (what a folder is made from, its key),
+`sources` (files, pieces, documents), `split` (train / validation by document),
+`corpus_tokenizer` (the BPE and its checks), `tokenize` (pieces to tokens, in process or on Ray
+Data), `store` (atomic files, shards) and `reader` (memory-mapped blocks).
 """
 
 from __future__ import annotations
 
-from hlm_ray.prepare.pipeline import (
-    FORMAT_VERSION,
-    Prepared,
-    PrepareRequest,
-    is_validation,
-    prepare,
-    training_sample,
-)
+from hlm_ray.prepare.corpus_tokenizer import training_sample
+from hlm_ray.prepare.pipeline import prepare
 from hlm_ray.prepare.reader import TokenBlocks, open_prepared
+from hlm_ray.prepare.request import FORMAT_VERSION, Prepared, PrepareRequest
+from hlm_ray.prepare.split import is_validation
 
 
 def ensure_prepared(

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 
+from hlm_ray.commands.common import config_args
+
 HELP = "prepare a corpus (tokenizer, token shards, manifest) once, for training to read"
 
 
@@ -25,15 +27,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description="Tokenize the config's data sources on Ray Data into a prepared folder of "
         "token shards with a manifest (resumable); train on it with --set data.prepared=URI.",
     )
-    prep.add_argument("--preset", default="tiny-decoder", help="named preset (hlm presets)")
-    prep.add_argument("--config", help="YAML file of overrides (nested sections)")
-    prep.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dotted override, repeatable: --set data.sources=[DIR]",
-    )
+    config_args(prep, objective=False, example="data.sources=[DIR]")
     prep.add_argument("--output", help="folder or pyarrow URI (default: the cache)")
     prep.add_argument(
         "--workers",
@@ -66,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     from hlm_ray.prepare import PrepareRequest, prepare
     from hlm_ray.presets import load_config
 
-    cfg = load_config(args.preset, yaml_file=args.config, overrides=list(args.set))
+    cfg = load_config(args.preset or "tiny-decoder", yaml_file=args.config, overrides=args.set)
     workers = args.workers
     if workers != 0:
         import os

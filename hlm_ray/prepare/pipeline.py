@@ -1,4 +1,4 @@
-"""Prepare a corpus: tokenizer, token shards, document-level split, manifest. Then read it.
+"""Prepare a corpus: the steps, in order, into a resumable folder with a manifest.
 
     from hlm_ray.prepare import PrepareRequest, prepare
     request = PrepareRequest.from_config(cfg)            # sources, tokenizer, split settings
@@ -6,116 +6,39 @@
     prepared = prepare(request, "/data/owt2", workers=8) # Ray Data, 8 tokenizer actors
     tok = prepared.tokenizer()
 
-Steps (each with progress): find the files and cut them into pieces; train the BPE on a seeded
-sample of *training* documents (`tokenizer.train_sample_bytes`), or load a tokenizer file;
-tokenize every piece (in `map_batches`, one tokenizer per actor; in process when Ray is not
-running and `workers` is not given: the same code); write fixed-size shards under temporary
-names, renamed when whole, recording after each one what is committed (`state.json`), so an
-interrupted run resumes; write `manifest.json` last. A document goes to validation when a
-seeded hash of its text falls below `data.val_fraction`: a document lies wholly in one split,
-duplicates share a split, and the split does not depend on how the work is cut.
+Steps (each with progress): find the files and cut them into pieces; build the tokenizer
+(`corpus_tokenizer.py`); tokenize every piece (`tokenize.py`: in `map_batches`, one tokenizer per actor;
+in process when Ray is not running and `workers` is not given: the same code); write fixed-size
+shards under temporary names, renamed when whole, recording after each one what is committed
+(`state.json`), so an interrupted run resumes; write `manifest.json` last. Documents are split
+between train and validation by a seeded hash of their text (`split.py`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
-import gc
 import hashlib
 import json
 import logging
-import random
 import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from hlm_ray.errors import HLMError
-from hlm_ray.paths import cache_dir
-from hlm_ray.prepare.sources import Piece, SourceFiles, make_pieces, read_documents, resolve_sources
+from hlm_ray.prepare.corpus_tokenizer import build_tokenizer, check_vocab, check_vocab_size
+from hlm_ray.prepare.request import FORMAT_VERSION, Prepared, PrepareRequest, default_output
+from hlm_ray.prepare.sources import make_pieces, resolve_sources
+from hlm_ray.prepare.split import SPLITS
 from hlm_ray.prepare.store import MANIFEST, STATE, TOKENIZER_DIR, ShardWriter, Store
+from hlm_ray.prepare.tokenize import tokenized
 
 log = logging.getLogger(__name__)
-FORMAT_VERSION = 1
-SPLITS = ("train", "val")
-ENCODE_BATCH = 1024  # documents per encode_batch call
-
-
-@dataclass(frozen=True)
-class PrepareRequest:
-    """Everything the prepared folder depends on (its cache key, with the sources' files)."""
-
-    sources: tuple[str, ...]
-    family: str = "decoder"
-    """Model family: which special tokens the tokenizer gets."""
-    tokenizer_kind: str = "bpe"
-    vocab_size: int = 1024
-    tokenizer_path: str | None = None
-    min_frequency: int = 2
-    train_sample_bytes: int | None = 100_000_000
-    text_field: str = "text"
-    val_fraction: float = 0.02
-    split_seed: int = 0
-    shard_tokens: int = 1 << 24
-    piece_bytes: int = 8 << 20
-    invalid_utf8: str = "refuse"
-
-    @classmethod
-    def from_config(cls, cfg) -> PrepareRequest:
-        t, d = cfg.tokenizer, cfg.data
-        return cls(
-            sources=tuple(d.sources),
-            family=cfg.model.family,
-            tokenizer_kind=t.kind,
-            vocab_size=t.vocab_size,
-            tokenizer_path=t.path,
-            min_frequency=t.min_frequency,
-            train_sample_bytes=t.train_sample_bytes,
-            text_field=d.text_field,
-            val_fraction=d.val_fraction,
-            split_seed=d.split_seed,
-            shard_tokens=d.shard_tokens,
-            invalid_utf8=d.invalid_utf8,
-        )
-
-    def key(self, files: list[SourceFiles]) -> str:
-        """What the tokens depend on: settings (not where the work is cut) and source files."""
-        settings = {k: v for k, v in asdict(self).items() if k not in ("sources", "piece_bytes")}
-        if self.tokenizer_kind == "file":
-            settings.pop("vocab_size"), settings.pop("min_frequency")
-            settings.pop("train_sample_bytes")
-        payload = {
-            "format": FORMAT_VERSION,
-            "settings": settings,
-            "sources": [f.fingerprint for f in files],  # files, not how they were named
-        }
-        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """A finished prepared folder."""
-
-    uri: str
-    manifest: dict
-
-    @property
-    def path(self) -> Path:
-        return Path(self.uri)
-
-    @property
-    def fingerprint(self) -> str:
-        return self.manifest["fingerprint"]
-
-    def tokenizer(self):
-        from hlm_ray.tokenizer import load_tokenizer
-
-        return load_tokenizer(self.path / TOKENIZER_DIR)
 
 
 def _say(progress: bool, message: str) -> None:
@@ -124,211 +47,6 @@ def _say(progress: bool, message: str) -> None:
         print(f"[prepare] {message}", file=sys.stderr, flush=True)
     else:
         log.info(message)
-
-
-# ----------------------------------------------------------------------------- the split
-
-
-def is_validation(doc: str, seed: int, val_fraction: float) -> bool:
-    """A seeded hash of the document's text, as a number in [0, 1), below `val_fraction`."""
-    digest = hashlib.blake2b(doc.encode("utf-8"), digest_size=8, salt=seed.to_bytes(8, "little"))
-    return int.from_bytes(digest.digest(), "little") / 2**64 < val_fraction
-
-
-def split_documents(docs: list[str], seed: int, val_fraction: float) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {"train": [], "val": []}
-    for doc in docs:
-        out["val" if is_validation(doc, seed, val_fraction) else "train"].append(doc)
-    return out
-
-
-# ----------------------------------------------------------------------------- tokenizing
-
-
-class TokenizePieces:
-    """The `map_batches` function: read pieces, split their documents, tokenize, EOS after
-    each document. Built once per Ray Data actor (or once in process): loads the tokenizer."""
-
-    def __init__(
-        self, tokenizer_dir: str, request: dict, eos_id: int, dtype: str, threads: int = 0
-    ):
-        if threads:  # an actor: one thread, the actors are the parallelism (before any encode)
-            import os
-
-            os.environ["RAYON_NUM_THREADS"] = str(threads)
-        from tokenizers import Tokenizer
-
-        self.tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
-        self.request = PrepareRequest(**{**request, "sources": tuple(request["sources"])})
-        self.eos_id, self.dtype = eos_id, np.dtype(dtype)
-
-    def encode(self, docs: list[str]) -> np.ndarray:
-        parts: list[np.ndarray] = []
-        eos = np.array([self.eos_id], dtype=self.dtype)
-        for start in range(0, len(docs), ENCODE_BATCH):
-            chunk = docs[start : start + ENCODE_BATCH]
-            for enc in self.tok.encode_batch_fast(chunk, add_special_tokens=False):
-                parts.append(np.asarray(enc.ids, dtype=self.dtype))
-                parts.append(eos)
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=self.dtype)
-
-    def rows(self, batch: dict) -> dict[str, list]:
-        """{index, train, val, bytes} lists for the pieces of `batch` (tokens as raw bytes)."""
-        r = self.request
-        rows: dict[str, list] = {"index": [], "train": [], "val": [], "bytes": []}
-        for i in range(len(batch["index"])):
-            piece = Piece(**{k: _plain(batch[k][i]) for k in Piece.__dataclass_fields__})
-            docs = read_documents(piece, text_field=r.text_field, invalid_utf8=r.invalid_utf8)
-            splits = split_documents(docs, r.split_seed, r.val_fraction)
-            rows["index"].append(piece.index)
-            rows["bytes"].append(sum(len(d.encode("utf-8")) for d in docs))
-            for split in SPLITS:
-                rows[split].append(self.encode(splits[split]).tobytes())
-        return rows
-
-    def __call__(self, batch: dict):
-        """The rows as a pyarrow table (what Ray Data's `map_batches` passes on)."""
-        import pyarrow as pa
-
-        cols = {"index": pa.int64(), "train": pa.large_binary(), "val": pa.large_binary()}
-        cols["bytes"] = pa.int64()
-        return pa.table({k: pa.array(v, cols[k]) for k, v in self.rows(batch).items()})
-
-
-def _plain(value):
-    return value.item() if hasattr(value, "item") else value
-
-
-def _batches(pieces: list[Piece]) -> dict:
-    return {k: np.array([getattr(p, k) for p in pieces]) for k in Piece.__dataclass_fields__}
-
-
-def _tokenized(pieces, fn_args: dict, workers: int | None) -> Iterator[tuple[int, dict, int]]:
-    """(piece index, {split: tokens}, text bytes) in piece order, in process or on Ray Data."""
-    if not pieces:
-        return
-    if workers is None or workers == 0:
-        fn = TokenizePieces(**fn_args)
-        for piece in pieces:  # in process: plain lists, no pyarrow
-            yield from _rows(fn.rows(_batches([piece])), fn_args["dtype"])
-        return
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(num_cpus=workers, log_to_driver=False, include_dashboard=False)
-    ctx = ray.data.DataContext.get_current()
-    ctx.execution_options.preserve_order = True  # shards must follow piece order
-    ctx.enable_progress_bars = False
-    ds = ray.data.from_items([p.to_row() for p in pieces], override_num_blocks=len(pieces))
-    ds = ds.map_batches(
-        TokenizePieces,
-        fn_constructor_kwargs={**fn_args, "threads": 1},
-        batch_size=1,
-        batch_format="numpy",
-        concurrency=workers,
-        num_cpus=1,
-    )
-    failure = None
-    try:
-        for table in ds.iter_batches(batch_size=None, batch_format="pyarrow", prefetch_batches=4):
-            yield from _rows(table.to_pydict(), fn_args["dtype"])
-    except Exception as err:
-        failure = as_hlm_error(err)
-    if failure is not None:  # actors' handles sit in Ray's error, `ds` and reference cycles: a
-        del ds  # kept error kept the actors and their CPUs (a 2-worker run then waited forever)
-        gc.collect()
-        raise failure
-
-
-def _rows(cols: dict[str, list], dtype: str):
-    for i, index in enumerate(cols["index"]):
-        splits = {s: np.frombuffer(cols[s][i], dtype=dtype) for s in SPLITS}
-        yield index, splits, cols["bytes"][i]
-
-
-def as_hlm_error(err: BaseException) -> BaseException:
-    """A worker's HLMError (bad UTF-8, unreadable file) surfaces as that one clear error."""
-    seen = err
-    while seen is not None:
-        if isinstance(seen, HLMError):
-            return HLMError(str(seen))
-        cause = getattr(seen, "cause", None)
-        seen = cause if isinstance(cause, BaseException) else seen.__cause__
-    text = str(err)
-    if "HLMError: " in text:
-        return HLMError(text.split("HLMError: ", 1)[1].splitlines()[0])
-    return err
-
-
-# ----------------------------------------------------------------------------- the tokenizer
-
-
-def training_sample(pieces: list[Piece], request: PrepareRequest) -> list[str]:
-    """Training documents (never validation ones) from pieces in a seeded order, up to
-    `train_sample_bytes` UTF-8 bytes (all of them when None)."""
-    order = list(range(len(pieces)))
-    random.Random(request.split_seed).shuffle(order)
-    budget, texts = request.train_sample_bytes, []
-    for i in order:
-        docs = read_documents(
-            pieces[i], text_field=request.text_field, invalid_utf8=request.invalid_utf8
-        )
-        for doc in split_documents(docs, request.split_seed, request.val_fraction)["train"]:
-            texts.append(doc)
-            if budget is not None:
-                budget -= len(doc.encode("utf-8"))
-                if budget <= 0:
-                    return texts
-    return texts
-
-
-def _build_tokenizer(request: PrepareRequest, pieces: list[Piece], progress: bool):
-    from hlm_ray.tokenizer import load_tokenizer, special_tokens_for, train_bpe
-
-    specials = special_tokens_for(request.family)
-    if request.tokenizer_kind == "file":
-        return load_tokenizer(request.tokenizer_path, special_tokens=specials)
-    start = time.perf_counter()
-    texts = training_sample(pieces, request)
-    if not texts:
-        raise HLMError(f"no text found in {list(request.sources)}: the corpus is empty")
-    size = sum(len(t.encode("utf-8")) for t in texts)
-    _say(
-        progress,
-        f"sampled {len(texts):,} training documents ({size / 1e6:.1f} MB) "
-        f"in {time.perf_counter() - start:.1f} s; training a {request.vocab_size}-token BPE",
-    )
-    start = time.perf_counter()
-    tok = load_tokenizer(
-        train_bpe(texts, request.vocab_size, specials, min_frequency=request.min_frequency)
-    )
-    _say(progress, f"trained the BPE in {time.perf_counter() - start:.1f} s")
-    return tok
-
-
-def _check_vocab(tok, request: PrepareRequest, allow_smaller_vocab: bool) -> None:
-    if (
-        request.tokenizer_kind == "bpe"
-        and len(tok) < request.vocab_size
-        and not allow_smaller_vocab
-    ):
-        raise HLMError(
-            f"the corpus is too small for tokenizer.vocab_size={request.vocab_size}: BPE "
-            f"training stopped at {len(tok)} tokens; add text, raise "
-            "tokenizer.train_sample_bytes, or lower tokenizer.vocab_size"
-        )
-
-
-# ----------------------------------------------------------------------------- preparing
-
-
-def default_output(request: PrepareRequest, key: str, root: str | None = None) -> str:
-    name = f"{request.tokenizer_kind}{request.vocab_size}-{key[:16]}"
-    if request.tokenizer_kind == "file":
-        name = f"file-{key[:16]}"
-    if root:
-        return f"{root.rstrip('/')}/{name}"
-    return str(cache_dir("prepared") / name)
 
 
 def prepare(
@@ -348,15 +66,7 @@ def prepare(
     process unless Ray is already running (then on Ray Data with one actor per CPU); 0 in
     process; N on Ray Data with N tokenizer actors."""
     started = time.perf_counter()
-    if request.tokenizer_kind == "bpe":  # before reading anything
-        from hlm_ray.tokenizer import BYTE_ALPHABET, special_tokens_for
-
-        minimum = BYTE_ALPHABET + len(special_tokens_for(request.family))
-        if request.vocab_size < minimum:
-            raise HLMError(
-                f"tokenizer.vocab_size={request.vocab_size} is below the {BYTE_ALPHABET} "
-                f"byte-level + {minimum - BYTE_ALPHABET} special tokens; use at least {minimum}"
-            )
+    check_vocab_size(request)  # before reading anything
     files = resolve_sources(request.sources, text_field=request.text_field)
     key = request.key(files)
     store = Store.open(
@@ -435,8 +145,8 @@ def _run(
     )
 
     if state is None:
-        tok = _build_tokenizer(request, pieces, progress)
-        _check_vocab(tok, request, allow_smaller_vocab)
+        tok = build_tokenizer(request, pieces, lambda message: _say(progress, message))
+        check_vocab(tok, request, allow_smaller_vocab)
         from hlm_ray.tokenizer import save_tokenizer, tokenizer_fingerprint
 
         with tempfile.TemporaryDirectory() as tmp:
@@ -527,7 +237,7 @@ def _write(pieces, fn_args, workers, writers, total, progress) -> tuple[int, int
     )
     sizes = {p.index: p.stop - p.start for p in pieces}
     num_tokens = num_bytes = 0
-    for index, splits, nbytes in _tokenized(pieces, fn_args, workers):
+    for index, splits, nbytes in tokenized(pieces, fn_args, workers):
         for split, w in writers.items():
             if index < w.cursor[0]:
                 continue

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from hlm_ray.errors import HLMError
-from hlm_ray.prepare.pipeline import FORMAT_VERSION, Prepared
+from hlm_ray.prepare.request import FORMAT_VERSION, Prepared
 from hlm_ray.prepare.store import MANIFEST
 
 

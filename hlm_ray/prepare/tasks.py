@@ -13,7 +13,8 @@ import sys
 import time
 
 from hlm_ray.errors import HLMError
-from hlm_ray.prepare.pipeline import Prepared, PrepareRequest, prepare
+from hlm_ray.prepare.pipeline import prepare
+from hlm_ray.prepare.request import Prepared, PrepareRequest
 
 
 def _prepare_one(request: PrepareRequest) -> Prepared:
@@ -32,7 +33,7 @@ def prepare_many(cfgs: list, progress: bool = True) -> list[Prepared]:
         try:
             done = ray.get([task.remote(r) for r in distinct])
         except ray.exceptions.RayTaskError as err:
-            from hlm_ray.prepare.pipeline import as_hlm_error
+            from hlm_ray.prepare.tokenize import as_hlm_error
 
             raise as_hlm_error(err) from err
     else:

@@ -1,219 +1,29 @@
-"""Text generation from a decoder: greedy or sampled, batched, streamed. No Ray needed.
+"""The Generator: a decoder, its tokenizer and the decoding loop (prompts to rows, the prefill
+that scores prompts, log-probabilities, a sampled token's text and stop sequences).
 
-    gen = Generator.load("runs/tiny-gen")                  # or a checkpoint/model folder, models:/...
-    [c] = gen.generate("The cat", max_new_tokens=20, temperature=0)      # greedy
-    c.text, c.token_ids, c.finish_reason, c.prompt_tokens, c.completion_tokens
-    outs = gen.generate(["a", "b"], max_new_tokens=20, temperature=0.8, top_p=0.9, seed=1, n=2)
-    for delta in gen.stream("The cat", max_new_tokens=20, stop=["."]):
-        print(delta.text, end="")
+    gen = Generator.load("runs/tiny-gen")
+    [c] = gen.generate("The cat", max_new_tokens=20, temperature=0)
 
-    [c] = gen.generate("The cat", max_new_tokens=1, logprobs=2, prompt_logprobs=True)
-    c.prompt_logprobs[1].logprob, c.logprobs[0].top       # scoring (OpenAI's echo + logprobs)
-
-Sampling is ours, not `model.generate`'s (`hlm_ray.sampling`): per step the float32 logits of each
-row get its `logit_bias`, go through temperature, top-k, top-p (the order Hugging Face uses) and
-are sampled with the row's own seeded generator, so a seeded row gives the same text alone or
-batched with other rows (up to float noise). Log-probabilities (`logprobs`, `prompt_logprobs`) are
-the log-softmax, in float32, over the whole vocabulary of the model's *un-filtered* logits: no
-bias, temperature, top-k/p or padding mask is applied to them. A prompt is scored in the forward
-pass that reads it (one pass, not token by token); `max_new_tokens=0` only scores it. Text is
-decoded incrementally (`hlm_ray.detokenize`). Prompts are left-padded into one batch with an attention
-mask and explicit positions, and decoded with the KV cache (`past_key_values`).
-
-A headless decoder that was never fine-tuned only has the raw Eᵀ head (its input embeddings) and
-is refused: `hlm finetune --task clm` gives it a real head (`allow_raw_head=True` overrides).
-
-The server batches rows of several requests, each row with its own settings, through
-`Generator.complete_rows` / `Generator.stream_rows`.
+See the package docstring (`hlm_ray.generate`) for the sampling and scoring contract.
 """
 
 from __future__ import annotations
 
-import math
-import secrets
-import warnings
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from hlm_ray.batching import RunningBatch
-from hlm_ray.detokenize import IncrementalText, text_offsets, token_strings
+from hlm_ray.detokenize import text_offsets, token_strings
 from hlm_ray.device import device_name
 from hlm_ray.errors import HLMError
+from hlm_ray.generate.loading import check_generation_ready, default_model_name
+from hlm_ray.generate.params import Completion, Delta, Row, SamplingParams, row_seed
+from hlm_ray.generate.stops import first_stop, held_back
 from hlm_ray.models import max_input_positions
-from hlm_ray.pretrained import REGISTRY_SCHEME, load_pretrained, model_info, resolve_model_dir
-from hlm_ray.sampling import (  # noqa: F401  (re-exported: the sampling API predates its module)
-    TokenLogprob,
-    add_logit_bias,
-    apply_temperature,
-    sample_next,
-    token_logprobs,
-    top_k_filter,
-    top_p_filter,
-)
-
-_SEED_MOD = 2**63
-
-
-# ----------------------------------------------------------------------------- settings, results
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    """How one row is decoded."""
-
-    max_new_tokens: int = 16
-    """Tokens to generate at most (the row ends earlier at EOS or a stop sequence); 0 generates
-    nothing (to score the prompt with `prompt_logprobs`)."""
-    temperature: float = 1.0
-    """Softmax temperature; 0 is greedy (argmax)."""
-    top_k: int | None = None
-    """Sample among the k most likely tokens only (None: all)."""
-    top_p: float = 1.0
-    """Nucleus sampling: the smallest set of tokens whose probability reaches top_p."""
-    stop: tuple[str, ...] = ()
-    """Strings that end the row; the text is cut before the first one."""
-    logprobs: int | None = None
-    """Record each generated token's log-probability and those of the `logprobs` most likely
-    tokens at its position (0: its own only; None: nothing)."""
-    prompt_logprobs: bool = False
-    """Also record the log-probability of each prompt token after the first (with `logprobs`
-    alternatives), computed in the forward pass that reads the prompt."""
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    """(token id, bias) pairs added to the logits before sampling (OpenAI's `logit_bias`,
-    -100..100); log-probabilities do not see them."""
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 0:
-            raise HLMError(f"max_new_tokens={self.max_new_tokens} must be >= 0")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise HLMError(f"logprobs={self.logprobs} must be >= 0 (or None for none)")
-        if any(not (math.isfinite(b) and -100 <= b <= 100) for _, b in self.logit_bias):
-            raise HLMError("logit_bias values must be numbers in [-100, 100]")
-        if not 0 <= self.temperature <= 100:
-            raise HLMError(f"temperature={self.temperature} must be in [0, 100] (0 = greedy)")
-        if self.top_k is not None and self.top_k < 1:
-            raise HLMError(f"top_k={self.top_k} must be >= 1 (or None for no limit)")
-        if not 0 < self.top_p <= 1:
-            raise HLMError(f"top_p={self.top_p} must be in (0, 1]")
-        if any(not s for s in self.stop):
-            raise HLMError("stop sequences must be non-empty strings")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
-@dataclass
-class Completion:
-    text: str
-    """The generated text, cut before a stop sequence; EOS is not part of it."""
-    token_ids: list[int]
-    """The generated tokens (EOS excluded; a stop sequence's tokens included)."""
-    finish_reason: str
-    """"stop" (EOS or a stop sequence), "length" (max_new_tokens), "timeout" (a row's deadline)."""
-    prompt_tokens: int
-    completion_tokens: int
-    """Tokens the model generated, EOS included."""
-    logprobs: list[TokenLogprob] | None = None
-    """Per generated token, EOS included (params.logprobs set), else None."""
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    """Per prompt token, None for the first one (nothing predicts it) (params.prompt_logprobs
-    set), else None."""
-
-
-@dataclass
-class Delta:
-    """A piece of one row's text; `finish_reason` is set on the row's last delta."""
-
-    index: int
-    text: str
-    finish_reason: str | None = None
-
-
-@dataclass
-class Row:
-    """One sequence to decode: a prompt (as ids), its settings, its seed, an optional deadline
-    (`time.monotonic()` value). `result` is set when the row finishes."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int | None = None
-    deadline: float | None = None
-    result: Completion | None = None
-    index: int = 0
-    """The row's choice index in its request, reported in its `Delta`s."""
-    # Decoding state.
-    token_ids: list[int] = field(default_factory=list)
-    emitted: str = ""
-    num_generated: int = 0
-    text: IncrementalText | None = None
-    """The generated tokens' text, decoded as they come."""
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob | None] | None = None
-    stop_from: int = 0
-    """Where in the text a stop sequence may still begin (the text before was searched)."""
-
-    def reset(self) -> None:
-        """Forget any decoding done (to decode the row again, e.g. alone)."""
-        self.result, self.token_ids, self.emitted, self.num_generated = None, [], "", 0
-        self.text, self.logprobs, self.prompt_logprobs, self.stop_from = None, [], None, 0
-
-
-def row_seed(seed: int | None, choice: int) -> int:
-    """The seed of choice `choice` of a request seeded with `seed` (random when None). It does not
-    depend on the row's position in a batch, so a seeded request decodes the same way alone or
-    batched with others."""
-    if seed is None:
-        return secrets.randbits(63)
-    return (seed * 1_000_003 + choice) % _SEED_MOD
-
-
-# ----------------------------------------------------------------------------- loading
-
-
-def check_generation_ready(
-    info: dict[str, str | None], ref: str | Path, *, allow_raw_head: bool = False
-) -> None:
-    """Refuse models that cannot generate: encoders, and headless decoders that were never
-    fine-tuned (their only head is the raw Eᵀ), unless `allow_raw_head`."""
-    if info["family"] != "decoder":
-        raise HLMError(
-            f"{ref} is an encoder ({info['model_type']}); only decoders generate text: "
-            "pass a decoder run (or one fine-tuned with `hlm finetune --task clm`)"
-        )
-    if info["objective"] == "headless" and info["finetuned"] is None:
-        if not allow_raw_head:
-            raise HLMError(
-                f"{ref} is a headless decoder that was never fine-tuned: its only output head is "
-                f"the raw Eᵀ of its input embeddings; run `hlm finetune --task clm --model {ref}` "
-                "first (or pass allow_raw_head=True / --allow-raw-head to use Eᵀ anyway)"
-            )
-        warnings.warn(
-            f"{ref} is a headless decoder that was never fine-tuned: generating with the raw Eᵀ "
-            "head (expect poor text; `hlm finetune --task clm` gives it a real head)",
-            UserWarning,
-            stacklevel=3,
-        )
-
-
-def default_model_name(ref: str | Path) -> str:
-    """The name a model is served under: `NAME/VERSION` (or `NAME@alias`) for a registry URI,
-    else the run folder's name (`run/checkpoint_...` for a checkpoint)."""
-    text = str(ref)
-    if text.startswith(REGISTRY_SCHEME):
-        return text[len(REGISTRY_SCHEME) :].strip("/")
-    path = Path(text).expanduser().resolve()
-    if path.name == "model":
-        path = path.parent
-    if path.name.startswith("checkpoint_"):
-        return f"{path.parent.name}/{path.name}"
-    return path.name
-
-
-# ----------------------------------------------------------------------------- the generator
+from hlm_ray.pretrained import load_pretrained, model_info, resolve_model_dir
+from hlm_ray.sampling import TokenLogprob, token_logprobs
 
 
 class Generator:
@@ -484,7 +294,7 @@ class Generator:
             row.text.push(token)
         text = row.text.text  # whole characters only
         stops = row.params.stop
-        cut = _first_stop(text, stops, row.stop_from)
+        cut = first_stop(text, stops, row.stop_from)
         # A stop sequence that begins before the text's last (longest stop - 1) characters
         # would have been found already: the next search starts there.
         row.stop_from = max(0, len(text) - max((len(s) for s in stops), default=1) + 1)
@@ -497,7 +307,7 @@ class Generator:
                 text += row.text.flush()  # a partial character at the end, as decode() gives it
             return self._finish(row, text, finish, index)
         # Hold back what may still change: a partial stop sequence.
-        safe = text[: len(text) - _held_back(text, stops)]
+        safe = text[: len(text) - held_back(text, stops)]
         if len(safe) > len(row.emitted) and safe.startswith(row.emitted):
             delta = safe[len(row.emitted) :]
             row.emitted = safe
@@ -524,22 +334,3 @@ class Generator:
         return self.tokenizer.decode(
             token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False
         )
-
-
-# ----------------------------------------------------------------------------- helpers
-
-
-def _first_stop(text: str, stops: Sequence[str], start: int = 0) -> int | None:
-    """Where the earliest stop sequence starts in `text[start:]`, if any."""
-    hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def _held_back(text: str, stops: Sequence[str]) -> int:
-    """Length of the longest end of `text` that could be the start of a stop sequence."""
-    longest = max((len(s) for s in stops), default=1) - 1
-    for k in range(min(longest, len(text)), 0, -1):
-        tail = text[-k:]
-        if any(s.startswith(tail) for s in stops):
-            return k
-    return 0

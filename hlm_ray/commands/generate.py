@@ -1,0 +1,52 @@
+"""`hlm generate`: print a prompt and a sample from a decoder, streamed as it is decoded.
+
+hlm generate --model runs/tiny-headless-clm "The cat" --max-tokens 20 --seed 3
+"""
+
+from __future__ import annotations
+
+import sys
+
+from hlm_ray.commands.common import add_command, device_arg
+
+
+def add_parsers(sub) -> None:
+    gen = add_command(sub, "generate", cmd_generate)
+    gen.add_argument("prompt", help="the text to continue")
+    gen.add_argument("--model", required=True, help="run/checkpoint/model folder or models:/")
+    gen.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most (32)")
+    gen.add_argument(
+        "--temperature", type=float, default=1.0, help="sampling temperature; 0 is greedy (1.0)"
+    )
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling (1.0: off)")
+    gen.add_argument("--seed", type=int, help="sampling seed: the same seed, the same text")
+    gen.add_argument(
+        "--allow-raw-head",
+        action="store_true",
+        help="generate from a headless decoder that was never fine-tuned (its raw Eᵀ head)",
+    )
+    device_arg(gen)
+
+
+def cmd_generate(args) -> int:
+    """print a sample from a decoder (run, checkpoint or models:/ URI)
+
+    Load a decoder (a vanilla run, or a headless one fine-tuned with `hlm finetune --task clm`)
+    and print the prompt and a sample, streamed as it is decoded."""
+    from hlm_ray.generate import Generator
+
+    generator = Generator.load(args.model, device=args.device, allow_raw_head=args.allow_raw_head)
+    print(args.prompt, end="", flush=True)
+    finish = None
+    for delta in generator.stream(
+        args.prompt,
+        max_new_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+    ):
+        print(delta.text, end="", flush=True)
+        finish = delta.finish_reason or finish
+    print()
+    print(f"[{generator.name}: finish_reason={finish}]", file=sys.stderr)
+    return 0

@@ -1,0 +1,187 @@
+"""`hlm train`, `hlm compare`, `hlm sync` and `hlm presets`: pretraining runs and their records.
+
+hlm train --preset tiny-decoder --objective headless --output runs/tiny-headless
+hlm train --resume runs/tiny-headless --set optim.max_steps=300   # the run's own config
+hlm train --preset pythia-70m --num-workers 8 --gpu --dry-run --overhead-s 120   # a plan
+hlm compare --preset tiny-decoder --output runs/compare
+hlm sync runs/tiny-headless
+hlm presets
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from hlm_ray.commands.common import (
+    add_command,
+    config_args,
+    device_overrides,
+    launch_args,
+    launch_settings,
+    load_args_config,
+    run_training,
+)
+from hlm_ray.paths import resolve_output
+
+
+def add_parsers(sub) -> None:
+    train = add_command(sub, "train", cmd_train)
+    config_args(train)
+    launch_args(train)
+    train.add_argument("--output", help="run folder (default runs/<preset>-<objective>)")
+    train.add_argument(
+        "--resume",
+        help="a run folder (its newest valid checkpoint) or a checkpoint folder to continue, "
+        "with the run's own config and launch settings",
+    )
+    from hlm_ray.plan import add_arguments as plan_arguments
+
+    plan_arguments(train)
+    # One run has no per-trial start-up to add unless asked: --overhead-s adds it to the plan.
+    train.set_defaults(overhead_s=0.0)
+
+    sync = add_command(sub, "sync", cmd_sync)
+    sync.add_argument("run", help="the run folder (an `hlm train --output`)")
+
+    compare = add_command(sub, "compare", cmd_compare)
+    config_args(compare)
+    launch_args(compare)
+    compare.add_argument(
+        "--output", default=None, help="folder for both runs and the plot (replaced on re-run)"
+    )
+
+    add_command(sub, "presets", cmd_presets)
+
+
+def cmd_train(args, argv: list[str]) -> int:
+    """pretrain one model (Ray Train, tracked in MLflow)
+
+    Pretrain one model from a preset (plus YAML and --set overrides) on Ray Train or in this
+    process; checkpoints, metrics and the final model go to the run folder and MLflow. --resume
+    continues a run; --dry-run prints its cost plan (--overhead-s: a fixed cost added to it)."""
+    from hlm_ray.train.checkpoint import refuse_existing, resolve_resume
+    from hlm_ray.train.launch import check_output, check_workers
+    from hlm_ray.train.resume import resumed_config, save_launch
+    from hlm_ray.train.summary import format_summary
+
+    resume = resume_from = None
+    if args.resume:
+        resume = resolve_resume(args.resume)
+        named = Path(args.resume).resolve() == resume.resolve()  # a checkpoint, not a run
+        resume_from = resume if named else None
+        args.output = args.output or str(resume.parent)
+        launch_settings(args, resume.parent)
+        output = args.output
+        overrides = [
+            *device_overrides(args),
+            *args.set,
+            f"run.output_dir={resolve_output(output)}",
+        ]
+        cfg = resumed_config(
+            resume,
+            preset=args.preset,
+            objective=args.objective,
+            yaml_file=args.config,
+            overrides=overrides,
+        )
+    else:
+        launch_settings(args)
+        objective = args.objective or "headless"
+        output = args.output or f"runs/{args.preset or 'tiny-decoder'}-{objective}"
+        cfg = load_args_config(args, output, args.objective)
+    if args.dry_run:
+        return _print_plan(cfg, args)
+    if resume is None:
+        refuse_existing(cfg.run.output_dir)
+    if not args.local:
+        check_workers(args.num_workers)
+    check_output(Path(cfg.run.output_dir))
+    save_launch(cfg.run.output_dir, vars(args))
+    where = "this process" if args.local else f"Ray Train, {args.num_workers} worker(s)"
+    print(f"training {cfg.preset} ({cfg.model.arch}, {cfg.objective.name}) on {where} -> {output}")
+    try:
+        summary = run_training(cfg, args, resume=resume, resume_from=resume_from)
+    except KeyboardInterrupt:
+        from hlm_ray.train.interrupt import EXIT_INTERRUPTED, continue_message
+
+        run_dir = Path(cfg.run.output_dir)
+        said = continue_message(run_dir, str(output), argv, args.config, args.set)
+        print(f"\ninterrupted: {said}", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(format_summary([summary]))
+    return 0
+
+
+def _print_plan(cfg, args) -> int:
+    from hlm_ray.plan import assumptions_from, format_plan, train_plan
+
+    # A GPU-denominated plan: one GPU per worker, whether or not --gpu is given.
+    plan = train_plan(
+        cfg,
+        assumptions_from(args),
+        workers=args.num_workers,
+        gpus_per_worker=1.0,
+        cpus_per_worker=args.cpus_per_worker,
+        overhead_s=args.overhead_s,
+    )
+    print(format_plan(plan))
+    return 0
+
+
+def cmd_sync(args) -> int:
+    """send a run's metrics that MLflow missed (an outage)
+
+    Send MLflow what a run recorded while the tracking server was down: the missing metric
+    points (never the ones it has), params, final artifacts, status."""
+    from hlm_ray.tracking.sync import sync_run
+
+    report = sync_run(args.run)
+    print(
+        f"synced {args.run} to MLflow run {report['run_id']}: {report['metrics_logged']} metric "
+        f"point(s), {report['params_logged']} param(s), "
+        f"{len(report['artifacts_logged'])} artifact(s) sent; status {report['status']}"
+    )
+    return 0
+
+
+def cmd_compare(args) -> int:
+    """pretrain headless and vanilla, print both
+
+    Pretrain the preset once headless and once vanilla, then print both summaries and plot
+    their loss curves and throughput side by side."""
+    import shutil
+
+    from hlm_ray.train.summary import format_summary, plot_runs
+
+    launch_settings(args)
+    root = Path(args.output or f"runs/compare-{args.preset or 'tiny-decoder'}")
+    summaries = []
+    for objective in ("headless", "vanilla"):
+        cfg = load_args_config(args, str(root / objective), objective)
+        shutil.rmtree(cfg.run.output_dir, ignore_errors=True)  # compare always starts afresh
+        print(f"\n== {objective}: {cfg.preset} ({cfg.model.arch}) -> {cfg.run.output_dir}")
+        summaries.append(run_training(cfg, args))
+    print()
+    print(format_summary(summaries))
+    figure = plot_runs([root / "headless", root / "vanilla"], root / "compare.png")
+    print(f"\nloss curves and throughput: {figure}")
+    return 0
+
+
+def cmd_presets(args) -> int:
+    """list the presets
+
+    List the named presets: architecture, shape, sequence length, batch, learning rate,
+    schedule and steps."""
+    from hlm_ray.presets import PRESETS, get_preset
+
+    for name in PRESETS:
+        cfg = get_preset(name)
+        m, o = cfg.model, cfg.optim
+        print(
+            f"{name:24s} {m.arch:10s} L{m.num_layers} D{m.hidden_size} H{m.num_heads} "
+            f"seq {cfg.data.seq_len} batch {o.global_batch_size}/{o.micro_batch_size} "
+            f"lr {o.lr:g} {o.schedule} steps {o.max_steps}"
+        )
+    return 0
