@@ -8,7 +8,7 @@
     hlm train --preset tiny-decoder --objective headless --set budget.flops=3e13
     python sweeps/batch_size.py --preset tiny --set budget.tokens=2e6
 
-One optimizer step (`hlm_ray.train.loop`) is `global_batch_size` sequences of `seq_len` tokens
+One optimizer step (`hlm_ray.train.step`) is `global_batch_size` sequences of `seq_len` tokens
 over all workers: `global_batch_size / micro_batch_size` micro-batches (workers × gradient
 accumulation), each priced by `hlm_ray.flops.config_step_flops`. So
 
