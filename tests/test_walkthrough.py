@@ -108,7 +108,7 @@ def test_the_walkthrough_runs_as_written(tmp_path):
         stop_group(proc)
 
 
-def stop_group(proc: subprocess.Popen, grace_s: float = 45) -> None:
+def stop_group(proc: subprocess.Popen, grace_s: float = 30) -> None:
     """Wait for the block's process group to end (the page stops its server), then end what is
     left: SIGTERM (the server's clean shutdown; Ray's processes exit on it), then SIGKILL."""
     for sig, wait_s in ((None, grace_s), (signal.SIGTERM, 20), (signal.SIGKILL, 10)):
