@@ -1,5 +1,5 @@
 """Facts about the package's shape: no import cycle, no module reaching into another's private
-names, no source file over 600 lines. Read from the source (ast), nothing is imported."""
+names, no source file over 500 lines. Read from the source (ast), nothing is imported."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
 PACKAGE = PROJECT_ROOT / "hlm_ray"
-MAX_LINES = 600
+MAX_LINES = 500
 
 
 def _modules() -> dict[str, Path]:

@@ -198,6 +198,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         guard = {"body_timeout_s": args.body_timeout_s, "max_body_bytes": config.max_body_bytes}
         ray_options = {"address": args.address}
+        # A stop that comes while Serve starts (the app may already answer) shuts down too;
+        # ray.init installs its own SIGTERM handler, so ours goes back on once Serve is up.
+        _interrupt_on_signals()
         start(app, ports, guard=guard, ray=ray_options, keep_alive_s=args.keep_alive_timeout_s)
         _interrupt_on_signals()
         decoding = "a child process decodes" if config.decode_process else "a thread decodes"
@@ -208,11 +211,10 @@ def run(args: argparse.Namespace) -> int:
             "Ctrl-C to stop",
             flush=True,
         )
-        try:
-            while True:
-                time.sleep(1)
-        except KeyboardInterrupt:
-            print("shutting down", flush=True)
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        print("shutting down", flush=True)
     finally:
         if ray.is_initialized():
             serve.shutdown()
