@@ -183,14 +183,15 @@ def overhead(url: str, model: str, *, rounds: int, num_prompts: int, new_tokens:
     def served(seed: int, arm: str = "served") -> float:
         bodies = [{"prompt": p, "max_tokens": new_tokens, "temperature": 1.0, "seed": seed}
                   for p in texts]  # fmt: skip
-        before, cpu = health(url), cpu_seconds(pids or {})
+        counted = arm == "served"  # the side arm's rounds report no breakdown
+        before, cpu = (health(url), cpu_seconds(pids or {})) if counted else (None, None)
         start, unix_start, client = time.perf_counter(), time.time(), time.process_time()
         answers = clients[arm].send(bodies)
         wall = time.perf_counter() - start
         client = time.process_time() - client
-        cpu = {k: v - cpu[k] for k, v in cpu_seconds(pids or {}).items()}
         assert all(s == 200 for s, _, _ in answers), Counter(s for s, _, _ in answers)
-        if arm == "served":
+        if counted:
+            cpu = {k: v - cpu[k] for k, v in cpu_seconds(pids or {}).items()}
             b = breakdown(before, health(url), wall, unix_start, answers)
             b["cpu_ms"] = {
                 "client": round(1000 * client),
@@ -199,33 +200,29 @@ def overhead(url: str, model: str, *, rounds: int, num_prompts: int, new_tokens:
             breakdowns.append(b)
         return sum(t for _, _, t in answers) / wall
 
-    def alternate(pair: tuple[str, str], name: str, remote: str) -> None:
-        """`rounds` rounds of the in-process arm and one HTTP arm, A B B A ..., after a warm-up
-        round of each (first batches, connections); in-process figures go to arms[name]."""
-        for seed, arm in ((0, name), (0, remote)):
-            in_process(seed) if arm == name else served(seed, remote)
-        for r in range(rounds):
-            for arm in pair if r % 2 == 0 else reversed(pair):
-                value = in_process(r + 1) if arm == name else served(r + 1, remote)
-                arms[arm].append(value)
-            log(f"{remote} round {r + 1}: in_process {arms[name][-1]:,.0f}, "
-                f"{remote} {arms[remote][-1]:,.0f} tok/s"
-                + (f"; replica: {breakdowns[-1]}" if remote == "served" else ""))  # fmt: skip
+    def alternate(local: str, remote: str, remote_url: str) -> None:
+        """`rounds` rounds of the in-process arm (figures in arms[local]) and one HTTP arm,
+        A B B A ..., after a warm-up round of each (first batches, connections)."""
+        clients[remote] = Clients(remote_url, num_prompts)
+        try:
+            in_process(0)
+            served(0, remote)
+            for r in range(rounds):
+                for arm in (local, remote) if r % 2 == 0 else (remote, local):
+                    arms[arm].append(in_process(r + 1) if arm == local else served(r + 1, remote))
+                log(f"{remote} round {r + 1}: in_process {arms[local][-1]:,.0f}, "
+                    f"{remote} {arms[remote][-1]:,.0f} tok/s"
+                    + (f"; replica: {breakdowns[-1]}" if remote == "served" else ""))  # fmt: skip
+        finally:
+            clients.pop(remote).close()
 
     # The target pair alternates only with itself: a third arm between its rounds (the proxy's
     # 32 connections and its work after each round) would be timed into the served figure,
     # which the default server, whose clients never touch the proxy, does not pay.
-    clients = {"served": Clients(url, num_prompts)}
-    try:
-        alternate(("in_process", "served"), "in_process", "served")
-    finally:
-        clients.pop("served").close()
+    clients: dict[str, Clients] = {}
+    alternate("in_process", "served", url)
     if proxy_url:  # the side arm, after: the same requests through Serve's proxy
-        clients["proxy"] = Clients(proxy_url, num_prompts)
-        try:
-            alternate(("in_proxy", "proxy"), "in_proxy", "proxy")
-        finally:
-            clients.pop("proxy").close()
+        alternate("in_proxy", "proxy", proxy_url)
     med = {arm: statistics.median(v) for arm, v in arms.items() if v}
     result = {
         "rounds": rounds,
@@ -239,7 +236,8 @@ def overhead(url: str, model: str, *, rounds: int, num_prompts: int, new_tokens:
         "served_all": [round(x) for x in arms["served"]],
         # Of the served rounds (warm-up excluded), the median of each figure.
         "breakdown": _medians(breakdowns[1:]),
-        "in_process_cpu_ms": round(1000 * statistics.median(cpu_in[1:])),
+        # The target pair's in-process rounds: cpu_in[0] is their warm-up.
+        "in_process_cpu_ms": round(1000 * statistics.median(cpu_in[1 : rounds + 1])),
     }
     if proxy_url:  # against the in-process rounds it alternated with
         result["proxy_tok_s"] = round(med["proxy"])

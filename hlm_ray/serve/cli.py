@@ -166,11 +166,11 @@ def plan_ports(args: argparse.Namespace):
             f"--direct-ingress needs a Ray that starts here, not the cluster at {cluster}: "
             "start the cluster's Ray with RAY_SERVE_THROUGHPUT_OPTIMIZED=1, or drop the flag"
         )
-    direct = not cluster if args.direct_ingress is None else args.direct_ingress
     if cluster:  # the cluster's proxy: nothing listens here
         if args.proxy_port is not None:
             raise HLMError("--proxy-port needs direct ingress, which a cluster does not get here")
         return Ports(args.host, args.port, args.port, args.replicas, direct=False)
+    direct = args.direct_ingress is not False  # on unless turned off: Ray starts here
     return Ports.plan(
         args.host, args.port, replicas=args.replicas, direct=direct, proxy_port=args.proxy_port
     )

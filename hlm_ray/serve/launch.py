@@ -23,7 +23,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from hlm_ray.errors import HLMError
+from hlm_ray.errors import HLMError, one_line
 
 
 def direct_ingress_env(port: int, replicas: int) -> dict[str, str]:
@@ -146,9 +146,4 @@ def start(
     try:
         serve.run(app, name="hlm", route_prefix="/")
     except RuntimeError as err:
-        raise HLMError(f"the application failed to start: {_last_line(err)}") from None
-
-
-def _last_line(err: BaseException) -> str:
-    lines = [line for line in str(err).splitlines() if line.strip()]
-    return lines[-1] if lines else type(err).__name__
+        raise HLMError(f"the application failed to start: {one_line(err, last=True)}") from None

@@ -252,8 +252,7 @@ class CompletionServer:
         if job.error is not None:  # a bug or the device failing, not the request: say so
             err = job.error
             log.error("completion %s failed: %s", rid, one_line(err, with_type=True), exc_info=err)
-            message = f"generation failed for request {rid}: {one_line(err, with_type=True)}"
-            return self._fail(rid, ApiError(500, message), start)
+            return self._fail(rid, self.generation_error(rid, err), start)
         if any(row.result.finish_reason == "timeout" for row in rows):
             return self._fail(rid, self.timeout_error(), start)
         if len(rows) == 1 and getattr(req, "logprobs", None) is None:
@@ -289,6 +288,13 @@ class CompletionServer:
 
     def timeout_error(self) -> ApiError:
         return ApiError(504, f"generation took longer than {self.args.request_timeout_s} s")
+
+    @staticmethod
+    def generation_error(rid: str, err: BaseException) -> ApiError:
+        """A bug or the device failing, not the request: a 500 that says which."""
+        return ApiError(
+            500, f"generation failed for request {rid}: {one_line(err, with_type=True)}"
+        )
 
     @property
     def fingerprint(self) -> str:

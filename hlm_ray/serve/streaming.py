@@ -20,10 +20,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from hlm_ray.errors import one_line
 from hlm_ray.generate import Row
 from hlm_ray.serve.engine import Job
-from hlm_ray.serve.protocol import ApiError, strip_reply, usage
+from hlm_ray.serve.protocol import strip_reply, usage
 from hlm_ray.serve.schemas import (
     ChatChunk,
     ChatChunkChoice,
@@ -87,8 +86,7 @@ async def stream_events(
     except Exception as err:
         status = 500
         log.exception("completion %s failed", rid)
-        message = f"generation failed for request {rid}: {one_line(err, with_type=True)}"
-        yield sse(ApiError(500, message).body())
+        yield sse(server.generation_error(rid, err).body())
     finally:
         if not job.done:  # a client that went away (or a timeout): its rows leave
             server.engine.cancel(job)
