@@ -200,6 +200,9 @@ def test_bad_lambada_files_name_the_line_and_field(tmp_path):
         load_lambada(path)
     path.write_text(good + "\n" + good + "\n")
     assert load_lambada(path, limit=1) == [{"context": "a b", "continuation": "c"}]
+    # A limit reads no further: a bad line after it is never parsed.
+    path.write_text(good + "\n{not json\n")
+    assert load_lambada(path, limit=1) == [{"context": "a b", "continuation": "c"}]
 
 
 def test_lambada_falls_back_to_the_hub_then_explains(tmp_path, monkeypatch):

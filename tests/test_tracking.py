@@ -383,3 +383,12 @@ def test_run_ref_round_trip(tmp_path):
     assert read_run_ref(tmp_path) is None
     write_run_ref(tmp_path / "run", "abc123", "sqlite:///x.db")
     assert read_run_ref(tmp_path / "run") == {"run_id": "abc123", "tracking_uri": "sqlite:///x.db"}
+
+
+def test_sync_of_a_folder_that_is_not_a_run_says_so_in_one_line(tmp_path):
+    from hlm_ray.errors import HLMError
+    from hlm_ray.tracking.sync import sync_run
+
+    with pytest.raises(HLMError, match=r"no mlflow_run\.json and no metrics\.jsonl: not a run"):
+        sync_run(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # nothing written into a folder that is not a run

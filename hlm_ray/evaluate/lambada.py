@@ -22,6 +22,7 @@ trained on as `max_length` (`evaluate.common.trained_context_length`) and record
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,9 +67,8 @@ def load_lambada(source: str | Path | None = None, limit: int | None = None) -> 
 
 def _read_jsonl(path: Path, limit: int | None) -> list[dict]:
     examples = []
-    for where, row in json_objects(path, expected='{"context": ..., "continuation": ...}'):
-        if limit is not None and len(examples) >= limit:
-            break
+    rows = json_objects(path, expected='{"context": ..., "continuation": ...}')
+    for where, row in itertools.islice(rows, limit):  # lines past the limit are not parsed
         for field in _FIELDS:
             if not isinstance(row.get(field), str) or not row[field]:
                 raise HLMError(

@@ -26,16 +26,6 @@ from hlm_ray.tracking.base import RUN_REF_FILE as RUN_ID_FILE
 from hlm_ray.tracking.base import read_run_ref, write_run_ref
 
 
-def read_run_file(out_dir: str | Path) -> dict[str, Any]:
-    path = Path(out_dir) / RUN_ID_FILE
-    if not path.is_file():
-        raise HLMError(
-            f"{out_dir} has no {RUN_ID_FILE}: not a run folder, or its MLflow run was never "
-            "opened; pass the --output folder of an `hlm train` run"
-        )
-    return json.loads(path.read_text())
-
-
 def record_status(out_dir: str | Path, status: str) -> None:
     """Remember the status the run should end with (applied now, or by a later sync)."""
     path = Path(out_dir) / RUN_ID_FILE
@@ -116,7 +106,10 @@ def _open_untracked(out_dir: Path, tracking_uri: str | None) -> dict[str, Any]:
     a new run in its experiment (`launch.json`), named after the folder, FINISHED when the
     folder has its summary, else FAILED."""
     if not (out_dir / "metrics.jsonl").is_file():
-        read_run_file(out_dir)  # the one-line error: not a run folder
+        raise HLMError(
+            f"{out_dir} has no {RUN_ID_FILE} and no metrics.jsonl: not a run folder; pass the "
+            "--output folder of an `hlm train` run"
+        )
     from hlm_ray.tracking.mlflow_tracker import MlflowTracker
     from hlm_ray.tracking.store import default_tracking_uri, redact
 
@@ -131,7 +124,7 @@ def _open_untracked(out_dir: Path, tracking_uri: str | None) -> dict[str, Any]:
         )
     write_run_ref(out_dir, tracker.run_id, uri)
     record_status(out_dir, "FINISHED" if (out_dir / "summary.json").is_file() else "FAILED")
-    return read_run_file(out_dir)
+    return read_run_ref(out_dir)
 
 
 def _missing_artifacts(client, run_id: str, out_dir: Path, status: str | None):
