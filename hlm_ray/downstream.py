@@ -250,7 +250,7 @@ def finetune_encoder(
     a tokenizer that adds [CLS]/[SEP]); `register` also registers it as MLflow's
     ``text-classification`` model of that name (`alias` pointing at the new version)."""
     from hlm_ray.classify.finetune import finetune_classifier
-    from hlm_ray.classify.finetune import recipe as classify_recipe
+    from hlm_ray.classify.recipes import recipe as classify_recipe
 
     source_model(model_ref, "encoder", task, hint="decoders are fine-tuned with --task clm")
     chosen = classify_recipe(recipe, task)

@@ -15,7 +15,6 @@ from scipy import stats
 from sklearn import metrics as skm
 
 from hlm_ray.classify import TINY, finetune_classifier, load_task, recipe
-from hlm_ray.classify.finetune import load_classifier
 from hlm_ray.classify.inputs import PairEncoder, encode_split, truncate_pair
 from hlm_ray.classify.loss import balanced_cross_entropy, plain_cross_entropy
 from hlm_ray.classify.metrics import (
@@ -27,6 +26,7 @@ from hlm_ray.classify.metrics import (
     spearman,
     task_metrics,
 )
+from hlm_ray.classify.model import load_classifier
 from hlm_ray.classify.tasks import TASKS, XNLI_LANGUAGES, read_examples, split_indices
 from hlm_ray.errors import HLMError
 from hlm_ray.paths import data_dir, has_shared

@@ -12,7 +12,7 @@ from scipy import stats as sps
 from sweep_common import check_trials_carry_their_values
 
 from hlm_ray.classify.baselines import chance_baseline, majority_baseline, majority_scores
-from hlm_ray.classify.finetune import limit_examples
+from hlm_ray.classify.inputs import limit_examples
 from hlm_ray.classify.tasks import load_task
 from hlm_ray.downstream import share_steps
 from hlm_ray.errors import HLMError

@@ -198,7 +198,7 @@ def test_curve_figure_draws_score_against_tokens_and_flops(tmp_path):
 
 def test_the_score_is_named_by_the_recipe_with_its_majority_baseline():
     from hlm_ray.classify.baselines import majority_baseline
-    from hlm_ray.classify.finetune import recipe
+    from hlm_ray.classify.recipes import recipe
     from hlm_ray.tune.vocab_report import downstream_score
 
     label, base, note = downstream_score("tiny")

@@ -1,7 +1,7 @@
 """Fine-tune a pretrained encoder (headless or vanilla) as a sequence classifier: the public
 entry point, from a model reference and a task name to the results file.
 
-    from hlm_ray.classify.finetune import PAPER, TINY, finetune_classifier, recipe
+    from hlm_ray.classify import PAPER, TINY, finetune_classifier, recipe
     result = finetune_classifier("runs/tiny-enc", "glue:sst2", TINY, output_dir=Path("out"))
     result["summary"]["eval/accuracy"]          # {"mean", "std", "values"} at each seed's best epoch
     finetune_classifier(model_dir, "xnli:en", recipe("paper", "xnli:en"), eval_languages="all",
@@ -24,10 +24,9 @@ from pathlib import Path
 from typing import Any
 
 from hlm_ray.classify.inputs import PairEncoder, encode_split, limit_examples
-from hlm_ray.classify.loop import Run, predict, summarise, train_seed
+from hlm_ray.classify.loop import Run, summarise, train_seed
 from hlm_ray.classify.loss import LOSSES
-from hlm_ray.classify.model import load_classifier
-from hlm_ray.classify.recipes import PAPER, PAPER_XNLI, RECIPES, TINY, recipe
+from hlm_ray.classify.recipes import PAPER
 from hlm_ray.classify.tasks import get_task, load_task
 from hlm_ray.config import ClassifyConfig
 from hlm_ray.device import resolve_device
@@ -37,20 +36,6 @@ from hlm_ray.model_card import write_model_card
 from hlm_ray.models import max_input_positions
 from hlm_ray.tokenizer import load_tokenizer
 from hlm_ray.tracking import Tracker
-
-# Where they were before the split (sweeps, reports and tests import them from here).
-__all__ = [
-    "PAPER",
-    "PAPER_XNLI",
-    "RECIPES",
-    "TINY",
-    "PairEncoder",
-    "finetune_classifier",
-    "limit_examples",
-    "load_classifier",
-    "predict",
-    "recipe",
-]
 
 
 def finetune_classifier(

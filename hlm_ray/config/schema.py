@@ -218,7 +218,7 @@ class BudgetConfig:
 @dataclass(frozen=True)
 class ClassifyConfig:
     """How an encoder is fine-tuned as a sequence classifier (`hlm finetune --task glue:...`);
-    the recipes (tiny, paper, paper-XNLI) are in `hlm_ray.classify.finetune`."""
+    the recipes (tiny, paper, paper-XNLI) are in `hlm_ray.classify.recipes`."""
 
     seeds: tuple[int, ...] = (0, 1, 2)
     """One fine-tune per seed (the classifier head's initialisation and the data order); the

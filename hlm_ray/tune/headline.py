@@ -47,7 +47,7 @@ def lambada_majority(limit: int | None) -> tuple[float, str]:
 def report_scores(spec: SweepSpec) -> list:
     """The report's rows for the sweep's families, each with its baseline."""
     from hlm_ray.classify.baselines import chance_baseline, majority_baseline
-    from hlm_ray.classify.finetune import recipe as classify_recipe
+    from hlm_ray.classify.recipes import recipe as classify_recipe
     from hlm_ray.downstream import DOWNSTREAM
     from hlm_ray.tune.report import Score
 

@@ -170,7 +170,7 @@ def downstream_score(recipe: str) -> tuple[str, float | None, str]:
     task's main metric, or the mean over its tasks (baseline: the mean of their majority
     classes)."""
     from hlm_ray.classify.baselines import majority_baseline
-    from hlm_ray.classify.finetune import recipe as classify_recipe
+    from hlm_ray.classify.recipes import recipe as classify_recipe
     from hlm_ray.downstream import DOWNSTREAM
 
     if recipe not in DOWNSTREAM:  # sweep.recipe=none: pretraining only
