@@ -8,13 +8,9 @@ Matplotlib's object API only (no pyplot): never touches the global backend.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from pathlib import Path
 
-
-def _ok(rows: Iterable[dict]) -> list[dict]:
-    return [r for r in rows if r.get("status", "ok") == "ok"]
-
+from hlm_ray.bench.report import ok_rows
 
 METHOD_STYLE = {
     "cwt_plain": ("tab:blue", "--"),
@@ -96,7 +92,7 @@ def _main_points(rows: list[dict]) -> dict[str, list[dict]]:
 
 
 def plot_train_step(rows: list[dict], path: Path) -> Path | None:
-    by_model = _main_points(_ok(rows))
+    by_model = _main_points(ok_rows(rows))
     if not by_model:
         return None
     fig, axes = _figure(len(by_model))
@@ -123,7 +119,7 @@ def _step_axes(ax, model: str, rows: list[dict], arms=None) -> None:
 
 
 def plot_speedup(rows: list[dict], path: Path) -> Path | None:
-    ok = _ok(rows)
+    ok = ok_rows(rows)
     points = []
     for model, mine in _main_points(ok).items():
         for vocab in sorted({r["V"] for r in mine}):
@@ -150,7 +146,7 @@ def plot_speedup(rows: list[dict], path: Path) -> Path | None:
 
 def plot_headline(loss_rows: list[dict], step_rows: list[dict], path: Path) -> Path | None:
     """Two panels: training tokens/s vs V (first model), and the loss head vs V (first sweep)."""
-    by_model = _main_points(_ok(step_rows))
+    by_model = _main_points(ok_rows(step_rows))
     v_sweeps = sorted(
         {(r["sweep_index"], r["sweep"]) for r in loss_rows if r["sweep"].startswith("V")}
     )

@@ -1,9 +1,9 @@
-"""Benchmark outputs: the targets with their verdicts, CSV and Markdown tables, PNG figures.
+"""Benchmark outputs: the targets with their verdicts, CSV and Markdown tables (the PNGs are
+hlm_ray/bench/figures.py).
 
     targets = evaluate_targets(preset, loss_rows, step_rows, ray_rows)
     write_csv(step_rows, out / "train_step.csv", STEP_COLUMNS)
     print(markdown_report(preset, env, loss_rows, step_rows, ray_rows, targets))
-    figures = write_figures(out, loss_rows, step_rows)   # PNGs: hlm_ray/bench/figures.py
 
 Each target is a ratio from one run, compared with its threshold: PASS, MISS (with by how
 much), or PENDING when this run cannot measure it (GPU targets on a CPU machine).
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hlm_ray.bench.figures import write_figures  # noqa: F401  (part of this module's API)
 from hlm_ray.bench.presets import BenchPreset
 
 LOSS_COLUMNS = [
@@ -85,7 +84,8 @@ class Target:
         }
 
 
-def _ok(rows: Iterable[dict]) -> list[dict]:
+def ok_rows(rows: Iterable[dict]) -> list[dict]:
+    """The rows measured (not skipped, not failed): the ones figures and targets read."""
     return [r for r in rows if r.get("status", "ok") == "ok"]
 
 
@@ -106,8 +106,8 @@ def evaluate_targets(
 ) -> list[Target]:
     ran = set(ran)
     targets: list[Target] = []
-    steps = [r for r in _ok(step_rows) if r.get("experiment", "points") == "points"]
-    flat = [r for r in _ok(step_rows) if r.get("experiment") == "flat-in-V"]
+    steps = [r for r in ok_rows(step_rows) if r.get("experiment", "points") == "points"]
+    flat = [r for r in ok_rows(step_rows) if r.get("experiment") == "flat-in-V"]
     if "train_step" in ran:
         targets += _flat_targets(preset, flat or steps)
         targets += _speedup_targets(steps)

@@ -23,6 +23,7 @@ import torch
 
 from hlm_ray.bench import report
 from hlm_ray.bench.common import environment
+from hlm_ray.bench.figures import write_figures
 from hlm_ray.bench.presets import BenchPreset
 from hlm_ray.device import resolve_device
 from hlm_ray.errors import HLMError
@@ -186,7 +187,7 @@ def _write(result: BenchResult, headline: Path | None) -> None:
     )  # fmt: skip
     (out / "results.md").write_text(result.markdown)
     files.append(out / "results.md")
-    figures = report.write_figures(out, result.loss_rows, result.step_rows)
+    figures = write_figures(out, result.loss_rows, result.step_rows)
     files += figures
     if headline is not None and (out / "headline.png") in figures:
         headline.parent.mkdir(parents=True, exist_ok=True)
@@ -213,7 +214,7 @@ def log_to_mlflow(result: BenchResult, experiment: str = "hlm_bench") -> str | N
         if t.measured is not None:
             metrics[f"target/{_slug(t.target)}/{_slug(t.scope)}"] = t.measured
     tracker.log_metrics(metrics, step=0)
-    for r in report._ok(result.step_rows):
+    for r in report.ok_rows(result.step_rows):
         prefix = "tokens_per_s" if r.get("experiment") == "points" else "flat_tokens_per_s"
         key = f"{prefix}/{r['model']}/B{r['micro_batch']}/{r['arm']}"
         tracker.log_metrics({_slug(key, keep="/"): r["tokens_per_s"]}, step=int(r["V"]))

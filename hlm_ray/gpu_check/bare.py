@@ -286,12 +286,16 @@ def check_classify(out: Path) -> Row:
     )
 
 
-def run_module(cmd: list[str], timeout_s: float, cwd: Path | None = None):
-    """A subprocess with this checkout first on PYTHONPATH; a timeout is exit 124."""
+def run_module(
+    cmd: list[str], timeout_s: float, cwd: Path | None = None, env: dict[str, str] | None = None
+):
+    """A subprocess with this checkout first on PYTHONPATH (and `env` added to this process's
+    environment for it alone); a timeout is exit 124."""
     import os
 
     env = {
         **os.environ,
+        **(env or {}),
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     try:

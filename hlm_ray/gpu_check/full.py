@@ -43,9 +43,9 @@ def check_ray_train(out: Path) -> Row:
     cmd = [sys.executable, "-m", "hlm_ray.cli", "train", "--preset", "tiny-decoder",
            "--objective", "headless", "--gpu", "--num-workers", "1", "--device", "cuda",
            "--output", str(folder), *[a for s in sets for a in ("--set", s)]]  # fmt: skip
-    os.environ.setdefault("NCCL_DEBUG", "INFO")  # NCCL names itself in the workers' logs
     started = time.perf_counter()
-    proc = _run(cmd, 300)
+    # NCCL names itself in the workers' logs (this run only: the later checks stay quiet).
+    proc = _run(cmd, 300, env={"NCCL_DEBUG": os.environ.get("NCCL_DEBUG", "INFO")})
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         return Row("ray_train", "MISS", f"hlm train exited {proc.returncode}: {_tail(proc)}")

@@ -56,7 +56,49 @@ class SweepScript:
         """Parse `argv`, run the sweep, print its table (and report); the exit status. `prog`:
         the command that ran it (default ``python sweeps/<name>.py``), used in help and in the
         command printed to continue an interrupted sweep."""
-        return sweep_main(self.axis, self.presets, argv, prog, script=self)
+        from hlm_ray.train.interrupt import EXIT_INTERRUPTED
+
+        argv = list(sys.argv[1:] if argv is None else argv)
+        prog = prog or f"python sweeps/{self.axis.name}.py"
+        args = self.parser(prog).parse_args(argv)
+        name = default_name(self.axis, args)
+        try:
+            if self.adjust is not None:
+                self.adjust(args, self.axis)
+            name = default_name(self.axis, args)
+            spec = _get_spec(self.presets, args)
+            if args.dry_run:
+                _print_plan(spec, args, name)
+                return 0
+            outcome = _run(spec, args, name)
+        except HLMError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:  # a second Ctrl-C: the parent run is KILLED already
+            again = " ".join([prog, *(shlex.quote(a) for a in _with_name(argv, name))])
+            print(f"\ninterrupted; continue with: {again}", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        _print_table(outcome)
+        if outcome.interrupted:
+            killed = sum(r["status"] == "KILLED" for r in outcome.rows)
+            again = " ".join([prog, *(shlex.quote(a) for a in _with_name(argv, name))])
+            print(
+                f"\ninterrupted: {killed} unfinished trial(s) stopped and marked KILLED; "
+                f"continue with: {again}",
+                file=sys.stderr,
+            )
+            return EXIT_INTERRUPTED
+        status = _print_outcome(outcome, args.search)
+        if self.report is None or args.search:
+            return status
+        try:
+            files = self.report(spec, name, args.preset)
+        except HLMError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        print("\n" + files[0].read_text())
+        print("report: " + ", ".join(str(p) for p in files))
+        return status
 
 
 def build_parser(
@@ -126,60 +168,6 @@ def _with_name(argv: list[str], name: str) -> list[str]:
     if "--name" in argv or any(a.startswith("--name=") for a in argv):
         return argv
     return [*argv, "--name", name]
-
-
-def sweep_main(
-    axis: Axis,
-    presets: dict[str, SweepSpec],
-    argv: list[str] | None = None,
-    prog: str | None = None,
-    script: SweepScript | None = None,
-) -> int:
-    """`SweepScript(axis, presets).main(argv, prog)`: parse, run, print; the exit status."""
-    from hlm_ray.train.interrupt import EXIT_INTERRUPTED
-
-    script = script or SweepScript(axis, presets)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    prog = prog or f"python sweeps/{axis.name}.py"
-    args = script.parser(prog).parse_args(argv)
-    name = default_name(axis, args)
-    try:
-        if script.adjust is not None:
-            script.adjust(args, axis)
-        name = default_name(axis, args)
-        spec = _get_spec(presets, args)
-        if args.dry_run:
-            _print_plan(spec, args, name)
-            return 0
-        outcome = _run(spec, args, name)
-    except HLMError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:  # a second Ctrl-C: the parent run is KILLED already
-        again = " ".join([prog, *(shlex.quote(a) for a in _with_name(argv, name))])
-        print(f"\ninterrupted; continue with: {again}", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    _print_table(outcome)
-    if outcome.interrupted:
-        killed = sum(r["status"] == "KILLED" for r in outcome.rows)
-        again = " ".join([prog, *(shlex.quote(a) for a in _with_name(argv, name))])
-        print(
-            f"\ninterrupted: {killed} unfinished trial(s) stopped and marked KILLED; "
-            f"continue with: {again}",
-            file=sys.stderr,
-        )
-        return EXIT_INTERRUPTED
-    status = _print_outcome(outcome, args.search)
-    if script.report is None or args.search:
-        return status
-    try:
-        files = script.report(spec, name, args.preset)
-    except HLMError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print("\n" + files[0].read_text())
-    print("report: " + ", ".join(str(p) for p in files))
-    return status
 
 
 def _get_spec(presets: dict[str, SweepSpec], args: argparse.Namespace) -> SweepSpec:

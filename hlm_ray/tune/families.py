@@ -56,16 +56,19 @@ class Family:
     def config(self) -> Config:
         return load_config(self.preset, overrides=dict(self.overrides))
 
+    def tokens_per_step(self) -> int:
+        from hlm_ray.budget import tokens_per_step  # torch: not at import
+
+        return tokens_per_step(self.config())
+
     def pretrain_steps(self) -> int:
-        cfg = self.config()
-        return self.tokens // (cfg.optim.global_batch_size * cfg.data.seq_len)
+        return self.tokens // self.tokens_per_step()
 
     def finetune_steps(self) -> int | None:
         """The headless arm's generator fine-tune steps (what `run_downstream` derives)."""
         if self.share is None:
             return None
-        cfg = self.config()
-        pretrain_tokens = self.pretrain_steps() * cfg.optim.global_batch_size * cfg.data.seq_len
+        pretrain_tokens = self.pretrain_steps() * self.tokens_per_step()
         return max(1, math.floor(self.share * pretrain_tokens / self.clm_tokens_per_step))
 
     def steps(self, objective: str) -> int:
@@ -77,9 +80,8 @@ class Family:
         steps = self.pretrain_steps()
         if self.share is None or objective == "headless" or self.budget == "seconds":
             return steps
-        cfg = self.config()
         extra_tokens = self.finetune_steps() * self.clm_tokens_per_step
-        return steps + round(extra_tokens / (cfg.optim.global_batch_size * cfg.data.seq_len))
+        return steps + round(extra_tokens / self.tokens_per_step())
 
     def arm_config(self, objective: str) -> Config:
         from hlm_ray.config import apply_overrides
@@ -240,24 +242,17 @@ def arm_settings(value: Value, objective: str) -> dict[str, Any]:
     becomes (`hlm_ray.budget`'s floor rule; set here too so a resumed trial knows its length).
     A vanilla decoder pretrains on its headless twin's fine-tuning tokens too."""
     family = FAMILIES[str(value)]
-    cfg = family.config()
     steps = family.steps(objective)
+    tokens = {"optim.max_steps": steps, "budget.tokens": steps * family.tokens_per_step()}
     if family.curve:  # checkpoints at the curve's steps, all kept
         from hlm_ray.tune.curve import checkpoint_settings
 
-        return {
-            "optim.max_steps": steps,
-            "budget.tokens": steps * cfg.optim.global_batch_size * cfg.data.seq_len,
-            **checkpoint_settings(steps),
-        }
+        return tokens | checkpoint_settings(steps)
     if family.budget == "flops":  # the worker turns the FLOPs into steps (U measured)
         return {"optim.max_steps": steps, "budget.flops": family.flops_budget(objective)}
     if family.budget == "seconds":  # a deadline; max_steps is the cap and the schedule
         return {"optim.max_steps": steps, "budget.seconds": family.seconds}
-    return {
-        "optim.max_steps": steps,
-        "budget.tokens": steps * cfg.optim.global_batch_size * cfg.data.seq_len,
-    }
+    return tokens
 
 
 def check_families(spec: SweepSpec) -> None:

@@ -123,8 +123,7 @@ def budget_notes(spec: SweepSpec) -> list[str]:
     notes = []
     for value in spec.values:
         f = FAMILIES[str(value)]
-        cfg = f.config()
-        per_step = cfg.optim.global_batch_size * cfg.data.seq_len
+        per_step = f.tokens_per_step()
         if f.budget != "tokens":
             notes.append(compute_note(str(value), f, per_step))
             continue
@@ -187,15 +186,16 @@ def reached_notes(spec: SweepSpec, folder) -> list[str]:
     return notes
 
 
-def write_report(spec: SweepSpec, name: str, preset: str) -> list:
-    """report.md and headline.png in runs/sweeps/<name>, logged on the parent run."""
+def write_report(spec: SweepSpec, name: str, preset: str, scores: list) -> list:
+    """report.md and headline.png in runs/sweeps/<name> (`scores`: `report_scores(spec)`),
+    logged on the parent run."""
     from hlm_ray.paths import resolve_output
     from hlm_ray.tune import report
     from hlm_ray.tune.sweep import SWEEPS_DIR
 
     folder = resolve_output(SWEEPS_DIR) / name
     trials = report.read_trials(folder, spec.axis.column[1])
-    rows = report.compare(trials, report_scores(spec))
+    rows = report.compare(trials, scores)
     seeds = f"{spec.num_seeds} seed{'s' if spec.num_seeds > 1 else ''}"
     title = f"Headless vs vanilla at equal budget: preset {preset}, {seeds} per arm"
     png = report.plot_arms(rows, folder / "headline.png", title=title)
@@ -241,18 +241,20 @@ def curve_args(args: argparse.Namespace, axis: Axis) -> None:
 def write_reports(spec: SweepSpec, name: str, preset: str) -> list[Path]:
     """report.md and headline.png; with curve families, the curve appended to report.md and
     curve.png. The files, report.md first."""
-    files = write_report(spec, name, preset)
+    scores = report_scores(spec)  # reads the tasks' files for their baselines: once
+    files = write_report(spec, name, preset, scores)
     if any(FAMILIES[str(v)].curve for v in spec.values):
-        text, more = write_curve(spec, name)
+        text, more = write_curve(spec, name, next(s for s in scores if s.headline))
         with files[0].open("a") as f:
             f.write("\n" + text)
         files += more
     return files
 
 
-def write_curve(spec: SweepSpec, name: str) -> tuple[str, list]:
-    """Score each trial's kept checkpoints (`hlm_ray.tune.curve`), draw curve.png; a Markdown
-    table of the points (mean ± sd over seeds per arm and step) and the files."""
+def write_curve(spec: SweepSpec, name: str, score) -> tuple[str, list]:
+    """Score each trial's kept checkpoints (`hlm_ray.tune.curve`), draw curve.png of the
+    headline `score`; a Markdown table of the points (mean ± sd over seeds per arm and step)
+    and the files."""
     from hlm_ray.budget import flops_per_step
     from hlm_ray.paths import resolve_output
     from hlm_ray.tune import curve, stats
@@ -266,7 +268,6 @@ def write_curve(spec: SweepSpec, name: str) -> tuple[str, list]:
     }  # fmt: skip
     points = curve.score_checkpoints(folder, spec.recipe, flops_per_step=per_step,
                                      value_column=spec.axis.column[1])  # fmt: skip
-    score = next(s for s in report_scores(spec) if s.headline)
     png = folder / "curve.png"
     curve.plot_curve(points, png, key=score.key, y_label=score.label,
                            baseline=score.baseline,
