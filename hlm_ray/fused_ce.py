@@ -23,14 +23,16 @@ argument: a head with a bias (BERT's decoder) must use liger or torch.
 from __future__ import annotations
 
 import importlib.util
+from typing import get_args
 
 import torch
 from torch import Tensor
 
+from hlm_ray.config.schema import VanillaImpl
 from hlm_ray.errors import HLMError
 
-FUSED_IMPLS = ("liger", "cce", "cce_compile")
-VANILLA_IMPLS = ("torch", *FUSED_IMPLS)
+VANILLA_IMPLS: tuple[str, ...] = get_args(VanillaImpl)
+FUSED_IMPLS = VANILLA_IMPLS[1:]  # all but torch
 _PACKAGE = {"liger": "liger_kernel", "cce": "cut_cross_entropy", "cce_compile": "cut_cross_entropy"}
 _PIP = {"liger_kernel": "liger-kernel", "cut_cross_entropy": "cut-cross-entropy"}
 

@@ -21,7 +21,6 @@ with the trials packed onto the concurrency the cluster allows (longest first).
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import math
 import os
@@ -171,10 +170,9 @@ def train_plan(
     workers: int,
     gpus_per_worker: float,
     cpus_per_worker: float,
-    overhead_s: float = 0.0,
 ) -> Plan:
-    """The plan of one `hlm train` run; `overhead_s`: its fixed cost (start-up, checkpoints),
-    none unless given (`hlm train --dry-run --overhead-s`)."""
+    """The plan of one `hlm train` run; its fixed cost (start-up, checkpoints) is the
+    assumptions' `overhead_s` (`hlm train --dry-run` makes it 0 unless `--overhead-s` says)."""
     trial = trial_plan(
         cfg,
         f"{cfg.objective.name} {cfg.preset or cfg.model.arch}",
@@ -183,7 +181,6 @@ def train_plan(
         cpus_per_worker=cpus_per_worker,
     )
     cluster, notes = _cluster(assumptions, gpus_per_worker > 0)
-    assumptions = dataclasses.replace(assumptions, overhead_s=overhead_s)
     return Plan("hlm train", [trial], assumptions, 1, cluster, notes)
 
 

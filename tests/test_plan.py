@@ -68,7 +68,11 @@ def test_plan_figures_come_from_the_flop_model():
 def test_train_plan_and_bad_assumptions():
     cfg = get_preset("pythia-70m")
     plan = train_plan(
-        cfg, Assumptions(cluster_gpus=8), workers=8, gpus_per_worker=1, cpus_per_worker=1
+        cfg,
+        Assumptions(cluster_gpus=8, overhead_s=0),
+        workers=8,
+        gpus_per_worker=1,
+        cpus_per_worker=1,
     )
     text = format_plan(plan)
     assert "1 trial(s)" in text and "8 GPU(s)" in text

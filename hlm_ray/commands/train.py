@@ -123,7 +123,6 @@ def _print_plan(cfg, args) -> int:
         workers=args.num_workers,
         gpus_per_worker=1.0,
         cpus_per_worker=args.cpus_per_worker,
-        overhead_s=args.overhead_s,
     )
     print(format_plan(plan))
     return 0

@@ -89,6 +89,8 @@ class DataConfig:
 
 
 ObjectiveName = Literal["headless", "vanilla", "mixed"]
+VanillaImpl = Literal["torch", "liger", "cce", "cce_compile"]
+"""The vanilla head's kernels (`objective.vanilla_impl`): torch, then the fused ones."""
 OBJECTIVES: tuple[str, ...] = get_args(ObjectiveName)
 """The objectives (`objective.name`), the one list every check and choice reads."""
 
@@ -116,7 +118,7 @@ class ObjectiveConfig:
     """Vanilla head: full logits, row-chunked, or torch's fused linear cross-entropy."""
     ce_chunk_size: int = 4096
     """Rows per chunk of the chunked and linear vanilla heads (chunk_size × V logits at once)."""
-    vanilla_impl: Literal["torch", "liger", "cce", "cce_compile"] = "torch"
+    vanilla_impl: VanillaImpl = "torch"
     """Vanilla head kernel: torch (ce_impl decides), or the `gpu` extra's fused kernels: Liger,
     Cut Cross-Entropy (CUDA; no head bias), its torch.compile path cce_compile (any device)."""
     mlm_full_logits: bool = False

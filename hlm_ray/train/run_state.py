@@ -75,7 +75,6 @@ class TrainRun:
     masking: Masking | None
     token_bytes: torch.Tensor
     """Each token id's byte length (for the validation bits per byte of a vocabulary head)."""
-    step_cost: Any
     peak_flops: float | None
     accum: int
     start: int

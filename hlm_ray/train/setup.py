@@ -123,7 +123,6 @@ def setup_run(
         sampler=sampler,
         masking=masking,
         token_bytes=torch.as_tensor(token_byte_lengths(tokenizer), device=env.device),
-        step_cost=step_cost,
         peak_flops=device_peak_flops() if env.device.type == "cuda" else None,
         accum=accum,
         start=start,
