@@ -38,8 +38,8 @@ from hlm_ray.paths import (
     cache_dir,
     data_dir,
     has_shared,
-    hub_datasets,
     hub_specs,
+    load_hub,
 )
 from hlm_ray.tokenizer import tokenizer_fingerprint
 
@@ -174,9 +174,7 @@ def not_utf8(path: Path, chunk: int = 1 << 20) -> str | None:
 
 
 def _load_hub(hub: HubDataset) -> list[str]:
-    ds = hub_datasets(hub.name).load_dataset(
-        hub.name, hub.config, split=hub.split, cache_dir=str(cache_dir("datasets"))
-    )
+    ds = load_hub(hub.name, hub.name, hub.config, hub.split)
     if hub.text_field not in ds.column_names:
         raise HLMError(
             f"{hub.name} has no {hub.text_field!r} column (columns: {ds.column_names}); "

@@ -198,6 +198,15 @@ def hub_datasets(what: str):
     return datasets
 
 
+def load_hub(what: str, name: str, config: str | None, split: str, *, streaming: bool = False):
+    """`datasets.load_dataset` of a hub dataset (`what` names it in the missing-package error),
+    cached under the project's cache folder unless streamed."""
+    datasets = hub_datasets(what)
+    if streaming:
+        return datasets.load_dataset(name, config, split=split, streaming=True)
+    return datasets.load_dataset(name, config, split=split, cache_dir=str(cache_dir("datasets")))
+
+
 def hub_specs(source: str, text_field: str) -> tuple[HubDataset, ...]:
     """The hub datasets a source name stands for: its known fallback(s), else `name[:config]`."""
     fallback = HUB_FALLBACKS.get(source)

@@ -28,7 +28,7 @@ from hlm_ray.evaluate import (
 )
 from hlm_ray.evaluate.lambada import encode_pair, make_requests
 from hlm_ray.models import body, build_model, input_embedding_weight
-from hlm_ray.paths import has_shared, shared_file
+from hlm_ray.paths import cache_dir, has_shared, shared_file
 from hlm_ray.pretrained import Pretrained
 from hlm_ray.tokenizer import load_tokenizer, special_tokens_for, train_bpe
 
@@ -211,8 +211,8 @@ def test_lambada_falls_back_to_the_hub_then_explains(tmp_path, monkeypatch):
     monkeypatch.setenv("HLM_DATA_DIR", str(tmp_path))
     calls = []
 
-    def fake(name, config, split):
-        calls.append((name, config, split))
+    def fake(name, config, split, cache_dir):
+        calls.append((name, config, split, cache_dir))
         return [{"text": "the cat sat on the mat"}, {"text": "one two"}]
 
     monkeypatch.setattr(datasets, "load_dataset", fake)
@@ -220,7 +220,8 @@ def test_lambada_falls_back_to_the_hub_then_explains(tmp_path, monkeypatch):
         {"context": "the cat sat on the", "continuation": "mat"},
         {"context": "one", "continuation": "two"},
     ]
-    assert calls == [("EleutherAI/lambada_openai", "default", "test")]
+    # Cached in the project's cache folder like every other hub dataset.
+    assert calls == [("EleutherAI/lambada_openai", "default", "test", str(cache_dir("datasets")))]
 
     def offline(*args, **kwargs):
         raise ConnectionError("no network")

@@ -42,7 +42,7 @@ import numpy as np
 
 from hlm_ray.errors import HLMError
 from hlm_ray.jsonl import json_objects
-from hlm_ray.paths import DATA_ENV, cache_dir, data_dir, has_shared, hub_datasets
+from hlm_ray.paths import DATA_ENV, data_dir, has_shared, load_hub
 
 XNLI_LANGUAGES = ("ar", "de", "en", "es", "fr", "hi", "zh")  # the paper's seven
 GLUE_EVAL = "eval"  # the eval-split key of single-split tasks
@@ -364,9 +364,7 @@ def _shared_rows(spec: TaskSpec) -> list[Example]:
 
 
 def _hub_split(spec: TaskSpec, split: str) -> list[Example]:
-    ds = hub_datasets(spec.hub_name).load_dataset(
-        spec.hub_name, spec.hub_config, split=split, cache_dir=str(cache_dir("datasets"))
-    )
+    ds = load_hub(spec.hub_name, spec.hub_name, spec.hub_config, split)
     where = f"{spec.hub_name}:{spec.hub_config}/{split}"
     return [
         _example(_record_fields(row, spec, f"{where}, row {i}"), spec, f"{where}, row {i}")

@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from hlm_ray.errors import HLMError
+from hlm_ray.errors import HLMError, one_line
 from hlm_ray.evaluate.common import eval_mode
 from hlm_ray.jsonl import json_objects
 from hlm_ray.models import max_input_positions
-from hlm_ray.paths import DATA_ENV, data_dir, has_shared, hub_datasets, shared_file
+from hlm_ray.paths import DATA_ENV, data_dir, has_shared, load_hub, shared_file
 
 LAMBADA_FILE = "eval/lambada_openai.jsonl"
 # What lm-eval's lambada_openai.yaml loads (the "en" config holds the same 5,153 passages).
@@ -83,11 +83,13 @@ def _read_jsonl(path: Path, limit: int | None) -> list[dict]:
 
 def _from_hub(limit: int | None) -> list[dict]:
     name, config, split = LAMBADA_HUB
-    datasets = hub_datasets(f"LAMBADA: {LAMBADA_FILE} is not in {data_dir()}, and {name}")
+    what = f"LAMBADA: {LAMBADA_FILE} is not in {data_dir()}, and {name}"
     try:
-        rows = datasets.load_dataset(name, config, split=split)
+        rows = load_hub(what, name, config, split)
+    except HLMError:  # no datasets package: its own line
+        raise
     except Exception as err:  # offline: ConnectionError, DatasetNotFoundError, OSError, ...
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        first = one_line(err)
         raise HLMError(
             f"LAMBADA: {LAMBADA_FILE} is not in the data folder {data_dir()} and the hub dataset "
             f"{name} could not be loaded ({first}); set {DATA_ENV} to the folder that holds it "

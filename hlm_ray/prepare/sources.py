@@ -27,7 +27,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from hlm_ray.errors import HLMError
-from hlm_ray.paths import HubDataset, cache_dir, data_dir, has_shared, hub_datasets, hub_specs
+from hlm_ray.paths import HubDataset, cache_dir, data_dir, has_shared, hub_specs, load_hub
 
 SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 _BLANK = re.compile(rb"\n[ \t\r\f\v]*\n")
@@ -152,14 +152,12 @@ def stage_hub(source: str, text_field: str, *, docs_per_file: int = 100_000) -> 
 
 
 def _stream_to_jsonl(hub: HubDataset, folder: Path, docs_per_file: int) -> None:
-    datasets = hub_datasets(hub.name)
-
     def flush(rows: list[str], part: int) -> None:
         with open(folder / f"part-{part:05d}.jsonl", "w") as out:
             out.writelines(json.dumps({"text": text}) + "\n" for text in rows)
 
     try:
-        stream = datasets.load_dataset(hub.name, hub.config, split=hub.split, streaming=True)
+        stream = load_hub(hub.name, hub.name, hub.config, hub.split, streaming=True)
         part, rows = 0, []
         for row in stream:
             if hub.text_field not in row:
