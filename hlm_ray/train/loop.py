@@ -4,14 +4,8 @@
     summary = train_worker(cfg.to_dict(), env=WorkerEnv(...), reporter=..., tracking=...)
 
 This module is the loop alone: when to step, log, validate and checkpoint, and when to stop (the
-last step, or `budget.seconds` spent). Each of those is its own module:
-
-    setup.py            the run built (tokenizer, corpus, model, objective, optimizer), resume
-    step.py             one optimizer step (micro-batches, clip, update)
-    log_window.py       the metrics of the steps since the last log line
-    validate.py         the held-out slice scored by the run's objective
-    run_checkpoints.py  the step's checkpoint, the best one, the final model
-    finish.py           the run's summary and artifacts
+last step, or `budget.seconds` spent). Each of those is its own module (the package docstring,
+`hlm_ray/train/__init__.py`, maps them).
 """
 
 from __future__ import annotations

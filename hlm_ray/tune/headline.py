@@ -46,10 +46,9 @@ def lambada_majority(limit: int | None) -> tuple[float, str]:
 
 def report_scores(spec: SweepSpec) -> list:
     """The report's rows for the sweep's families, each with its baseline."""
-    from hlm_ray.classify.baselines import chance_baseline, majority_baseline
-    from hlm_ray.classify.recipes import recipe as classify_recipe
+    from hlm_ray.classify.baselines import chance_baseline
     from hlm_ray.downstream import DOWNSTREAM
-    from hlm_ray.tune.report import Score
+    from hlm_ray.tune.report import Score, majority_of
 
     plan = DOWNSTREAM[spec.recipe]
     scores = []
@@ -72,9 +71,7 @@ def report_scores(spec: SweepSpec) -> list:
             if task.startswith("xnli:"):
                 base, note = chance_baseline(task), "chance, 3 classes"
             else:
-                settings = classify_recipe(plan["classify"], task)
-                limit = plan.get("classify_settings", {}).get("eval_limit", settings.eval_limit)
-                base, note = majority_baseline(task, eval_limit=limit), "majority class"
+                base, note = majority_of(plan, task), "majority class"
                 if task == "glue:cola":
                     note = "majority class: MCC 0"
             rows.append(Score(f"{task}/score", GLUE_LABELS[task], str(value), baseline=base,

@@ -64,6 +64,18 @@ class Row:
     near_chance: dict[str, bool] = field(default_factory=dict)
 
 
+def majority_of(plan: dict, task: str) -> float:
+    """The majority-class score of a GLUE `task` on the evaluation rows its downstream `plan`
+    (`hlm_ray.downstream.DOWNSTREAM[recipe]`) scores: the plan's eval limit, else its recipe's."""
+    from hlm_ray.classify.baselines import majority_baseline
+    from hlm_ray.classify.recipes import recipe as classify_recipe
+
+    limit = plan.get("classify_settings", {}).get(
+        "eval_limit", classify_recipe(plan["classify"], task).eval_limit
+    )
+    return majority_baseline(task, eval_limit=limit)
+
+
 def compare(trials: Sequence[Trial], scores: Sequence[Score], *, paired: bool = False) -> list[Row]:
     """One row per score: each arm over its seeds, the difference, the verdict."""
     rows = []

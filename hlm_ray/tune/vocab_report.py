@@ -169,20 +169,14 @@ def downstream_score(recipe: str) -> tuple[str, float | None, str]:
     """(label, baseline, baseline note) of `downstream/score` for an encoder `recipe`: one
     task's main metric, or the mean over its tasks (baseline: the mean of their majority
     classes)."""
-    from hlm_ray.classify.baselines import majority_baseline
-    from hlm_ray.classify.recipes import recipe as classify_recipe
     from hlm_ray.downstream import DOWNSTREAM
+    from hlm_ray.tune.report import majority_of
 
     if recipe not in DOWNSTREAM:  # sweep.recipe=none: pretraining only
         return "no downstream score (sweep.recipe=none)", None, ""
     plan = DOWNSTREAM[recipe]
     tasks = [t for t in plan["glue_tasks"] if t not in plan.get("average_excludes", ())]
-    bases = []
-    for task in tasks:
-        limit = plan.get("classify_settings", {}).get(
-            "eval_limit", classify_recipe(plan["classify"], task).eval_limit
-        )
-        bases.append(majority_baseline(task, eval_limit=limit))
+    bases = [majority_of(plan, task) for task in tasks]
     names = [TASK_LABELS.get(t, t) for t in tasks]
     if len(tasks) == 1:
         return f"{names[0]} (fine-tuned, held-out rows)", bases[0], "majority class"
