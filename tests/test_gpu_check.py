@@ -171,6 +171,7 @@ def test_the_loss_and_attention_checks_run_their_code_on_the_cpu(tmp_path, monke
     from hlm_ray.gpu_check import bare
 
     monkeypatch.setattr(bare, "DEVICE", "cpu")
+    monkeypatch.setattr(bare, "ATTENTION_SHAPE", (2, 128, 64, 2))
     row = bare.check_losses(tmp_path)
     assert row.verdict == "PASS" and "extreme (largest logit" in row.figures
     assert "cwt" in row.figures and "ce_chunked" in row.figures

@@ -23,6 +23,10 @@ from hlm_ray.gpu_check.table import Row
 ROOT = Path(__file__).resolve().parents[2]
 EXTREME_TOL = 1e-3  # relative |bf16-autocast loss − float64 loss|, logits up to ~1e4
 DEVICE = "cuda"  # what the checks validate; a CPU smoke test of the code paths sets "cpu"
+# The attention check's model and batch: (batch, sequence, hidden, heads). On a GPU, sequences
+# long enough for the fused kernels to matter; the CPU smoke test sets a small one (bf16 math
+# attention at this size takes minutes on a CPU without bf16 instructions).
+ATTENTION_SHAPE = (4, 1024, 512, 8)
 
 
 def _finite(x: float) -> bool:
@@ -135,13 +139,16 @@ def check_attention(out: Path) -> Row:
     from hlm_ray.config import ModelConfig
     from hlm_ray.models import build_model, hidden_states
 
-    cfg = ModelConfig(arch="gpt2", hidden_size=512, num_layers=2, num_heads=8, max_positions=1024)
+    batch, seq, hidden, heads = ATTENTION_SHAPE
+    cfg = ModelConfig(
+        arch="gpt2", hidden_size=hidden, num_layers=2, num_heads=heads, max_positions=seq
+    )
     torch.manual_seed(0)
     ids = {"eos_token": 0, "pad_token": 1}
     model = (
         build_model(cfg, vocab_size=1000, objective="vanilla", special_ids=ids).to(DEVICE).eval()
     )
-    tokens = torch.randint(0, 1000, (4, 1024), device=DEVICE)
+    tokens = torch.randint(0, 1000, (batch, seq), device=DEVICE)  # (B, T)
 
     def run():
         with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.bfloat16):
