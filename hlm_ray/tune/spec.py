@@ -15,7 +15,7 @@ on the base preset (`optim.max_steps=20`). Invalid settings raise `HLMError` nam
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from functools import partial
+from functools import cache, partial
 from typing import Any, Literal
 
 import yaml
@@ -237,7 +237,15 @@ def _axis_setting(axis: Axis, workers: int, key: str, resolved: dict[str, Any]) 
     """`sample_from` callback: Tune passes the space resolved so far (the grid's value and
     objective)."""
     objective = resolved["config"]["objective"]["name"]
-    return axis.overrides(resolved["value"], workers, objective).get(key)
+    return _cell_overrides(axis, resolved["value"], workers, objective).get(key)
+
+
+@cache
+def _cell_overrides(axis: Axis, value: Value, workers: int, objective: str) -> dict[str, Any]:
+    """`axis.overrides` of one cell, computed once for all its keys: Tune resolves each key with
+    its own callback, and a headline family's overrides load presets and price steps (tens of
+    keys × a few ms each, for every cell). Read only: the dict is shared."""
+    return axis.overrides(value, workers, objective)
 
 
 def _plain(value: Any) -> Any:
