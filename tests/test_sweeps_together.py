@@ -21,6 +21,41 @@ SWEEPS = {
 }
 
 
+# Ray Train's controller logs this warning, with a traceback, when the autoscaling coordinator
+# does not answer within 5 s (ray/train/v2/.../autoscaling_coordinator_client.py); the message
+# itself says it is safe to ignore when the CPU is overloaded, as two clusters on 2 cores are.
+TRANSIENT_RAY_WARNINGS = ("Failed to send resource request for train-",)
+
+
+def unexpected_tracebacks(log: str) -> list[str]:
+    """The lines that open a traceback in `log`, except the one right after a warning of Ray's
+    that says it is transient and safe to ignore."""
+    lines = log.splitlines()
+    return [
+        line
+        for i, line in enumerate(lines)
+        if "Traceback (most recent call last)" in line
+        and not (i and any(w in lines[i - 1] for w in TRANSIENT_RAY_WARNINGS))
+    ]
+
+
+def test_the_traceback_check_passes_only_ray_s_transient_warning():
+    transient = (
+        "(TrainController pid=7) Failed to send resource request for train-9a. If this only"
+        " happens transiently ..., it's safe to ignore this error.\n"
+        "(TrainController pid=7) Traceback (most recent call last):\n"
+        "(TrainController pid=7) ray.exceptions.GetTimeoutError: Get timed out\n"
+    )
+    assert unexpected_tracebacks(transient) == []
+    cleaner = (
+        "(pid=8) Found multiple active Ray instances\n(pid=8) Traceback (most recent call last):\n"
+    )
+    assert unexpected_tracebacks(transient + cleaner) == [
+        "(pid=8) Traceback (most recent call last):"
+    ]
+    assert len(unexpected_tracebacks("Traceback (most recent call last):\n  File x\n")) == 1
+
+
 @pytest.mark.ray
 @pytest.mark.slow
 def test_two_sweeps_at_once_both_finish_without_ray_errors(tmp_path):
@@ -59,7 +94,7 @@ def test_two_sweeps_at_once_both_finish_without_ray_errors(tmp_path):
         logs = {kind: (tmp_path / f"{kind}.log").read_text() for kind in drivers}
         for kind, driver in drivers.items():
             assert driver.returncode == 0, logs[kind][-3000:]
-            assert "Traceback" not in logs[kind], logs[kind][-3000:]
+            assert not unexpected_tracebacks(logs[kind]), logs[kind][-3000:]
             assert "Found multiple active Ray instances" not in logs[kind]
         # Two clusters: each driver started its own raylet.
         raylets = [cmd for _, cmd in seen.values() if "raylet" in cmd.split(" ")[0]]
