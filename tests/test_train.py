@@ -9,6 +9,7 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
 from hlm_ray.cli import main
 from hlm_ray.data import BlockSampler
+from hlm_ray.errors import HLMError
 from hlm_ray.flops import config_step_flops
 from hlm_ray.tokenizer import token_byte_lengths
 from hlm_ray.tracking import read_metrics
@@ -139,6 +140,25 @@ def test_interrupted_checkpoint_save_leaves_the_last_one_intact(tmp_path, monkey
         )
     assert [p.name for p in ckpt.list_checkpoints(root)] == before
     assert ckpt.resolve_resume(tmp_path / "run").name == before[-1]
+
+
+def test_a_half_copied_marker_is_not_listed_but_still_refuses_a_fresh_run(tmp_path):
+    """Ray copies a reported checkpoint into the run folder file by file: a marker seen while
+    it is copied (or left so by a crash) is empty. Listing skips it, `verify` calls the folder
+    damaged, and a fresh run is still refused the folder."""
+    root = tmp_path / "run"
+    for step in (8, 16):
+        folder = root / f"{ckpt.PREFIX}{step:08d}"
+        folder.mkdir(parents=True)
+        (folder / "train_state.pt").write_bytes(b"x")
+        ckpt.write_manifest(folder, {"step": step})
+    (root / f"{ckpt.PREFIX}00000016" / ckpt.MARKER).write_text("")
+    assert [p.name for p in ckpt.list_checkpoints(root)] == [f"{ckpt.PREFIX}00000008"]
+    assert ckpt.verify(root / f"{ckpt.PREFIX}00000016") == f"unreadable {ckpt.MARKER}"
+    (root / f"{ckpt.PREFIX}00000008" / ckpt.MARKER).unlink()
+    assert ckpt.list_checkpoints(root) == []
+    with pytest.raises(HLMError, match="already holds checkpoints"):
+        ckpt.refuse_existing(root)
 
 
 def test_each_worker_reads_its_own_shard():

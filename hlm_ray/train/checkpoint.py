@@ -162,14 +162,23 @@ def _folder_step(folder: Path) -> int:
     return int(match.group(1)) if match else -1
 
 
+def _marker_step(folder: Path) -> int | None:
+    """The step the marker names; None while it is unreadable (Ray persists a reported
+    checkpoint into the run folder file by file, so a marker can be seen half-copied)."""
+    try:
+        return checkpoint_step(folder)
+    except (ValueError, KeyError, TypeError, OSError):
+        return None
+
+
 def list_checkpoints(root: Path) -> list[Path]:
-    """Checkpoints under `root` with their marker, oldest first (not verified: see
-    `latest_valid`)."""
+    """Checkpoints under `root` whose marker names their step, oldest first (not verified: see
+    `latest_valid`, which also reports a folder whose marker is unreadable as damaged)."""
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [p for p in root.glob(f"{PREFIX}*") if p.is_dir() and is_checkpoint(p)]
-    return sorted(found, key=checkpoint_step)
+    steps = {p: _marker_step(p) for p in root.glob(f"{PREFIX}*") if p.is_dir() and is_checkpoint(p)}
+    return sorted((p for p, step in steps.items() if step is not None), key=steps.__getitem__)
 
 
 def folders(root: Path) -> list[Path]:
@@ -290,8 +299,9 @@ def prepare_resume(root: Path, chosen: Path | None, *, explicit: bool = False) -
 
 
 def refuse_existing(folder: str | Path) -> None:
-    """A fresh run must not start in a folder that holds checkpoints: it would mix with them."""
-    if list_checkpoints(Path(folder)):
+    """A fresh run must not start in a folder that holds checkpoints (readable or not): it would
+    mix with them."""
+    if any(is_checkpoint(p) for p in folders(Path(folder))):
         raise HLMError(
             f"{folder} already holds checkpoints; continue it with --resume {folder} "
             "or choose another --output"
