@@ -73,8 +73,11 @@ def serve_app(ray_cluster, serve_model_uri):
     assert args.api_key is None  # the key comes from the replica's environment only
     check_model(args)
     # make_app's deployment, plus the key in the replica's environment and frequent checks.
+    # No logical CPU: the app stays up until the session ends, and with 0.5 of the cluster's 2
+    # CPUs held the sweep tests after it ran their 1-CPU trials one at a time (the replica is
+    # idle between the serving tests; what `num_cpus` does is test_serve.py's overload app's).
     deployment = CompletionServer.options(
-        ray_actor_options={"num_cpus": 0.5, "runtime_env": {"env_vars": {API_KEY_ENV: API_KEY}}},
+        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": {API_KEY_ENV: API_KEY}}},
         health_check_period_s=HEALTH_CHECK_PERIOD_S,
     )
     try:

@@ -485,8 +485,11 @@ def test_batch_size_sweep_retries_a_failed_trial_from_its_checkpoint(
 ):
     monkeypatch.chdir(tmp_path)
     # Every trial's worker dies once at step 4, after the checkpoint at step 4; Tune retries
-    # the trial (same id, same run folder) and training continues from that checkpoint.
-    items = [*FAST, "run.checkpoint_every=4", "run.fail_at_step=4"]
+    # the trial (same id, same run folder) and training continues from that checkpoint. One
+    # arm, both batch sizes: the retry does not depend on the objective, and each retried trial
+    # costs a second worker-group start (~40 s on 2 cores); the vanilla decoder's LAMBADA step
+    # runs in test_headline.py's end-to-end sweep.
+    items = [*FAST, "run.checkpoint_every=4", "run.fail_at_step=4", "sweep.objectives=[headless]"]
     argv = ["--preset", "tiny", "--name", "bs-e2e", "--max-failures", "1", *_set(items)]
     assert _sweep_main("batch_size")(argv) == 0
     folder = tmp_path / "runs" / "sweeps" / "bs-e2e"
@@ -496,8 +499,6 @@ def test_batch_size_sweep_retries_a_failed_trial_from_its_checkpoint(
     assert sorted((r["objective"], r["micro_batch"]) for r in rows) == [
         ("headless", "16"),
         ("headless", "8"),
-        ("vanilla", "16"),
-        ("vanilla", "8"),
     ]
     assert all(r["status"] == "FINISHED" and r["lambada/accuracy"] != "" for r in rows)
     # K is the in-batch rows of one micro-batch: B·(L−1) targets of a decoder.
@@ -509,7 +510,7 @@ def test_batch_size_sweep_retries_a_failed_trial_from_its_checkpoint(
     assert "fig8_lambada_vs_batch_size.png" in {
         a.path for a in client.list_artifacts(parent.info.run_id)
     }
-    assert len(children) == 4  # the retry continued each trial's run
+    assert len(children) == 2  # the retry continued each trial's run
     for child in children:
         micro = int(child.data.params["optim.micro_batch_size"])
         assert int(child.data.params["optim.global_batch_size"]) == micro  # one worker
@@ -520,43 +521,12 @@ def test_batch_size_sweep_retries_a_failed_trial_from_its_checkpoint(
 
 @pytest.mark.ray
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    "kind, items",
-    [
-        # Two of the three tiny values, one worker per trial (all_workers needs two).
-        ("negatives", ["sweep.values=[own,64]", "sweep.workers_per_trial=1"]),
-        ("temperature", []),
-    ],
-)
-def test_a_pretraining_only_sweep_end_to_end(
-    kind, items, ray_cluster, sweep_server, tmp_path, monkeypatch
-):
-    """The other scripts at their tiniest: two trials of 8 steps, no downstream step."""
-    monkeypatch.chdir(tmp_path)
-    items = [*FAST, *items, "sweep.recipe=none"]
-    name = f"{kind}-e2e"
-    assert _sweep_main(kind)(["--preset", "tiny", "--name", name, *_set(items)]) == 0
-    folder = tmp_path / "runs" / "sweeps" / name
-    spec = get_sweep(kind, "tiny", items)
-    rows = check_trials_carry_their_values(folder, spec, sweep_server, name)
-    assert len(rows) == 2
-    for row in rows:
-        assert row["status"] == "FINISHED" and float(row["loss"]) > 0
-        assert row["downstream/score"] == ""  # sweep.recipe=none: not run
-        assert not (folder / "trials" / row["run"] / "downstream").exists()
-    (parent,) = _runs(sweep_server, name)[1]
-    assert parent.info.status == "FINISHED"
-
-
-@pytest.mark.ray
-@pytest.mark.slow
 def test_search_stops_trials_with_asha_and_names_the_lowest_validation_loss(
     ray_cluster, sweep_server, tmp_path, monkeypatch, capsys
 ):
     """--search for real: 3 sampled learning rates, one trial at a time (1.2 CPUs a worker on
-    the 2-CPU session cluster: ASHA sees the trials in a fixed order; not 2, which never fits
-    beside the session's Serve app and its 0.5 CPU), a validation loss at every third step, ASHA
-    from the first report on."""
+    the 2-CPU session cluster: ASHA sees the trials in a fixed order), a validation loss at
+    every third step, ASHA from the first report on."""
     monkeypatch.chdir(tmp_path)
     items = [
         "optim.max_steps=12",

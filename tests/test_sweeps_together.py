@@ -2,7 +2,9 @@
 its own (RAY_ADDRESS=local: never the test session's cluster nor another one on this machine),
 both into one MLflow store. Neither may trip over the other cluster: Ray Train's placement-group
 cleaner once looked for "the" local cluster, found several, and logged a traceback every few
-seconds."""
+seconds. The two are the pretraining-only scripts (negatives, temperature), so this is also
+their end-to-end test: each trial carries its value of the axis (test_sweeps.py runs the vocab
+and batch-size scripts end to end on the session's cluster)."""
 
 import os
 import signal
@@ -11,13 +13,26 @@ import sys
 import time
 
 import pytest
-from sweep_common import FAST, ROOT, descendants, set_args, still_running, sweep_runs
+from sweep_common import (
+    FAST,
+    ROOT,
+    check_trials_carry_their_values,
+    descendants,
+    load_script,
+    set_args,
+    still_running,
+    summary_rows,
+    sweep_runs,
+)
 
-# One trial each (one value, one objective), 8 steps, no downstream step.
+from hlm_ray.tune.spec import get_sweep
+
+# One trial each (one value, not the base config's, so that a value lost on its way to the
+# trial shows; headless: neither axis enters a vanilla loss), 8 steps, no downstream step.
 CHEAP = [*FAST, "sweep.objectives=[headless]", "sweep.recipe=none"]
 SWEEPS = {
-    "vocab": ["sweep.values=[512]"],
-    "batch_size": ["sweep.values=[8]"],
+    "negatives": ["sweep.values=[64]", "sweep.workers_per_trial=1"],  # own: every target
+    "temperature": ["sweep.values=[0.1]"],  # the base config's τ is 1
 }
 
 
@@ -112,8 +127,17 @@ def test_two_sweeps_at_once_both_finish_without_ray_errors(tmp_path):
         for pid in still_running(seen):  # a failed test leaves nothing behind
             os.kill(pid, signal.SIGKILL)
 
-    for kind in SWEEPS:  # both in the one store, each parent run with its trial
-        _, parents, children = sweep_runs(uri, f"{kind}-together")
+    for kind, items in SWEEPS.items():  # both in the one store, each parent run with its trial
+        name = f"{kind}-together"
+        _, parents, children = sweep_runs(uri, name)
         assert [p.info.status for p in parents] == ["FINISHED"]
         assert [c.data.tags["mlflow.parentRunId"] for c in children] == [parents[0].info.run_id]
         assert children[0].info.status == "FINISHED"
+        folder = tmp_path / "runs" / "sweeps" / name
+        presets = load_script(ROOT / "sweeps" / f"{kind}.py").PRESETS
+        spec = get_sweep(presets, "tiny", [*CHEAP, *items])
+        (row,) = check_trials_carry_their_values(folder, spec, uri, name)
+        assert row["status"] == "FINISHED" and float(row["loss"]) > 0
+        assert row["downstream/score"] == ""  # sweep.recipe=none: not run
+        assert not (folder / "trials" / row["run"] / "downstream").exists()
+        assert summary_rows(folder) == [row]
