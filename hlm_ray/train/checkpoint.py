@@ -117,6 +117,10 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
+# What reading a marker raises when it is empty, half-written, not JSON or without a step.
+UNREADABLE = (ValueError, KeyError, TypeError, OSError)
+
+
 def verify(folder: Path) -> str | None:
     """None when `folder` is a complete checkpoint; else what is wrong with it, in a few words."""
     folder = Path(folder)
@@ -126,7 +130,7 @@ def verify(folder: Path) -> str | None:
     try:
         meta = json.loads(marker.read_text())
         int(meta["step"])
-    except (ValueError, KeyError, TypeError, OSError):
+    except UNREADABLE:
         return f"unreadable {MARKER}"
     files = meta.get("files")
     if files is None:  # written before checkpoints had manifests: the files must be there
@@ -163,11 +167,11 @@ def _folder_step(folder: Path) -> int:
 
 
 def _marker_step(folder: Path) -> int | None:
-    """The step the marker names; None while it is unreadable (Ray persists a reported
+    """The step the marker names; None without a readable marker (Ray persists a reported
     checkpoint into the run folder file by file, so a marker can be seen half-copied)."""
     try:
         return checkpoint_step(folder)
-    except (ValueError, KeyError, TypeError, OSError):
+    except UNREADABLE:
         return None
 
 
@@ -177,8 +181,8 @@ def list_checkpoints(root: Path) -> list[Path]:
     root = Path(root)
     if not root.is_dir():
         return []
-    steps = {p: _marker_step(p) for p in root.glob(f"{PREFIX}*") if p.is_dir() and is_checkpoint(p)}
-    return sorted((p for p, step in steps.items() if step is not None), key=steps.__getitem__)
+    steps = {p: step for p in root.glob(f"{PREFIX}*") if (step := _marker_step(p)) is not None}
+    return sorted(steps, key=steps.__getitem__)
 
 
 def folders(root: Path) -> list[Path]:
