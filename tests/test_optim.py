@@ -2,6 +2,7 @@
 with sparse gradients, its state through a checkpoint, DDP over gloo with sparse gradients, the
 guards, and one real training run with embedding_update=lazy that resumes exactly."""
 
+import copy
 import io
 import os
 import socket
@@ -260,3 +261,78 @@ def test_training_with_lazy_update_resumes_exactly(tmp_path) -> None:
     assert a.keys() == b.keys()
     for key in a:
         torch.testing.assert_close(a[key], b[key], msg=key)
+
+
+# ---- fused AdamW ---------------------------------------------------------------------------
+
+
+def _steps(opt_of, dtype: torch.dtype, steps: int = 5) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 50)).to(dtype)
+    opt = opt_of([{"params": list(model.parameters()), "weight_decay": 0.1}])
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        ids = torch.randint(0, 50, (16,), generator=gen)
+        logits = model(ids).float() * 30  # large logits: gradients far from tiny
+        F.cross_entropy(logits, ids.roll(1)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return model, opt
+
+
+def test_adamw_is_fused_on_cpu_and_matches_the_loop() -> None:
+    from hlm_ray.train.optim import adamw
+
+    kw = dict(lr=LR, betas=BETAS, eps=EPS)
+    fused, opt = _steps(lambda g: adamw(g, **kw), torch.float32)
+    assert opt.defaults["fused"] is True
+    loop, ref = _steps(lambda g: torch.optim.AdamW(g, foreach=False, **kw), torch.float32)
+    assert not ref.defaults["fused"]
+    for a, b in zip(fused.parameters(), loop.parameters(), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+
+def test_fused_adamw_on_bf16_weights_rounds_the_exact_update_once() -> None:
+    # bf16 weights: the fused kernel computes the update in float and rounds once, so it
+    # equals the float64 update of the same weights and gradient, rounded to bf16 (the loop
+    # rounds after every op and can be several bf16 steps off).
+    from hlm_ray.train.optim import adamw
+
+    kw = dict(lr=LR, betas=BETAS, eps=EPS)
+    model, _ = _steps(lambda g: adamw(g, **kw), torch.bfloat16, steps=0)
+    exact = [p.detach().double().requires_grad_() for p in model.parameters()]
+    ids = torch.arange(16)
+    (F.cross_entropy(model(ids).float() * 30, ids.roll(1))).backward()
+    for e, p in zip(exact, model.parameters(), strict=True):
+        e.grad = p.grad.double()
+    adamw([{"params": list(model.parameters()), "weight_decay": 0.1}], **kw).step()
+    torch.optim.AdamW([{"params": exact, "weight_decay": 0.1}], foreach=False, **kw).step()
+    for p, e in zip(model.parameters(), exact, strict=True):
+        # One bf16 rounding of the exact result: within half a bf16 step (2^-8 relative).
+        torch.testing.assert_close(p.double(), e.detach(), atol=1e-6, rtol=2**-8)
+
+
+def test_a_loop_adamw_checkpoint_resumes_into_the_fused_one() -> None:
+    # Run folders written before the optimizer was fused resume with it, state and all.
+    from hlm_ray.train.optim import adamw
+
+    kw = dict(lr=LR, betas=BETAS, eps=EPS)
+    model, ref = _steps(lambda g: torch.optim.AdamW(g, foreach=False, **kw), torch.float32, 2)
+    state = copy.deepcopy(ref.state_dict())  # the loop's own step below must not touch it
+    fused = adamw([{"params": list(model.parameters()), "weight_decay": 0.1}], **kw)
+    fused.load_state_dict(state)
+    ids = torch.arange(16)
+    for opt in (ref, fused):  # the same gradient through both; the fused one runs second
+        before = [p.detach().clone() for p in model.parameters()]
+        F.cross_entropy(model(ids), ids.roll(1)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        moved = [p.detach().clone() for p in model.parameters()]
+        with torch.no_grad():
+            for p, b in zip(model.parameters(), before, strict=True):
+                p.copy_(b)
+        if opt is ref:
+            expected = moved
+    for got, want in zip(moved, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    assert fused.state_dict()["state"][0]["step"] == 3

@@ -153,7 +153,7 @@ def test_curve_checkpoints_at_a_quarter_a_half_and_the_end():
     odd = checkpoint_settings(10)  # steps 2 (2.5 rounded to even), 5, 10: every step kept
     assert curve_steps(10) == [2, 5, 10] and odd["run.keep_checkpoints"] == 10
     arm = families.arm_settings("bert-cpu-curve", "vanilla")
-    assert arm["run.checkpoint_every"] == 150 and arm["optim.max_steps"] == 600
+    assert arm["run.checkpoint_every"] == 100 and arm["optim.max_steps"] == 400
 
 
 def _curve_args(argv: list[str]):

@@ -35,6 +35,7 @@ from hlm_ray.classify.model import (
 )
 from hlm_ray.classify.tasks import GLUE_EVAL, TaskSpec
 from hlm_ray.tracking import Tracker
+from hlm_ray.train.optim import adamw
 
 
 @torch.no_grad()
@@ -145,7 +146,7 @@ def train_seed(run: Run, seed: int) -> dict[str, Any]:
     start = time.perf_counter()
     torch.manual_seed(seed)  # the new head's initialisation
     model, new_weights = load_classifier(run.folder, run.spec, run.device)
-    optimizer = torch.optim.AdamW(param_groups(model, s["weight_decay"]), lr=s["lr"])
+    optimizer = adamw(param_groups(model, s["weight_decay"]), lr=s["lr"])
     total_steps = math.ceil(len(run.train) / s["batch_size"]) * s["epochs"]
     warmup = round(s["warmup_fraction"] * total_steps)
     scheduler = constant_with_warmup(optimizer, warmup)

@@ -3,7 +3,7 @@ no encoder weight is silently re-initialised), its optimizer groups and schedule
 model saved with a tokenizer that builds the inputs it was trained on.
 
     model, new_weights = load_classifier(folder, spec, device)
-    optimizer = torch.optim.AdamW(param_groups(model, 0.01), lr=1e-5)
+    optimizer = adamw(param_groups(model, 0.01), lr=1e-5)   # hlm_ray.train.optim.adamw
     scheduler = constant_with_warmup(optimizer, warmup_steps=30)
 
 The model is `AutoModelForSequenceClassification.from_pretrained(folder)`: it reads the encoder

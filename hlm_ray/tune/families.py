@@ -3,8 +3,8 @@ settings and the budget both arms share, and the arithmetic that turns a budget 
 steps.
 
     family = FAMILIES["gpt2-cpu"]
-    family.steps("headless"), family.steps("vanilla")   # 600, 612: + the generator's tokens
-    arm_settings("gpt2-cpu-flops", "vanilla")  # {"optim.max_steps": 29, "budget.flops": ...}
+    family.steps("headless"), family.steps("vanilla")   # 400, 408: + the generator's tokens
+    arm_settings("gpt2-cpu-flops", "vanilla")  # {"optim.max_steps": 17, "budget.flops": ...}
     check_families(spec)                       # HLMError for an unknown family, before Ray
 
 Both arms of a family get the same pretraining budget: in tokens, or (the `-flops` /
@@ -154,15 +154,17 @@ GPT2_CPU_SETTINGS = {
     "tokenizer.path": "tokenizers/gpt2",
     "optim.warmup_steps": 5,
 }
-# Equal FLOPs, for every arm at V = 50,257: ~116 vanilla encoder steps, ~30 vanilla decoder steps,
-# ~380 headless encoder steps (the dry run lists them).
-CPU_FLOPS = 2e12
+# Equal FLOPs, for every arm at V = 50,257: ~69 vanilla encoder steps, ~17 vanilla decoder steps,
+# ~227 headless encoder steps (the dry run lists them).
+CPU_FLOPS = 1.2e12
 # Equal seconds: measured training time of each arm (the deadline of `budget.seconds`).
 CPU_SECONDS = 60.0
 # The generator recipe of the tiny and cpu decoders (hlm_ray.finetune.clm.RECIPES: tiny, 32
 # sequences of 64 tokens a step) and the share of the pretraining tokens it fine-tunes on.
 SMALL_GENERATOR = {"share": 0.02, "clm_tokens_per_step": 32 * 64}
-CPU_TOKENS = 600 * 32 * 64  # 600 steps of 32 × 64 tokens
+# Sized so that `headline.py --preset cpu` (36 trials) fits 45 minutes on 2 AVX2 cores.
+CPU_TOKENS = 400 * 32 * 64  # 400 steps of 32 × 64 tokens
+SECONDS_CAP = 1_200 * 32 * 64  # the equal-seconds arms' schedule: more steps than 60 s buy
 
 
 def pair(suffix: str, settings: dict[str, Any], tokens: int, **budget) -> dict[str, Family]:
@@ -180,7 +182,7 @@ FAMILIES: dict[str, Family] = {
     # tiny: the smoke test (seconds of training; scores stay at chance).
     "tiny-encoder": Family("tiny-encoder", TINY_SETTINGS, TINY_TOKENS),
     "tiny-gpt2": Family("tiny-gpt2", TINY_SETTINGS, TINY_TOKENS, **SMALL_GENERATOR),
-    # cpu, equal tokens: these two families took 16 min on 2 loaded cores; GLUE leaves chance.
+    # cpu, equal tokens: 400 steps of 2,048 tokens for both arms.
     **pair("", CPU_SETTINGS, CPU_TOKENS),
     "tiny-encoder-curve": Family("tiny-encoder", TINY_SETTINGS, TINY_TOKENS, curve=True),
     # --curve: bert-cpu with its checkpoints at 25%, 50% and 100% of the budget kept and scored.
@@ -206,7 +208,7 @@ FAMILIES: dict[str, Family] = {
     **pair(
         "-seconds",
         GPT2_CPU_SETTINGS,
-        2 * CPU_TOKENS,
+        SECONDS_CAP,
         budget="seconds",
         seconds=CPU_SECONDS,
         paper="Table 1's equal GPU-hours row at CPU scale (GPT-2 tokenizer, equal seconds)",
