@@ -1,6 +1,7 @@
 """The optimizer: the lazy (row-wise) AdamW of the embedding table against torch's AdamW, clipping
 with sparse gradients, its state through a checkpoint, DDP over gloo with sparse gradients, the
-guards, and one real training run with embedding_update=lazy that resumes exactly."""
+guards, one real training run with embedding_update=lazy that resumes exactly, and the fused
+AdamW (`adamw`) against torch's per-tensor loop."""
 
 import copy
 import io

@@ -132,6 +132,8 @@ def test_headline_equal_compute_rows():
     for name in ("bert-cpu-seconds", "gpt2-cpu-seconds"):
         arms = [families.arm_settings(name, o) for o in ("headless", "vanilla")]
         assert arms[0] == arms[1] and arms[0]["budget.seconds"] == families.CPU_SECONDS
+        # The schedule (and cap) is 1,200 steps, more than 60 s buy either arm on 2 cores.
+        assert arms[0]["optim.max_steps"] == 1_200
 
 
 def test_verdict_of_a_per_size_row_uses_the_headline_statistics():

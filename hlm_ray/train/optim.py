@@ -174,12 +174,11 @@ def lazy_embedding(model: nn.Module) -> nn.Embedding:
 FUSED_DEVICES = ("cpu", "cuda")  # where torch has a fused AdamW kernel
 
 
-def adamw(groups: list[dict], **kwargs) -> torch.optim.AdamW:
-    """torch's AdamW over `groups`, fused where every parameter's device has the kernel."""
-    return _adamw(torch.optim.AdamW, groups, **kwargs)
-
-
-def _adamw(cls: type[torch.optim.AdamW], groups: list[dict], **kwargs) -> torch.optim.AdamW:
+def adamw(
+    groups: list[dict], *, cls: type[torch.optim.AdamW] = torch.optim.AdamW, **kwargs
+) -> torch.optim.AdamW:
+    """`cls` (torch's AdamW or a subclass) over `groups`, fused where every parameter's device
+    has the kernel."""
     devices = {p.device.type for g in groups for p in g["params"]}
     fused = bool(devices) and devices <= set(FUSED_DEVICES)
     return cls(groups, fused=fused or None, **kwargs)
@@ -197,7 +196,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
         return adamw(param_groups(model, cfg), **kwargs)
     embedding.sparse = True
     # The lazy group's rows are updated by _lazy_update; fused AdamW runs the dense groups.
-    return _adamw(LazyAdamW, param_groups(model, cfg, lazy=embedding.weight), **kwargs)
+    return adamw(param_groups(model, cfg, lazy=embedding.weight), cls=LazyAdamW, **kwargs)
 
 
 def uses_sparse_embedding(model: nn.Module) -> bool:
