@@ -2,13 +2,13 @@
 single-process CWT loss over the concatenated micro-batches."""
 
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hlm_ray.objectives import cwt_loss_from_ids
+from hlm_ray.tracking.server import free_port
 from hlm_ray.train.distributed import gather_negative_ids, global_mean
 
 V, D = 50, 16
@@ -42,12 +42,6 @@ def worker(rank, port, sizes, out):
     if rank == 0:
         out.put((total.item() / sum(sizes), table.grad, mean.item()))
     dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_cross_worker_negatives_equal_the_loss_over_the_concatenated_batches():

@@ -10,6 +10,7 @@ import logging
 import pickle
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -28,6 +29,7 @@ from hlm_ray.tracking import (
     write_run_ref,
 )
 from hlm_ray.tracking import store as tracking_store
+from hlm_ray.tracking.server import FIXED_PORTS, _ephemeral_range, free_port
 from hlm_ray.train.summary import plot_loss_curve
 
 mlflow = pytest.importorskip("mlflow")
@@ -392,3 +394,15 @@ def test_sync_of_a_folder_that_is_not_a_run_says_so_in_one_line(tmp_path):
     with pytest.raises(HLMError, match=r"no mlflow_run\.json and no metrics\.jsonl: not a run"):
         sync_run(tmp_path)
     assert list(tmp_path.iterdir()) == []  # nothing written into a folder that is not a run
+
+
+def test_free_port_is_outside_the_ports_the_kernel_hands_out():
+    """A port the OS hands out can be taken by another process before the server binds it
+    (two local Ray clusters starting at once did take a dashboard's port)."""
+    low, _ = _ephemeral_range()
+    ports = {free_port() for _ in range(20)}
+    assert all(FIXED_PORTS[0] <= p < min(FIXED_PORTS[1], low) for p in ports), ports
+    with socket.socket() as taken:  # a port something listens on is never returned
+        taken.bind(("127.0.0.1", ports.pop()))
+        taken.listen()
+        assert free_port() != taken.getsockname()[1]

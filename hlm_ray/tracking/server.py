@@ -24,6 +24,7 @@ from __future__ import annotations
 import atexit
 import fcntl
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -188,11 +189,39 @@ class LocalServer:
             stop_group(process)
 
 
+# Ray hands its workers ports 10002-19999; below 20000 a server would race them.
+FIXED_PORTS = (20000, 32768)
+
+
 def free_port() -> int:
-    """A port nothing listens on now (the OS picks it)."""
+    """A loopback port nothing listens on now, for a server that binds it a moment later.
+
+    Picked outside the kernel's ephemeral range: a port the OS hands out (bind to 0, or
+    any outgoing connection) can be taken by another process in the seconds before the server
+    binds it. Two local Ray clusters starting at once open hundreds of such sockets, and one
+    took a dashboard port chosen that way ("Failed to bind ... already occupied"). Outside the
+    range only a process that names the same port can collide: 1 in ~12,000 per pair."""
+    low, high = FIXED_PORTS
+    high = min(high, _ephemeral_range()[0])
+    for port in random.sample(range(low, high), min(64, max(high - low, 0))):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("127.0.0.1", 0))  # no fixed port free: let the OS pick
         return sock.getsockname()[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands out (Linux's file; the IANA range elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
 
 
 def _tail(path: Path, lines: int = 3) -> str:
