@@ -1,33 +1,31 @@
-"""The 2-node scenarios of tests/test_multinode.py, each run in its own process (its own Ray
+"""The 2-node scenario of tests/test_multinode.py, run in its own process (its own Ray
 cluster: the test session's `ray_cluster` cannot share a process with a second one).
 
-    python tests/multinode_scenario.py OUT_FOLDER train   # prints one JSON line: what happened
-    python tests/multinode_scenario.py OUT_FOLDER sweep
+    python tests/multinode_scenario.py OUT_FOLDER   # prints one JSON line: what happened
 
 A head and a second node, each declaring one CPU, are started with `ray.cluster_utils.Cluster`
 (their own processes and ports; nothing else on the machine is touched). The workload runs 2 Ray
 Train workers of one CPU each, so they must spread over both nodes, with its storage on a folder
-both nodes see (one machine: one file system):
-- `train`: `hlm train --num-workers 2` (`launch`, `--max-failures 2`);
-- `sweep`: `python sweeps/batch_size.py` cut to one trial (2 workers, `sweep.max_failures` 1),
-  with its own local MLflow server over the store named by MLFLOW_TRACKING_URI.
+both nodes see (one machine: one file system): `python sweeps/batch_size.py` cut to one trial
+(2 workers, `sweep.max_failures` 1), with its own local MLflow server over the store named by
+MLFLOW_TRACKING_URI.
 Once the run's first checkpoint exists the second node is removed, which kills the worker on
 it; a fresh node joins so the worker group can be placed again, and the run continues from its
 last checkpoint. The node removal runs in this process's main thread (a `Cluster` node installs
-signal handlers), the run in a second thread (`train`) or its own driver process (`sweep`: Tune
-installs signal handlers too).
+signal handlers), the sweep in its own driver process (Tune installs signal handlers too).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+
+from hlm_ray.tracking.server import free_port
 
 CHECKPOINT_STEP = 8
 MAX_STEPS = 48  # long enough after the first checkpoint to remove the node mid-run
@@ -50,14 +48,8 @@ SWEEP_SETTINGS = [
 # (`tune.trial.TRIAL_RESOURCES`), so the trial and its Train controller (Ray puts it on the
 # trial's node) run on the head and the lost node holds only a Train worker, as in `train`. (A
 # trial whose own node is lost is retried by Tune instead: not this scenario.)
-WORKER_NODE = {"train": {"num_cpus": 1}, "sweep": {"num_cpus": 1, "memory": 16 * 2**20}}
+WORKER_NODE = {"num_cpus": 1, "memory": 16 * 2**20}
 HERE = Path(__file__).resolve().parent
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sweep_spec():
@@ -124,36 +116,6 @@ def remove_second_node(cluster, second, node_args, run_dir, report: dict, runnin
     cluster.add_node(**node_args)  # capacity comes back: the group is placed again
 
 
-def start_train(out: Path, outcome: dict) -> threading.Thread:
-    """`hlm train --num-workers 2 --max-failures 2` (`launch`) in a thread of this process."""
-    sys.path.insert(0, str(HERE))
-    from test_ray_train import cfg_for
-
-    from hlm_ray.train.launch import launch
-
-    cfg = cfg_for(
-        out / "run", **{"optim.max_steps": MAX_STEPS, "run.checkpoint_every": CHECKPOINT_STEP}
-    )
-
-    def train():
-        try:
-            summary = launch(
-                cfg,
-                num_workers=2,
-                cpus_per_worker=1,
-                max_failures=2,
-                storage_path=str(out),  # seen by both nodes: checkpoints in the run folder
-                experiment="test-multinode",
-            )
-            outcome.update(steps=summary.get("steps"), error=None)
-        except BaseException as err:  # reported, not raised: the test decides
-            outcome["error"] = f"{type(err).__name__}: {err}"
-
-    thread = threading.Thread(target=train, daemon=True)  # a hung run ends with the process
-    thread.start()
-    return thread
-
-
 def sweep_run_dir(out: Path) -> Path | None:
     """The trial's run folder (named from its trial id), once the trial has made it."""
     found = sorted((out / "runs" / "sweeps" / SWEEP_NAME / "trials").glob("*"))
@@ -175,7 +137,7 @@ def start_sweep(out: Path) -> subprocess.Popen:
     )
 
 
-def main(out: Path, mode: str) -> dict:
+def main(out: Path) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
@@ -185,51 +147,43 @@ def main(out: Path, mode: str) -> dict:
         initialize_head=True,
         head_node_args={
             "num_cpus": 1,
-            "gcs_server_port": _free_port(),
+            "gcs_server_port": free_port(),
             "include_dashboard": True,  # Train V2 cleans placement groups through it
-            "dashboard_port": _free_port(),
-            "dashboard_agent_listen_port": _free_port(),
+            "dashboard_port": free_port(),
+            "dashboard_agent_listen_port": free_port(),
         },
     )
     try:
-        return run(cluster, out, mode, started)
+        return run(cluster, out, started)
     finally:  # this cluster only, whatever happened: no Ray process outlives the scenario
         ray.shutdown()
         cluster.shutdown()
 
 
-def run(cluster, out: Path, mode: str, started: float) -> dict:
+def run(cluster, out: Path, started: float) -> dict:
     import ray
 
-    second = cluster.add_node(**WORKER_NODE[mode])
-    os.environ["RAY_ADDRESS"] = cluster.address  # `launch` and the sweep join this cluster
+    second = cluster.add_node(**WORKER_NODE)
+    os.environ["RAY_ADDRESS"] = cluster.address  # the sweep joins this cluster
     env = {"env_vars": {"OMP_NUM_THREADS": "1", "HLM_CACHE_DIR": os.environ["HLM_CACHE_DIR"]}}
     ray.init(address=cluster.address, runtime_env=env, log_to_driver=False)
-    report: dict = {"mode": mode, "nodes_at_start": len([n for n in ray.nodes() if n["Alive"]])}
+    report: dict = {"nodes_at_start": len([n for n in ray.nodes() if n["Alive"]])}
     report["cluster_start_s"] = time.perf_counter() - started
     report["_started"] = started
 
-    outcome: dict = {"error": "did not finish"}
-    if mode == "train":
-        thread = start_train(out, outcome)
-        running, run_dir = thread.is_alive, lambda: out / "run"
-    else:
-        sweep = start_sweep(out)
-        running, run_dir = (lambda: sweep.poll() is None), (lambda: sweep_run_dir(out))
+    sweep = start_sweep(out)
+    running, run_dir = (lambda: sweep.poll() is None), (lambda: sweep_run_dir(out))
     try:
-        remove_second_node(cluster, second, WORKER_NODE[mode], run_dir, report, running)
+        remove_second_node(cluster, second, WORKER_NODE, run_dir, report, running)
         limit = time.monotonic() + WAIT_S
         while running() and time.monotonic() < limit:
             time.sleep(0.2)
     finally:
         report["finished"] = not running()
-        if mode == "sweep" and sweep.poll() is None:
+        if sweep.poll() is None:
             sweep.kill()  # its watchdog stops its tracking server
-    if mode == "train":
-        report.update(outcome)
-    else:
-        report["sweep_exit"] = sweep.wait()
-        report["error"] = None if report["sweep_exit"] == 0 else "sweep exit status != 0"
+    report["sweep_exit"] = sweep.wait()
+    report["error"] = None if report["sweep_exit"] == 0 else "sweep exit status != 0"
     # Every RayTrainWorker this cluster ever ran: 2, plus 2 for each start of the group; every
     # TrainController: one per `trainer.fit()` (a retried sweep trial builds a new trainer).
     report["train_workers_started"] = _count("RayTrainWorker")
@@ -240,5 +194,4 @@ def run(cluster, out: Path, mode: str, started: float) -> dict:
 
 
 if __name__ == "__main__":
-    result = main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "train")
-    print(json.dumps(result))
+    print(json.dumps(main(Path(sys.argv[1]))))
