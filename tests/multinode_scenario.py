@@ -43,16 +43,16 @@ SWEEP_SETTINGS = [
     "run.log_every=1",
     "tokenizer.train_sample_bytes=300000",
 ]
-# `sweep`: the worker nodes declare less memory than a trial's function asks for
+# The worker nodes declare less memory than a trial's function asks for
 # (`tune.trial.TRIAL_RESOURCES`), so the trial and its Train controller (Ray puts it on the
-# trial's node) run on the head and the lost node holds only a Train worker, as in `train`. (A
-# trial whose own node is lost is retried by Tune instead: not this scenario.)
+# trial's node) run on the head and the lost node holds only a Train worker. (A trial whose own
+# node is lost is retried by Tune instead: not this scenario.)
 WORKER_NODE = {"num_cpus": 1, "memory": 16 * 2**20}
 HERE = Path(__file__).resolve().parent
 
 
 def sweep_spec():
-    """The one-trial sweep of the `sweep` scenario (the test builds its reference from it)."""
+    """The scenario's one-trial sweep (the test builds its reference from it)."""
     import importlib.util
 
     from hlm_ray.tune.spec import get_sweep
