@@ -24,7 +24,7 @@ compare: setup
 	$(BIN)/hlm compare --preset tiny-decoder --output runs/demo
 
 test: setup-dev
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 lint: setup-dev
 	$(BIN)/ruff check hlm_ray tests sweeps

@@ -7,6 +7,19 @@ import pytest
 import torch
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(items):
+    """`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`). Every
+    test that starts Ray or a server (the shared `ray_cluster`, the `ray` and `slow` marks) runs
+    on one worker, one at a time as before: two at once on 2 cores starved Ray's start-up
+    ("The current node timed out during startup"). The other worker takes the quick plain
+    tests, which fill what the Ray tests leave idle (process start-up, polls, reports)."""
+    for item in items:
+        marks = {m.name for m in item.iter_markers()}
+        if "ray_cluster" in getattr(item, "fixturenames", ()) or marks & {"ray", "slow"}:
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
 @pytest.fixture(autouse=True)
 def _hlm_cache_dir(tmp_path, monkeypatch):
     """Point HLM_CACHE_DIR at a per-test temp folder: tests never touch the user's cache."""
