@@ -24,6 +24,7 @@ from sweep_common import (
 from hlm_ray.errors import HLMError
 from hlm_ray.flops import config_step_flops
 from hlm_ray.paths import data_dir
+from hlm_ray.tracking import read_run_ref
 from hlm_ray.tune import spec as spec_mod
 from hlm_ray.tune.spec import SweepSpec
 from hlm_ray.tune.summary import markdown_table, write_summary
@@ -562,9 +563,12 @@ def test_search_stops_trials_with_asha_and_names_the_lowest_validation_loss(
         return {m.step: m.value for m in history}
 
     last = {}  # every trial's last validation loss
-    for trial in stopped:  # its run closed KILLED
+    for trial in stopped:  # its run closed KILLED, as its folder says (for `hlm sync`)
         steps = val_steps(trial)
         assert runs[trial].info.status == "KILLED" and steps
+        row = next(r for r in rows if r["trial_id"] == trial)
+        trial_dir = tmp_path / "runs" / "sweeps" / "search-e2e" / "trials" / row["run"]
+        assert read_run_ref(trial_dir)["status"] == "KILLED"
         last[trial] = steps[max(steps)]
     losses = {}
     for trial in finished:

@@ -226,6 +226,29 @@ def test_resume_continues_the_same_run(client, experiment, caplog):
     assert len(warnings) == 1 and "optim.lr" in warnings[0]
 
 
+def test_failed_does_not_replace_the_kill_of_a_sweep(client, experiment, tmp_path):
+    """A sweep marks the trial it stopped KILLED (its run and its folder) while the trial's
+    process is still going down; that process then catches the error of its own shutdown and
+    says FAILED, which must not win. Reopened, the run can fail for real again."""
+    from hlm_ray.tracking.sync import record_status
+
+    trial = MlflowTracker(experiment, run_name="stopped-trial")
+    write_run_ref(tmp_path, trial.run_id, trial.tracking_uri)
+    record_status(tmp_path, "KILLED")  # the sweep's driver
+    MlflowTracker(experiment, run_id=trial.run_id).finish("KILLED")
+    record_status(tmp_path, "FAILED")  # the trial, on its way out
+    trial.finish("FAILED")
+    assert client.get_run(trial.run_id).info.status == "KILLED"
+    assert read_run_ref(tmp_path)["status"] == "KILLED"
+
+    again = MlflowTracker(experiment, run_id=trial.run_id)  # the sweep continued: RUNNING
+    write_run_ref(tmp_path, again.run_id, again.tracking_uri)
+    record_status(tmp_path, "FAILED")
+    again.finish("FAILED")
+    assert client.get_run(trial.run_id).info.status == "FAILED"
+    assert read_run_ref(tmp_path)["status"] == "FAILED"
+
+
 def test_resume_of_unknown_run_degrades(experiment, caplog):
     t = MlflowTracker(experiment, run_id="0" * 32)
     assert t.run_id is None and not t.active

@@ -165,10 +165,19 @@ class MlflowTracker(Tracker):
         self._call("log_artifact", call)
 
     def finish(self, status: str = "FINISHED") -> None:
+        """End the run. FAILED never replaces a status the run already ended with: a sweep marks
+        a trial it stopped KILLED while the trial's process is still going down, and that
+        process's last act may be to catch the error of its own shutdown."""
         status = status.upper()
         if status not in RUN_STATUSES:
             raise ValueError(f"run status must be one of {', '.join(RUN_STATUSES)}: {status!r}")
-        self._call("finish", lambda client, run_id: client.set_terminated(run_id, status))
+
+        def call(client, run_id):
+            if status == "FAILED" and client.get_run(run_id).info.status != "RUNNING":
+                return
+            client.set_terminated(run_id, status)
+
+        self._call("finish", call)
 
     # ------------------------------------------------------------------------------ internals
 

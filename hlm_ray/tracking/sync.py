@@ -27,10 +27,14 @@ from hlm_ray.tracking.base import read_run_ref, write_run_ref
 
 
 def record_status(out_dir: str | Path, status: str) -> None:
-    """Remember the status the run should end with (applied now, or by a later sync)."""
+    """Remember the status the run should end with (applied now, or by a later sync). As in
+    `MlflowTracker.finish`, FAILED does not replace a status already recorded: opening the run
+    clears it, so one found here was set by the sweep that stopped the trial."""
     path = Path(out_dir) / RUN_ID_FILE
     if path.is_file():
         info = json.loads(path.read_text())
+        if status == "FAILED" and info.get("status"):
+            return
         info["status"] = status
         path.write_text(json.dumps(info))
 

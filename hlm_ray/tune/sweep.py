@@ -451,14 +451,19 @@ def _rows(
 
 
 def _close_orphans(rows, spec: SweepSpec, runtime: TrialRuntime) -> None:
-    """A trial stopped by ASHA or Ctrl-C was killed mid-run: mark its child MLflow run KILLED."""
+    """A trial stopped by ASHA or Ctrl-C was killed mid-run: mark its child MLflow run KILLED
+    (and its folder, for `hlm sync`). Its process may still be going down; what it says on its
+    way out (FAILED) does not replace this."""
     from hlm_ray.tracking import MlflowTracker, read_run_ref
+    from hlm_ray.tracking.sync import record_status
 
     for row in rows:
         if row["status"] not in ("STOPPED", "KILLED"):
             continue
-        ref = read_run_ref(Path(runtime.trials_dir) / row["run"])
+        folder = Path(runtime.trials_dir) / row["run"]
+        ref = read_run_ref(folder)
         if ref is not None:
+            record_status(folder, "KILLED")
             MlflowTracker(
                 spec.experiment, run_id=ref["run_id"], tracking_uri=runtime.env[TRACKING_URI_ENV]
             ).finish("KILLED")
