@@ -1,5 +1,6 @@
-"""Shared pytest fixtures: hermetic caches, one local Ray cluster, one MLflow store, one torch
-thread for modules of tiny matrices, a tiny decoder folder."""
+"""Shared pytest fixtures: hermetic caches, one local Ray cluster, one MLflow store and one
+server over it, one torch thread for modules of tiny matrices, a tiny decoder folder; and how
+`make test` splits the suite over two pytest-xdist workers."""
 
 import os
 
@@ -7,6 +8,13 @@ import pytest
 import torch
 
 XDIST_GROUP = "ray"
+
+# The group's modules that start Ray clusters of their own or run several trials at once: last,
+# so that they run once the other worker's quick tests are done (they are the slowest beside
+# them, and a cluster starting on two busy cores can time out). Whole modules move, so
+# module-scoped fixtures are still set up once.
+LAST_MODULES = ("test_headline.py", "test_multinode.py", "test_sweeps_together.py",
+                "test_walkthrough.py")  # fmt: skip
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
@@ -20,6 +28,8 @@ def pytest_collection_modifyitems(items):
         marks = {m.name for m in item.iter_markers()}
         if "ray_cluster" in getattr(item, "fixturenames", ()) or marks & {"ray", "slow"}:
             item.add_marker(pytest.mark.xdist_group(XDIST_GROUP))
+    rank = {name: i + 1 for i, name in enumerate(LAST_MODULES)}
+    items.sort(key=lambda item: rank.get(item.path.name, 0))  # stable: the rest keep their order
 
 
 def pytest_collection_finish(session):
@@ -35,6 +45,20 @@ def pytest_collection_finish(session):
             f"pytest-xdist did not group {len(lost)} Ray test(s) (e.g. {lost[0]}): this pytest "
             "and pytest-xdist do not work together; install the dev extras' pytest (<9)"
         )
+
+
+@pytest.fixture(autouse=True)
+def _leave_a_core_to_ray(request, monkeypatch):
+    """On two xdist workers, a test outside the Ray group runs its torch (and its subprocesses')
+    on one thread: the other core stays with the Ray tests, the suite's critical path."""
+    if not os.environ.get("PYTEST_XDIST_WORKER") or request.node.get_closest_marker("xdist_group"):
+        yield
+        return
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 @pytest.fixture(autouse=True)
@@ -60,6 +84,22 @@ def mlflow_store(tmp_path_factory):
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory, mlflow_store):
+    """One local MLflow server over the session's sqlite store, what a sweep starts for itself
+    on a sqlite store (10-45 s each): a sweep test points MLFLOW_TRACKING_URI at it, with
+    `tracking.server.QUIET_LINKS` (set only while it does: the server sets them in this process
+    for as long as it runs)."""
+    from hlm_ray.tracking.server import QUIET_LINKS, tracking_server
+
+    log = tmp_path_factory.mktemp("mlflow_server") / "server.log"
+    with tracking_server(log) as uri:
+        assert uri.startswith("http://127.0.0.1:")
+        for key in QUIET_LINKS:
+            os.environ.pop(key, None)
+        yield uri
 
 
 @pytest.fixture(scope="session")

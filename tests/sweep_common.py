@@ -148,3 +148,12 @@ def descendants(pid: int) -> dict[int, tuple[str, str]]:
 
 def still_running(seen: dict[int, tuple[str, str]]) -> dict[int, str]:
     return {pid: cmd for pid, (start, cmd) in seen.items() if started_at(pid) == start}
+
+
+def use_mlflow_server(uri: str, setenv) -> None:
+    """Log to the session's server as a sweep logs to the one it starts (`setenv(key, value)`)."""
+    from hlm_ray.tracking.server import QUIET_LINKS
+
+    setenv("MLFLOW_TRACKING_URI", uri)
+    for key, value in QUIET_LINKS.items():
+        setenv(key, value)

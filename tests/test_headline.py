@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from scipy import stats as sps
-from sweep_common import check_trials_carry_their_values
+from sweep_common import check_trials_carry_their_values, use_mlflow_server
 
 from hlm_ray.classify.baselines import chance_baseline, majority_baseline, majority_scores
 from hlm_ray.classify.inputs import limit_examples
@@ -234,8 +234,9 @@ def test_the_paper_preset_dry_run_prints_its_cost(capsys):
 
 @pytest.mark.ray
 @pytest.mark.slow
-def test_headline_tiny_end_to_end(ray_cluster, mlflow_store, tmp_path, monkeypatch):
+def test_headline_tiny_end_to_end(ray_cluster, mlflow_server, mlflow_store, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
+    use_mlflow_server(mlflow_server, monkeypatch.setenv)  # not a server of its own
     assert HEADLINE.main(["--preset", "tiny", "--num-seeds", "1", "--name", "hl"]) == 0
     folder = tmp_path / "runs" / "sweeps" / "hl"
     text = (folder / "report.md").read_text()

@@ -5,7 +5,6 @@ import ast
 import csv
 import json
 import math
-import os
 from types import SimpleNamespace
 
 import pytest
@@ -19,6 +18,7 @@ from sweep_common import (
     summary_rows,
     sweep_main,
     sweep_runs,
+    use_mlflow_server,
 )
 
 from hlm_ray.errors import HLMError
@@ -343,19 +343,11 @@ def test_a_scripts_report_follows_its_grid_sweep_only(monkeypatch, tmp_path, cap
 
 
 @pytest.fixture(scope="module")
-def sweep_server(tmp_path_factory, mlflow_store):
-    """One local MLflow server (what a sweep starts on a sqlite store) for the module's sweeps,
-    over the session's sqlite store: starting one takes 10-45 s."""
-    from hlm_ray.tracking.server import tracking_server
-
-    log = tmp_path_factory.mktemp("mlflow_server") / "server.log"
-    with tracking_server(log) as uri:
-        assert uri.startswith("http://127.0.0.1:")
-        os.environ["MLFLOW_TRACKING_URI"] = uri
-        try:
-            yield uri
-        finally:
-            os.environ["MLFLOW_TRACKING_URI"] = mlflow_store
+def sweep_server(mlflow_server):
+    """The module's sweeps log through the session's MLflow server."""
+    with pytest.MonkeyPatch.context() as patch:
+        use_mlflow_server(mlflow_server, patch.setenv)
+        yield mlflow_server
 
 
 @pytest.mark.slow
