@@ -2,7 +2,6 @@
 server over it, one torch thread for modules of tiny matrices, a tiny decoder folder; and how
 `make test` splits the suite over two pytest-xdist workers."""
 
-import contextlib
 import os
 
 import pytest
@@ -48,30 +47,18 @@ def pytest_collection_finish(session):
         )
 
 
-# How much lower a test outside the Ray group runs than the Ray tests beside it (nice).
-PLAIN_NICE = 5
-
-
 @pytest.fixture(autouse=True)
-def _leave_the_cores_to_ray(request, monkeypatch):
-    """On two xdist workers the Ray group is the critical path (it runs for the whole session;
-    the quick tests take a third of that), and beside the quick tests it ran 1.5-1.8 times
-    slower. So a test outside the group runs its torch (and its subprocesses') on one thread,
-    at a lower priority (Linux nice, per thread: this test's thread and what it starts): it
-    takes the CPU the Ray tests leave idle, and less of what they want. The priority is put
-    back after the test where this user may raise it again; elsewhere the worker stays low,
-    which is harmless: the group, the largest unit of work, is the first one a worker gets."""
+def _leave_a_core_to_ray(request, monkeypatch):
+    """On two xdist workers, a test outside the Ray group runs its torch (and its subprocesses')
+    on one thread: the other core stays with the Ray tests, the suite's critical path."""
     if not os.environ.get("PYTEST_XDIST_WORKER") or request.node.get_closest_marker("xdist_group"):
         yield
         return
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    old_threads, old_nice = torch.get_num_threads(), os.getpriority(os.PRIO_PROCESS, 0)
+    old = torch.get_num_threads()
     torch.set_num_threads(1)
-    os.setpriority(os.PRIO_PROCESS, 0, max(old_nice, PLAIN_NICE))
     yield
-    torch.set_num_threads(old_threads)
-    with contextlib.suppress(PermissionError):  # lowering nice takes privileges
-        os.setpriority(os.PRIO_PROCESS, 0, old_nice)
+    torch.set_num_threads(old)
 
 
 @pytest.fixture(autouse=True)
