@@ -20,13 +20,13 @@ LAST_MODULES = ("test_headline.py", "test_multinode.py", "test_sweeps_together.p
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items):
     """`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`). The
-    tests that use the shared `ray_cluster`, and those marked `ray` or `slow` (some slow ones
-    start a Ray or a server of their own in a subprocess), run on one worker, one at a time as
-    before: two at once on 2 cores starved Ray's start-up ("The current node timed out during
-    startup"). The other worker takes the quick plain tests."""
+    tests that start Ray (the shared `ray_cluster`, or one of their own: marked `ray`) run on
+    one worker, one at a time as before: two at once on 2 cores starved Ray's start-up ("The
+    current node timed out during startup"). So do the tests that log to the session's MLflow
+    server, which is then started once. The other worker takes all the rest."""
     for item in items:
-        marks = {m.name for m in item.iter_markers()}
-        if "ray_cluster" in getattr(item, "fixturenames", ()) or marks & {"ray", "slow"}:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if fixtures & {"ray_cluster", "mlflow_server"} or item.get_closest_marker("ray"):
             item.add_marker(pytest.mark.xdist_group(XDIST_GROUP))
     rank = {name: i + 1 for i, name in enumerate(LAST_MODULES)}
     items.sort(key=lambda item: rank.get(item.path.name, 0))  # stable: the rest keep their order

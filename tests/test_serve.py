@@ -695,6 +695,7 @@ def test_a_replica_whose_decode_process_dies_is_replaced(server, library):
     assert [c["text"] for c in r.json()["choices"]] == expected
 
 
+@pytest.mark.ray  # a Ray of its own
 @pytest.mark.slow
 def test_hlm_serve_with_no_options_answers_on_its_port_past_the_proxy(model_dir, tmp_path):
     """`hlm serve --model M --port P` and nothing else, in a Ray of its own (a subprocess:
