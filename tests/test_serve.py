@@ -128,6 +128,32 @@ def test_cli_parser_and_early_errors(model_dir, monkeypatch):
         run(parser.parse_args([*on_cluster, "--direct-ingress"]))
 
 
+def test_the_callers_signal_handlers_outlive_ray_init():
+    """`ray.init` puts Ray's SIGTERM handler in place; while Serve was still starting, a SIGTERM
+    then ended `hlm serve` at once and left Ray's agents running. `start` keeps the caller's
+    handlers around it (a real SIGTERM during start-up: "shutting down", nothing left; the
+    walkthrough test sends one)."""
+    import signal
+
+    from hlm_ray.serve.launch import callers_signal_handlers
+
+    def ours(signum, frame):
+        raise KeyboardInterrupt
+
+    sigs = (signal.SIGINT, signal.SIGTERM)
+    before = {sig: signal.getsignal(sig) for sig in sigs}
+    try:
+        for sig in sigs:
+            signal.signal(sig, ours)
+        with callers_signal_handlers():
+            signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as ray.init does
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+        assert all(signal.getsignal(sig) is ours for sig in sigs)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+
+
 def test_where_hlm_serve_answers(monkeypatch):
     """Direct ingress by default where `hlm serve` starts Ray (the replicas on --port and the
     next ports, the proxy after them), the proxy on --port on a cluster or when turned off;

@@ -198,8 +198,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         guard = {"body_timeout_s": args.body_timeout_s, "max_body_bytes": config.max_body_bytes}
         ray_options = {"address": args.address}
-        # A stop that comes while Serve starts (the app may already answer) shuts down too;
-        # ray.init installs its own SIGTERM handler, so ours goes back on once Serve is up.
+        # A stop that comes while Serve starts (the app may already answer) shuts down too:
+        # `start` keeps these handlers across ray.init, which installs Ray's.
         _interrupt_on_signals()
         start(app, ports, guard=guard, ray=ray_options, keep_alive_s=args.keep_alive_timeout_s)
         _interrupt_on_signals()

@@ -19,7 +19,11 @@ Either way the proxy's guard (`hlm_ray.serve.guard`) reads each body first, on e
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,6 +116,24 @@ def check_port_free(host: str, port: int, flag: str = "--port") -> None:
             ) from None
 
 
+@contextmanager
+def callers_signal_handlers() -> Iterator[None]:
+    """Keep the caller's SIGINT and SIGTERM handlers across `ray.init`, which puts Ray's in
+    their place: a SIGTERM while Serve was still starting then ended the driver at once and left
+    Ray's dashboard and runtime-env agents running, where `hlm serve`'s handler shuts it all
+    down. (Handlers belong to the main thread: elsewhere there is nothing to keep.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            if handler is not None:  # None: not set from Python; nothing to put back
+                signal.signal(sig, handler)
+
+
 def start(
     app: Any, ports: Ports, *, guard: dict[str, Any], ray: dict[str, Any], keep_alive_s: int = 5
 ) -> None:
@@ -132,7 +154,8 @@ def start(
         )
     os.environ.update(ports.env())  # inherited by the Ray processes started below
     if not ray_.is_initialized():  # a caller's own Ray (tests) is used as it is
-        ray_.init(**{"log_to_driver": False, **ray})
+        with callers_signal_handlers():
+            ray_.init(**{"log_to_driver": False, **ray})
     serve.start(
         http_options={
             "host": ports.host,
