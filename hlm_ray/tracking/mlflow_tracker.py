@@ -164,6 +164,15 @@ class MlflowTracker(Tracker):
 
         self._call("log_artifact", call)
 
+    def status(self) -> str | None:
+        """The run's status in the store (None when tracking is off or the store cannot say)."""
+        if not self.active:
+            return None
+        try:
+            return self._get_client().get_run(self.run_id).info.status
+        except Exception:
+            return None
+
     def finish(self, status: str = "FINISHED") -> None:
         """End the run. FAILED never replaces a status the run already ended with: a sweep marks
         a trial it stopped KILLED while the trial's process is still going down, and that

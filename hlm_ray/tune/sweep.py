@@ -450,13 +450,18 @@ def _rows(
     )
 
 
+KILL_SETTLE_S = 5.0
+
+
 def _close_orphans(rows, spec: SweepSpec, runtime: TrialRuntime) -> None:
     """A trial stopped by ASHA or Ctrl-C was killed mid-run: mark its child MLflow run KILLED
-    (and its folder, for `hlm sync`). Its process may still be going down; what it says on its
-    way out (FAILED) does not replace this."""
+    (and its folder, for `hlm sync`). Its process may still be going down, and what it says on
+    its way out (FAILED) has been seen to land after this in CI, although `finish("FAILED")`
+    leaves an ended run alone: so the runs are checked for `KILL_SETTLE_S` and marked again."""
     from hlm_ray.tracking import MlflowTracker, read_run_ref
     from hlm_ray.tracking.sync import record_status
 
+    killed = []
     for row in rows:
         if row["status"] not in ("STOPPED", "KILLED"):
             continue
@@ -464,6 +469,14 @@ def _close_orphans(rows, spec: SweepSpec, runtime: TrialRuntime) -> None:
         ref = read_run_ref(folder)
         if ref is not None:
             record_status(folder, "KILLED")
-            MlflowTracker(
+            tracker = MlflowTracker(
                 spec.experiment, run_id=ref["run_id"], tracking_uri=runtime.env[TRACKING_URI_ENV]
-            ).finish("KILLED")
+            )
+            tracker.finish("KILLED")
+            killed.append(tracker)
+    deadline = time.monotonic() + KILL_SETTLE_S
+    while killed and time.monotonic() < deadline:
+        time.sleep(0.5)
+        for tracker in killed:
+            if tracker.active and tracker.status() not in ("KILLED", None):
+                tracker.finish("KILLED")
