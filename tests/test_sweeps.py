@@ -28,7 +28,13 @@ from hlm_ray.tracking import read_run_ref
 from hlm_ray.tune import spec as spec_mod
 from hlm_ray.tune.spec import SweepSpec
 from hlm_ray.tune.summary import markdown_table, write_summary
-from hlm_ray.tune.sweep import _rows, check_resume, plan_concurrency, prepare_inputs
+from hlm_ray.tune.sweep import (
+    _close_orphans,
+    _rows,
+    check_resume,
+    plan_concurrency,
+    prepare_inputs,
+)
 from hlm_ray.tune.trial import TrialRuntime, final_metrics
 
 SHAKESPEARE = data_dir() / "corpus" / "en" / "tinyshakespeare.txt"
@@ -340,6 +346,37 @@ def test_a_scripts_report_follows_its_grid_sweep_only(monkeypatch, tmp_path, cap
     assert main(["--search", "--set", "sweep.values=[512]"]) == 0
     assert main(["--dry-run", "--set", "sweep.values=[512]"]) == 0
     assert len(written) == 1 and "# the report" not in capsys.readouterr().out
+
+
+def test_a_stopped_trials_run_stays_killed_when_its_process_says_failed_late(
+    mlflow_store, tmp_path
+):
+    """The trial's process, going down, can still write FAILED just after the sweep marked its
+    run KILLED (seen in CI): the sweep reads the run back for KILL_SETTLE_S and marks it
+    again. A real sqlite store; the late write comes from a thread, 1 s after."""
+    import threading
+    import time
+
+    from mlflow import MlflowClient
+
+    from hlm_ray.tracking import MlflowTracker, write_run_ref
+
+    trial = MlflowTracker("close-orphans", run_name="stopped", tracking_uri=mlflow_store)
+    write_run_ref(tmp_path / "stopped", trial.run_id, mlflow_store)
+    spec = SimpleNamespace(experiment="close-orphans")
+    runtime = SimpleNamespace(trials_dir=str(tmp_path), env={"MLFLOW_TRACKING_URI": mlflow_store})
+    client = MlflowClient(mlflow_store)
+
+    def late_failed():
+        time.sleep(1.0)
+        client.set_terminated(trial.run_id, "FAILED")  # past finish's check, as in the race
+
+    late = threading.Thread(target=late_failed)
+    late.start()
+    _close_orphans([{"status": "STOPPED", "run": "stopped"}], spec, runtime)
+    late.join()
+    assert client.get_run(trial.run_id).info.status == "KILLED"
+    assert read_run_ref(tmp_path / "stopped")["status"] == "KILLED"
 
 
 @pytest.fixture(scope="module")

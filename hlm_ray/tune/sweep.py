@@ -478,5 +478,5 @@ def _close_orphans(rows, spec: SweepSpec, runtime: TrialRuntime) -> None:
     while killed and time.monotonic() < deadline:
         time.sleep(0.5)
         for tracker in killed:
-            if tracker.active and tracker.status() not in ("KILLED", None):
+            if tracker.status() not in ("KILLED", None):  # None: tracking off, or no answer
                 tracker.finish("KILLED")
