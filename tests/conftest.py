@@ -8,49 +8,28 @@ import pytest
 import torch
 
 XDIST_GROUP = "ray"
-# Modules whose Ray tests start clusters of their own that no other test can join (an explicit
-# local address, a private RAY_TMPDIR, or commands that start and stop their own local Ray):
-# a second group, which the other worker takes once its quick tests are done.
-OWN_CLUSTER_GROUP = "ray-own"
-OWN_CLUSTER_MODULES = ("test_multinode.py", "test_sweeps_together.py", "test_walkthrough.py")
-# The shared group's slowest module: last in its group.
-LAST_MODULES = ("test_headline.py",)
 
-
-def pytest_configure(config):
-    """Under `--dist loadgroup`, pytest-xdist hands out its work units in the order below
-    (`pytest_collection_modifyitems`), not largest first: the own-cluster group must wait for
-    the end of the quick tests rather than start beside the shared group."""
-    if getattr(config.option, "dist", None) == "loadgroup":
-        config.option.loadscopereorder = False
+# The group's modules that start Ray clusters of their own or run several trials at once: last,
+# so that they run once the other worker's quick tests are done (they are the slowest beside
+# them, and a cluster starting on two busy cores can time out). Whole modules move, so
+# module-scoped fixtures are still set up once.
+LAST_MODULES = ("test_headline.py", "test_multinode.py", "test_sweeps_together.py",
+                "test_walkthrough.py")  # fmt: skip
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(items):
-    """`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`).
-
-    - The tests that start Ray (the shared `ray_cluster`, or one of their own: marked `ray`)
-      run on one worker, one at a time, first: two Ray start-ups at once beside the quick tests
-      starved each other on 2 cores ("The current node timed out during startup"). So do the
-      tests that log to the session's MLflow server, which is then started once.
-    - The other worker takes the rest, quick tests of plain functions.
-    - Then it takes the Ray tests of `OWN_CLUSTER_MODULES`, whose clusters nothing else can
-      join, beside the end of the shared group: the suite's critical path is these two groups."""
-    shared = {"ray_cluster", "mlflow_server"}  # the session's, one per worker
+    """`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`). The
+    tests that start Ray (the shared `ray_cluster`, or one of their own: marked `ray`) run on
+    one worker, one at a time as before: two at once on 2 cores starved Ray's start-up ("The
+    current node timed out during startup"). So do the tests that log to the session's MLflow
+    server, which is then started once. The other worker takes all the rest."""
     for item in items:
         fixtures = set(getattr(item, "fixturenames", ()))
-        if fixtures & shared or item.get_closest_marker("ray"):
-            own = item.path.name in OWN_CLUSTER_MODULES and not fixtures & shared
-            item.add_marker(pytest.mark.xdist_group(OWN_CLUSTER_GROUP if own else XDIST_GROUP))
+        if fixtures & {"ray_cluster", "mlflow_server"} or item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.xdist_group(XDIST_GROUP))
     rank = {name: i + 1 for i, name in enumerate(LAST_MODULES)}
-
-    def order(item):
-        group = item.get_closest_marker("xdist_group")
-        name = group.args[0] if group else None
-        place = {XDIST_GROUP: 0, None: 1, OWN_CLUSTER_GROUP: 2}[name]
-        return place, rank.get(item.path.name, 0)
-
-    items.sort(key=order)  # stable: within a place, tests keep their order
+    items.sort(key=lambda item: rank.get(item.path.name, 0))  # stable: the rest keep their order
 
 
 def pytest_collection_finish(session):
@@ -58,8 +37,9 @@ def pytest_collection_finish(session):
     versions (pytest 9 with xdist 3.8); then the groups are silently ignored. Say so instead."""
     if not session.config.getoption("loadgroup", False):  # not an xdist worker with loadgroup
         return
-    lost = [i.nodeid for i in session.items if (group := i.get_closest_marker("xdist_group"))
-            and not i.nodeid.endswith(f"@{group.args[0]}")]  # fmt: skip
+    suffix = f"@{XDIST_GROUP}"
+    lost = [i.nodeid for i in session.items if i.get_closest_marker("xdist_group")
+            and not i.nodeid.endswith(suffix)]  # fmt: skip
     if lost:
         raise pytest.UsageError(
             f"pytest-xdist did not group {len(lost)} Ray test(s) (e.g. {lost[0]}): this pytest "

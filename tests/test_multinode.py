@@ -10,10 +10,8 @@ MLflow run continued are the same code for a run outside a sweep."""
 import csv
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -32,22 +30,15 @@ def scenario(out: Path) -> dict:
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")]),
         "OMP_NUM_THREADS": "1",
-        # Ray's files, and the address file that `ray.init()` with no address joins, in a folder
-        # of the scenario's own: a command started beside it (the walkthrough's) starts its own
-        # cluster instead of joining this one. Short: Ray's socket paths must fit 107 bytes.
-        "RAY_TMPDIR": (ray_tmp := tempfile.mkdtemp(prefix="hlm-mn-", dir="/tmp")),
     }
     env.pop("RAY_ADDRESS", None)
-    try:
-        proc = subprocess.run(
-            [sys.executable, str(HERE / "multinode_scenario.py"), str(out)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=480,
-        )
-    finally:
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "multinode_scenario.py"), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=480,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
