@@ -202,7 +202,6 @@ def run(args: argparse.Namespace) -> int:
         # `start` keeps these handlers across ray.init, which installs Ray's.
         _interrupt_on_signals()
         start(app, ports, guard=guard, ray=ray_options, keep_alive_s=args.keep_alive_timeout_s)
-        _interrupt_on_signals()
         decoding = "a child process decodes" if config.decode_process else "a thread decodes"
         key = "API key required" if config.api_key else "no API key"
         routes = "POST /v1/completions, /v1/chat/completions, GET /v1/models, GET /healthz"
