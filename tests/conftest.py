@@ -9,14 +9,12 @@ import torch
 
 XDIST_GROUP = "ray"
 
-# The group's order. First, while the other worker runs its plain tests on one core, the
-# modules that leave most of the second core idle when alone (a command or a server start-up
-# at a time: 60-65% busy), so that the plain tests fill it. Last, the ones that start several
-# Ray clusters or run trials side by side: they run once the other worker is done (beside it
-# they are the slowest, and a cluster starting on two busy cores can time out). Whole modules
-# move, so module-scoped fixtures are still set up once.
-FIRST_MODULES = ("test_walkthrough.py", "test_serve.py", "test_serve_api.py")
-LAST_MODULES = ("test_headline.py", "test_multinode.py", "test_sweeps_together.py")
+# The group's modules that start Ray clusters of their own or run several trials at once: last,
+# so that they run once the other worker's quick tests are done (they are the slowest beside
+# them, and a cluster starting on two busy cores can time out). Whole modules move, so
+# module-scoped fixtures are still set up once.
+LAST_MODULES = ("test_headline.py", "test_multinode.py", "test_sweeps_together.py",
+                "test_walkthrough.py")  # fmt: skip
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
@@ -30,8 +28,7 @@ def pytest_collection_modifyitems(items):
         fixtures = set(getattr(item, "fixturenames", ()))
         if fixtures & {"ray_cluster", "mlflow_server"} or item.get_closest_marker("ray"):
             item.add_marker(pytest.mark.xdist_group(XDIST_GROUP))
-    rank = {name: i - len(FIRST_MODULES) for i, name in enumerate(FIRST_MODULES)}
-    rank.update({name: i + 1 for i, name in enumerate(LAST_MODULES)})
+    rank = {name: i + 1 for i, name in enumerate(LAST_MODULES)}
     items.sort(key=lambda item: rank.get(item.path.name, 0))  # stable: the rest keep their order
 
 
