@@ -433,3 +433,41 @@ def test_free_port_is_outside_the_ports_the_kernel_hands_out(monkeypatch):
         taken.listen()
         monkeypatch.setattr(server.random, "sample", lambda *_: [taken_port, other])
         assert free_port() == other
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_ray_starts_while_the_tracking_server_starts_a_new_store_or_an_old_one(
+    fresh, monkeypatch, tmp_path
+):
+    """`tracking_server` runs `while_starting` (a sweep's Ray start-up) after spawning the
+    server and before waiting for it, also on a new store, where it holds the lock that keeps
+    the sweeps started beside it waiting for the migrations. The server process is a recorder
+    here: its real start-up (10-45 s) is what the sweep tests run."""
+    import fcntl
+
+    from hlm_ray.tracking import server as srv
+
+    db = tmp_path / "mlflow.db"
+    if not fresh:
+        db.write_bytes(b"")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
+    calls = []
+
+    def lock_taken() -> bool:
+        with db.with_name(db.name + ".lock").open("a") as other:
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return True
+            fcntl.flock(other, fcntl.LOCK_UN)
+            return False
+
+    monkeypatch.setattr(srv.LocalServer, "spawn", lambda self: calls.append("spawn"))
+    monkeypatch.setattr(srv.LocalServer, "wait_ready", lambda self, t: calls.append("ready"))
+    monkeypatch.setattr(srv.LocalServer, "stop", lambda self: calls.append("stop"))
+    with srv.tracking_server(
+        tmp_path / "server.log", while_starting=lambda: calls.append(("ray", lock_taken()))
+    ) as uri:
+        assert uri.startswith("http://127.0.0.1:")
+        assert not lock_taken()  # the sweeps beside it go on once the store exists
+    assert calls == ["spawn", ("ray", fresh), "ready", "stop"]

@@ -53,7 +53,8 @@ def tracking_server(
     """The tracking URI the sweep's trials use; starts and stops a local server if needed.
 
     `while_starting` runs after the server process is spawned and before it is waited for
-    (Ray start-up, data preparation): its 10-45 s of start-up then overlap other work."""
+    (Ray start-up, data preparation): its 10-45 s of start-up then overlap other work, the
+    migrations of a new store included (while the sweeps started beside it wait on the lock)."""
     uri = default_tracking_uri()
     db = sqlite_path(uri)
     if uri.startswith(("http://", "https://")) or db is None:
@@ -68,12 +69,10 @@ def tracking_server(
         os.environ.update(QUIET_LINKS)
         with creating_store(db) as fresh:
             server.spawn()
-            if fresh:  # the sweeps started beside this one wait for its migrations
-                server.wait_ready(timeout_s)
-        if while_starting is not None:
-            while_starting()
+            if fresh:  # the sweeps started beside this one wait (on the lock) for its migrations
+                _overlap_then_wait(server, while_starting, timeout_s)
         if not fresh:
-            server.wait_ready(timeout_s)
+            _overlap_then_wait(server, while_starting, timeout_s)
         yield server.uri
     finally:
         server.stop()
@@ -82,6 +81,16 @@ def tracking_server(
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _overlap_then_wait(
+    server: LocalServer, while_starting: Callable[[], None] | None, timeout_s: float
+) -> None:
+    """`while_starting` (Ray's start-up) while the spawned server starts, migrating a new store
+    included, then the wait for its health check."""
+    if while_starting is not None:
+        while_starting()
+    server.wait_ready(timeout_s)
 
 
 @contextmanager
