@@ -471,3 +471,32 @@ def test_ray_starts_while_the_tracking_server_starts_a_new_store_or_an_old_one(
         assert uri.startswith("http://127.0.0.1:")
         assert not lock_taken()  # the sweeps beside it go on once the store exists
     assert calls == ["spawn", ("ray", fresh), "ready", "stop"]
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_a_failed_start_of_ray_lets_a_new_store_finish_migrating(fresh, monkeypatch, tmp_path):
+    """Bad input or Ray failing while a new store migrates: the error goes on, but only once the
+    server is ready (a server stopped halfway leaves a store MLflow cannot open again: "table
+    spans already exists", seen on this machine). An old store is not waited for."""
+    from hlm_ray.errors import HLMError
+    from hlm_ray.tracking import server as srv
+
+    db = tmp_path / "mlflow.db"
+    if not fresh:
+        db.write_bytes(b"")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{db}")
+    calls = []
+
+    def ray_fails():
+        calls.append("ray")
+        raise HLMError("no corpus at data/missing.txt")
+
+    monkeypatch.setattr(srv.LocalServer, "spawn", lambda self: calls.append("spawn"))
+    monkeypatch.setattr(srv.LocalServer, "wait_ready", lambda self, t: calls.append("ready"))
+    monkeypatch.setattr(srv.LocalServer, "stop", lambda self: calls.append("stop"))
+    with (
+        pytest.raises(HLMError, match="no corpus"),
+        srv.tracking_server(tmp_path / "server.log", while_starting=ray_fails),
+    ):
+        pass
+    assert calls == ["spawn", "ray", *(["ready"] if fresh else []), "stop"]

@@ -22,6 +22,7 @@ mlflow). Start-up takes 10-45 s on a busy 2-core machine (more on a fresh store:
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import os
 import random
@@ -70,9 +71,9 @@ def tracking_server(
         with creating_store(db) as fresh:
             server.spawn()
             if fresh:  # the sweeps started beside this one wait (on the lock) for its migrations
-                _overlap_then_wait(server, while_starting, timeout_s)
+                _overlap_then_wait(server, while_starting, timeout_s, migrating=True)
         if not fresh:
-            _overlap_then_wait(server, while_starting, timeout_s)
+            _overlap_then_wait(server, while_starting, timeout_s, migrating=False)
         yield server.uri
     finally:
         server.stop()
@@ -84,12 +85,25 @@ def tracking_server(
 
 
 def _overlap_then_wait(
-    server: LocalServer, while_starting: Callable[[], None] | None, timeout_s: float
+    server: LocalServer,
+    while_starting: Callable[[], None] | None,
+    timeout_s: float,
+    *,
+    migrating: bool,
 ) -> None:
     """`while_starting` (Ray's start-up) while the spawned server starts, migrating a new store
-    included, then the wait for its health check."""
+    included, then the wait for its health check. When `while_starting` fails (bad input, Ray
+    not starting, Ctrl-C) on a new store, the migrations still finish before the error goes on
+    and the server is stopped: a server stopped halfway leaves a store MLflow cannot open
+    again ("table ... already exists")."""
     if while_starting is not None:
-        while_starting()
+        try:
+            while_starting()
+        except BaseException:
+            if migrating:
+                with contextlib.suppress(HLMError):  # the first error is the one to report
+                    server.wait_ready(timeout_s)
+            raise
     server.wait_ready(timeout_s)
 
 
