@@ -192,6 +192,29 @@ def test_bad_inputs_fail_with_one_clear_error(corpus, tmp_path, monkeypatch):
     assert _fails(_request("someone/some-dataset"), tmp_path / "o5", "cannot be reached") < 5
 
 
+def test_a_task_s_hlm_error_reaches_the_user_as_its_one_line():
+    """A sweep prepares its corpora as Ray tasks: a worker's HLMError comes back as Ray's
+    RayTaskError, an instance of HLMError too (Ray's dual class) whose text is the task's whole
+    traceback. The user sees the worker's one line."""
+    from ray.exceptions import RayTaskError
+
+    from hlm_ray.prepare.tokenize import as_hlm_error
+
+    cause = HLMError("data.sources: no file or folder /x/corpus.txt; pass a corpus")
+    trace = "Traceback (most recent call last):\n  File ...\nHLMError: " + str(cause)
+    wrapped = RayTaskError("_prepare_one", trace, cause).as_instanceof_cause()
+    assert isinstance(wrapped, HLMError) and "File ..." in str(wrapped)  # what Ray raises
+    for err in (wrapped, RayTaskError("_prepare_one", trace, cause), cause):
+        unwrapped = as_hlm_error(err)
+        assert type(unwrapped) is HLMError and str(unwrapped) == str(cause)
+    try:  # a cause chained by `raise ... from`, as Ray Data's errors carry it
+        raise RuntimeError("stage failed") from cause
+    except RuntimeError as err:
+        assert str(as_hlm_error(err)) == str(cause)
+    other = RuntimeError("boom")
+    assert as_hlm_error(other) is other  # not ours: passed on as it is
+
+
 @pytest.mark.ray
 def test_ray_data_tokens_equal_one_process_for_1_and_2_workers(ray_cluster, corpus, tmp_path):
     request = _request(corpus, piece_bytes=16384)  # a few pieces: each is a Ray Data task

@@ -131,10 +131,16 @@ def as_hlm_error(err: BaseException) -> BaseException:
     """A worker's HLMError (bad UTF-8, unreadable file) surfaces as that one clear error."""
     seen = err
     while seen is not None:
+        # A RayTaskError first: Ray makes it an instance of its cause's class too (an
+        # `HLMError` here), but its text is the task's whole traceback; `.cause` is the
+        # worker's own exception, whose text is the one line.
+        cause = getattr(seen, "cause", None)
+        if isinstance(cause, BaseException) and cause is not seen:
+            seen = cause
+            continue
         if isinstance(seen, HLMError):
             return HLMError(str(seen))
-        cause = getattr(seen, "cause", None)
-        seen = cause if isinstance(cause, BaseException) else seen.__cause__
+        seen = seen.__cause__
     text = str(err)
     if "HLMError: " in text:
         return HLMError(text.split("HLMError: ", 1)[1].splitlines()[0])
