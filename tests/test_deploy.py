@@ -131,6 +131,9 @@ def test_serve_yaml_is_a_valid_serve_config_for_the_app():
     [deployment] = app["deployments"]
     assert deployment["max_ongoing_requests"] >= app["args"]["max_batch_size"]
     assert deployment["max_queued_requests"] > 0  # overload answers 503, not an endless queue
+    # Its ray_actor_options replace the deployment's own: they keep the replica's niceness.
+    env = deployment["ray_actor_options"]["runtime_env"]["env_vars"]
+    assert env == {"RAY_worker_niceness": "0"}
 
 
 def test_serve_yaml_with_a_missing_model_fails_with_the_reason(tmp_path):
@@ -232,6 +235,8 @@ def test_rayservice_mirrors_serve_yaml():
     assert [d["name"] for d in app["deployments"]] == [d["name"] for d in local_app["deployments"]]
     for deployment in app["deployments"]:
         assert deployment["ray_actor_options"]["num_gpus"] == 1
+        env = deployment["ray_actor_options"]["runtime_env"]["env_vars"]
+        assert env == {"RAY_worker_niceness": "0"}
         assert deployment["max_ongoing_requests"] >= app["args"]["max_batch_size"]
     assert cluster["http_options"]["host"] == "0.0.0.0"
     _check_runtime_env(app["runtime_env"])

@@ -16,6 +16,7 @@ import pytest
 import requests
 from serve_common import API_KEY, AUTH, BODY_TIMEOUT_S, free_port, post
 
+from hlm_ray.bench.serve import nice_of
 from hlm_ray.errors import HLMError
 from hlm_ray.generate import Generator
 from hlm_ray.serve.app import build_app, make_app
@@ -126,6 +127,30 @@ def test_cli_parser_and_early_errors(model_dir, monkeypatch):
     on_cluster = [*serve, *free, "--address", "auto"]
     with pytest.raises(HLMError, match="needs a Ray that starts here"):
         run(parser.parse_args([*on_cluster, "--direct-ingress"]))
+
+
+def test_replicas_run_at_niceness_0_unless_told_otherwise(model_dir):
+    """Ray starts its workers at niceness 15; a replica (and the decode process it spawns,
+    which inherits it) asks for 0 through its runtime_env, in `hlm serve`, `make_app` and the
+    deployment a config file builds; `--niceness 15` gives Ray's default back."""
+    from hlm_ray.serve.cli import add_arguments
+
+    def env_of(app) -> dict:
+        return app._bound_deployment.ray_actor_options["runtime_env"]["env_vars"]
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args(["--model", "m"]).niceness == 0
+    assert parser.parse_args(["--model", "m", "--niceness", "15"]).niceness == 15
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--niceness", "-5"])  # raising priority: refused
+    args = AppArgs(model=model_dir)
+    assert env_of(make_app(args)) == {"RAY_worker_niceness": "0"}
+    assert env_of(build_app(args)) == {"RAY_worker_niceness": "0"}
+    app = make_app(args, niceness=15, num_cpus=0.5)
+    assert env_of(app) == {"RAY_worker_niceness": "15"}
+    assert app._bound_deployment.ray_actor_options["num_cpus"] == 0.5
+    assert env_of(make_app(args)) == {"RAY_worker_niceness": "0"}  # the default is untouched
 
 
 def test_the_callers_signal_handlers_outlive_ray_init():
@@ -766,6 +791,33 @@ def test_hlm_serve_with_no_options_answers_on_its_port_past_the_proxy(model_dir,
             while chunk := half.recv(4096):
                 answer += chunk
         assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
+        # The replica and its decode process at niceness 0, not Ray's 15 for workers.
+        served = {p: title for p, title in _descendants(proc.pid).items()
+                  if "ServeReplica" in title or "spawn_main" in title}  # fmt: skip
+        assert len(served) == 2, served
+        assert {p: nice_of(p) for p in served} == dict.fromkeys(served, 0)
     finally:
         proc.send_signal(signal.SIGINT)
         assert proc.wait(60) == 0, log.read_text()[-3000:]
+
+
+def _descendants(pid: int) -> dict[int, str]:
+    """Every process under `pid` (Linux /proc), with its command line."""
+    parents, titles = {}, {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                title = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+            titles[int(entry.name)] = title.decode(errors="replace")
+    found, frontier = {}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, pp in parents.items():
+            if pp == parent and child not in found:
+                found[child] = titles[child]
+                frontier.append(child)
+    return found

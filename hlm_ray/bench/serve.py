@@ -95,7 +95,8 @@ def prompts(num: int) -> list[str]:
 # ----------------------------------------------------------------------------- the server
 
 
-def start_server(model: str, *, config: str, num_cpus: float, max_batch_size: int, max_tokens: int):
+def start_server(model: str, *, config: str, num_cpus: float, max_batch_size: int,
+                 max_tokens: int, niceness: int | None = None):  # fmt: skip
     """Serve `model` as `hlm serve` would with `config` (its options parsed by its own parser),
     on free loopback ports, in a Ray started here; returns the `launch.Ports`."""
     from hlm_ray.serve.app import make_app
@@ -108,13 +109,15 @@ def start_server(model: str, *, config: str, num_cpus: float, max_batch_size: in
     argv = ["--model", model, "--max-batch-size", str(max_batch_size), "--num-cpus", str(num_cpus)]
     if config == "plain":
         argv += ["--no-decode-process", "--no-direct-ingress"]
+    if niceness is not None:
+        argv += ["--niceness", str(niceness)]
     options = parser.parse_args(argv)
     args = app_args(options).model_copy(update={"max_tokens_limit": max(256, max_tokens)})
     direct = options.direct_ingress is not False
     ports = Ports.plan("127.0.0.1", free_port(), replicas=1, direct=direct,
                        proxy_port=free_port() if direct else None)  # fmt: skip
     ray = {"address": "local", "num_cpus": 2, "include_dashboard": False}
-    start(make_app(args, num_cpus=num_cpus), ports, guard={}, ray=ray)
+    start(make_app(args, num_cpus=num_cpus, niceness=options.niceness), ports, guard={}, ray=ray)
     return ports
 
 
@@ -128,6 +131,14 @@ def rss_mib(pid: int | None) -> float | None:
     except OSError:
         return None
     return None
+
+
+def nice_of(pid: int | None) -> int | None:
+    """A process's scheduling niceness (Linux /proc), as it runs."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def serve_pids(app: str) -> dict[str, int | None]:
@@ -329,7 +340,9 @@ def markdown(result: dict[str, Any]) -> str:
     wall = f", {result['wall_s']} s in all" if "wall_s" in result else ""
     lines = [f"## Serving (load {result['load']}, {result['cpus']} CPUs{wall})", ""]
     if result.get("config"):
-        lines += [f"Configuration: {result['config']}.", ""]
+        nice = ", ".join(f"{k} {v}" for k, v in result.get("niceness", {}).items())
+        lines += [f"Configuration: {result['config']}" + (f" (niceness: {nice})" if nice else "")
+                  + ".", ""]  # fmt: skip
     if o := result.get("overhead"):
         lines += [
             "| arm | tokens/s (median) | rounds |",
@@ -391,15 +404,18 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         ports = start_server(model, config=args.config, num_cpus=args.num_cpus,
-                             max_batch_size=args.max_batch_size, max_tokens=args.new_tokens)  # fmt: skip
+                             max_batch_size=args.max_batch_size, max_tokens=args.new_tokens,
+                             niceness=args.niceness)  # fmt: skip
         result["config"] = CONFIGS[args.config]
         result["load"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
         result["cpus"] = os.cpu_count()
+        pids = serve_pids(app)
+        result["niceness"] = {k: nice_of(pid) for k, pid in pids.items() if k != "proxy"}
         if args.rounds:
             result["overhead"] = overhead(
                 ports.url, model, rounds=args.rounds, num_prompts=args.clients,
                 new_tokens=args.new_tokens, threads=max(1, int(args.num_cpus)),
-                pids=serve_pids(app), proxy_url=ports.proxy_url if ports.direct else None,
+                pids=pids, proxy_url=ports.proxy_url if ports.direct else None,
             )  # fmt: skip
         if args.soak:
             result["soak"] = soak(
@@ -430,6 +446,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", choices=sorted(CONFIGS), default="default",
                    help="how the model is served (default: " + CONFIGS["default"] + "; plain: "
                    + CONFIGS["plain"] + ")")  # fmt: skip
+    p.add_argument(
+        "--niceness",
+        type=int,
+        choices=range(20),
+        metavar="0-19",
+        help="the replica's niceness (default: hlm serve's, 0; 15: Ray's default)",
+    )
     p.add_argument("--soak", type=int, default=10_000, help="soak requests (0: skip)")
     p.add_argument("--concurrency", type=int, default=32, help="soak clients (32)")
 

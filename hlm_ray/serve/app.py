@@ -53,15 +53,20 @@ def make_app(
     max_ongoing_requests: int | None = None,
     max_queued_requests: int | None = None,
     name: str | None = None,
+    niceness: int | None = None,
 ) -> Application:
     """`build_app` with deployment options given in code (what `hlm serve` and tests use);
-    None keeps the deployment's default."""
+    None keeps the deployment's default. `niceness`: the replicas' (and their decode
+    processes') scheduling niceness, 0 by default; 15 is Ray's default for its workers."""
     check_model(args)
     actor = dict(CompletionServer.ray_actor_options or {})
     if num_cpus is not None:
         actor["num_cpus"] = num_cpus
     if num_gpus is not None:
         actor["num_gpus"] = num_gpus
+    if niceness is not None:
+        env = {**actor["runtime_env"]["env_vars"], "RAY_worker_niceness": str(niceness)}
+        actor["runtime_env"] = {**actor["runtime_env"], "env_vars": env}
     options: dict[str, Any] = {
         "num_replicas": num_replicas,
         "autoscaling_config": autoscaling_config,

@@ -132,6 +132,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "proxy on --port)",
     )
     p.add_argument(
+        "--niceness",
+        type=int,
+        default=0,
+        choices=range(20),
+        metavar="0-19",
+        help="scheduling niceness of the replicas and their decode processes (default 0, as "
+        "Ray's own processes and most clients; Ray gives its workers 15, at which any busy "
+        "nice-0 process on the node preempts decoding; 15: Ray's default)",
+    )
+    p.add_argument(
         "--address",
         help="Ray cluster to deploy onto, through its proxy (default: $RAY_ADDRESS, else a Ray "
         "started here)",
@@ -190,6 +200,7 @@ def run(args: argparse.Namespace) -> int:
         num_gpus=args.num_gpus or None,
         max_ongoing_requests=args.max_ongoing_requests,
         max_queued_requests=args.max_queued_requests,
+        niceness=args.niceness,
     )
     ports = plan_ports(args)
     import ray
