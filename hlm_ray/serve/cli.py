@@ -9,9 +9,11 @@ does from a config file).
 By default it runs the fastest configuration valid where it runs: each replica decodes in a
 child process (`--no-decode-process` to decode on the replica's thread) and, when it starts Ray
 itself, the replicas answer `--port` directly, past Serve's proxy (`--no-direct-ingress` to go
-through the proxy; the proxy then listens on `--port`). It blocks like `serve run`: Ctrl-C shuts
-the application and the local Ray instance down. With `RAY_ADDRESS` set (or `--address`) it
-deploys onto that cluster, through its proxy, instead of starting one.
+through the proxy; the proxy then listens on `--port`); replicas and their decode processes run
+at niceness 0 rather than the 15 Ray gives its workers (`--niceness 15` for Ray's default). It
+blocks like `serve run`: Ctrl-C shuts the application and the local Ray instance down. With
+`RAY_ADDRESS` set (or `--address`) it deploys onto that cluster, through its proxy, instead of
+starting one.
 """
 
 from __future__ import annotations
