@@ -185,6 +185,65 @@ def test_decode_loop_streams_cancels_and_fails_requests_alone(gen, tiny_decoder_
         engine.close()
 
 
+@pytest.mark.parametrize("kind", ["thread", "process"])
+def test_a_forming_batch_prefills_each_request_as_it_arrives_and_steps_once_full(
+    gen, tiny_decoder_dir, kind
+):
+    """With a first-batch wait, an idle decode loop prefills each request as it arrives (while
+    the replica still reads the later ones) and holds the first step until the batch is full,
+    not until the wait ends; a batch that does not fill steps when the wait ends. Every request
+    still gets what it gets alone."""
+    import time
+
+    from hlm_ray.serve.decode_process import DecodeProcess
+    from hlm_ray.serve.engine import DecodeLoop
+
+    def engine_of(max_rows: int, wait_s: float):
+        if kind == "thread":
+            loop = DecodeLoop(gen, max_rows=max_rows, wait_s=wait_s)
+            return loop, lambda: loop.stats
+        child = DecodeProcess(tiny_decoder_dir, device="cpu", max_rows=max_rows, wait_s=wait_s,
+                              num_threads=1)  # fmt: skip
+        return child, child.refresh_stats
+
+    def prefilled(stats, count: int) -> None:
+        deadline = time.monotonic() + 20
+        while stats()["batches"] < count:
+            assert time.monotonic() < deadline, "a request was not prefilled as it arrived"
+            time.sleep(0.01)
+
+    requests = _requests(gen)
+    expected = [_alone(gen, rows) for rows in requests]
+    wait_s = 60.0  # far beyond the test: only a full batch may start the steps
+    engine, stats = engine_of(sum(len(rows) for rows in requests), wait_s)
+    try:
+        start, jobs = time.monotonic(), []
+        for i, rows in enumerate(requests):
+            jobs.append(engine.submit(rows, lambda: None))
+            prefilled(stats, i + 1)
+            if i < len(requests) - 1:
+                assert stats()["steps"] == 0  # the batch is not full yet
+        _wait(jobs)
+        assert time.monotonic() - start < wait_s
+        for job, want in zip(jobs, expected, strict=True):
+            assert job.error is None
+            for row, completion in zip(job.rows, want, strict=True):
+                _same(row.result, completion)
+    finally:
+        engine.close()
+
+    engine, stats = engine_of(8, 0.5)  # one request of 1 row: the batch never fills
+    try:
+        start = time.monotonic()
+        job = engine.submit(_requests(gen)[1], lambda: None)  # fresh rows: no results yet
+        _wait([job])
+        assert time.monotonic() - start >= 0.5  # its first step waited for the end of the wait
+        assert stats()["batches"] == 1
+        _same(job.rows[0].result, expected[1][0])
+    finally:
+        engine.close()
+
+
 def test_a_burst_submitted_on_an_event_loop_crosses_to_the_decode_process_at_once(
     gen, tiny_decoder_dir
 ):

@@ -74,8 +74,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=float,
         default=0.02,
         help="an idle replica waits this long after a request for others to share its first "
-        "step (default 0.02; 0: a lone request starts at once, concurrent ones then take more "
-        "steps)",
+        "step, prefilling each as it arrives (default 0.02; 0: a lone request starts at once, "
+        "concurrent ones then take more steps)",
     )
     p.add_argument(
         "--max-ongoing-requests",

@@ -14,7 +14,9 @@ Why a loop rather than batches of requests (`serve.batch`): requests reach a rep
 a few milliseconds apart, and a batch decodes for as many steps as its longest row; a batch of
 the first few arrivals makes the later ones wait for all its steps and then decode in a second,
 smaller batch. Here a request's rows are prefilled at the next step boundary and decode with
-every row already running, so the replica decodes one batch of everything in flight.
+every row already running, so the replica decodes one batch of everything in flight. An idle
+loop with a first-batch wait (`wait_s`) prefills the requests as they arrive and starts its
+first step when the batch is full or the wait ends, so that a burst starts (and ends) together.
 
 Failures stay with their request: when a prefill of several requests fails, each is prefilled
 alone and only those that fail get the error; when a step fails, each request's rows step alone
@@ -74,7 +76,8 @@ class DecodeLoop:
         self.gen = generator
         self.max_rows = max_rows
         self.wait_s = wait_s
-        """How long an idle loop waits for more requests before its first prefill."""
+        """How long an idle loop waits for more requests before its first step (it prefills
+        those that arrive meanwhile; a full batch steps at once)."""
         self.after_pass = after_pass
         """Called on the decode thread after each pass (admissions and a step), once every
         job the pass touched was notified (`DecodeProcess`'s child sends their news at once)."""
@@ -113,14 +116,35 @@ class DecodeLoop:
     # ------------------------------------------------------------------------- the thread
 
     def _run(self) -> None:
-        while self._receive(block=not self._batch.rows and not self._pending):
+        # While the first batch forms (up to `wait_s` after an idle loop's first request), the
+        # requests that arrive are prefilled as they come, on this thread, while the replica is
+        # still reading the later ones; the first step waits for the batch to fill or the wait
+        # to end. Rows then start decoding together, as with one prefill, but the prefills no
+        # longer sit after the last arrival: only the last arrivals' does.
+        forming_until: float | None = None
+        while True:
+            idle = not self._batch.rows and not self._pending
+            if forming_until is not None:
+                wait = max(0.0, forming_until - time.monotonic())
+                alive = self._receive(block=True, timeout=wait)
+            else:
+                alive = self._receive(block=idle)
+            if not alive:
+                break
+            if idle and self._pending and self.wait_s > 0:
+                forming_until = time.monotonic() + self.wait_s
             if self.stats["idle_since"] >= self.stats["busy_since"]:
                 self.stats["busy_since"] = time.time()
             start, cpu = time.perf_counter(), time.thread_time()
             try:
                 self._leave_cancelled()
                 self._admit()
-                if self._batch.rows:
+                if forming_until is not None and not self._full():
+                    if time.monotonic() >= forming_until:
+                        forming_until = None
+                else:
+                    forming_until = None
+                if forming_until is None and self._batch.rows:
                     self._step()
             except Exception as err:  # a bug here: fail what is running rather than hang it
                 log.exception("decode loop error")
@@ -128,34 +152,32 @@ class DecodeLoop:
                     self._fail(job, err)
                 self._running.clear()
                 self._batch = RunningBatch(self.gen)
+                forming_until = None
             self.stats["busy_s"] += time.perf_counter() - start
             self.stats["busy_cpu_s"] += time.thread_time() - cpu
             if self.after_pass is not None:
                 self.after_pass()
             if not self._batch.rows and not self._pending:
                 self.stats["idle_since"] = time.time()
+                forming_until = None
 
-    def _receive(self, *, block: bool) -> bool:
-        """Move submitted jobs to the pending queue; when idle, wait for one (and then up to
-        `wait_s` for others). False when the loop is closed."""
-        deadline = None
+    def _receive(self, *, block: bool, timeout: float | None = None) -> bool:
+        """Move submitted jobs to the pending queue; when `block`, wait for something first (up
+        to `timeout` seconds; None: until it comes). False when the loop is closed."""
         while True:
             try:
-                if block:
-                    timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    item = self._inbox.get(timeout=timeout)
-                else:
-                    item = self._inbox.get_nowait()
+                item = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
             except queue.Empty:
                 return True
             if item is _STOP:
                 return False
             if isinstance(item, Job):
                 self._pending.append(item)
-                if block and deadline is None:
-                    deadline = time.monotonic() + self.wait_s
-                if sum(len(job.rows) for job in self._pending) >= self.max_rows:
-                    block = False  # a full batch is waiting: no reason to wait for more
+            block = False  # then take what else is there, without waiting
+
+    def _full(self) -> bool:
+        """No more rows fit the forming batch (pending ones are left only when they do not)."""
+        return len(self._batch.rows) >= self.max_rows or bool(self._pending)
 
     def _leave_cancelled(self) -> None:
         self._pending = deque(job for job in self._pending if not job.cancelled)

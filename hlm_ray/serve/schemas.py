@@ -241,9 +241,10 @@ class AppArgs(BaseModel):
     """Rows (prompts x n, over concurrent requests) decoded together; also a request's limit."""
     batch_wait_timeout_s: float = Field(0.02, ge=0.0)
     """How long an idle replica waits, after a request arrives, for others to share its first
-    prefill. Requests arriving later join the running batch at its next step, but rows prefilled
-    in several groups finish at different steps: 20 ms let 32 concurrent clients share one
-    prefill (docs/benchmarks.md). 0: a lone request starts at once."""
+    step; it prefills each request as it arrives meanwhile, and steps as soon as the batch is
+    full. Requests arriving later join the running batch at its next step, but rows that start
+    at different steps finish at different steps: 20 ms let 32 concurrent clients start
+    together (docs/benchmarks.md). 0: a lone request starts at once."""
     max_prompt_tokens: int | None = Field(None, ge=1)
     """Longest prompt accepted, in tokens (default: the model's positions minus max_tokens)."""
     max_tokens_limit: int = Field(256, ge=1)
