@@ -127,6 +127,14 @@ def test_a_failed_prefill_leaves_the_running_batch_as_it_was(gen):
 # ----------------------------------------------------------------------------- the decode loop
 
 
+def _all_same(jobs, expected: list[list]) -> None:
+    """Every job finished without error, each row with what it decodes alone."""
+    for job, want in zip(jobs, expected, strict=True):
+        assert job.error is None
+        for row, completion in zip(job.rows, want, strict=True):
+            _same(row.result, completion)
+
+
 def _wait(jobs, timeout: float = 60.0) -> None:
     import time
 
@@ -170,10 +178,7 @@ def test_decode_loop_streams_cancels_and_fails_requests_alone(gen, tiny_decoder_
         engine.cancel(cancelled)
         _wait([*jobs, bad])
         assert isinstance(bad.error, IndexError)
-        for job, want in zip(jobs, expected, strict=True):
-            assert job.error is None
-            for row, completion in zip(job.rows, want, strict=True):
-                _same(row.result, completion)
+        _all_same(jobs, expected)
         streamed = ["" for _ in jobs[2].rows]
         for deltas in jobs[2].events:
             for d in deltas:
@@ -225,10 +230,7 @@ def test_a_forming_batch_prefills_each_request_as_it_arrives_and_steps_once_full
                 assert stats()["steps"] == 0  # the batch is not full yet
         _wait(jobs)
         assert time.monotonic() - start < wait_s
-        for job, want in zip(jobs, expected, strict=True):
-            assert job.error is None
-            for row, completion in zip(job.rows, want, strict=True):
-                _same(row.result, completion)
+        _all_same(jobs, expected)
     finally:
         engine.close()
 
@@ -277,10 +279,7 @@ def test_a_burst_submitted_on_an_event_loop_crosses_to_the_decode_process_at_onc
 
         jobs, dropped = asyncio.run(burst())
         assert sent.count("submit") == 1, sent
-        for job, want in zip(jobs, expected, strict=True):
-            assert job.error is None
-            for row, completion in zip(job.rows, want, strict=True):
-                _same(row.result, completion)
+        _all_same(jobs, expected)
         assert dropped.rows[0].result is None and not dropped.done
         # Each kept row decodes at most one step per token it gave; the dropped row none of 40.
         tokens = sum(c.completion_tokens for want in expected for c in want)
@@ -358,9 +357,6 @@ def test_decode_loop_fails_a_request_whose_step_fails_and_the_others_go_on(gen):
         bad = engine.submit(victim, poison, stream=True)
         _wait([*jobs, bad])
         assert isinstance(bad.error, IndexError) and bad.events  # it had decoded some text
-        for job, want in zip(jobs, expected, strict=True):
-            assert job.error is None
-            for row, completion in zip(job.rows, want, strict=True):
-                _same(row.result, completion)
+        _all_same(jobs, expected)
     finally:
         engine.close()

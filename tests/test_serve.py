@@ -16,7 +16,7 @@ import pytest
 import requests
 from serve_common import API_KEY, AUTH, BODY_TIMEOUT_S, free_port, post
 
-from hlm_ray.bench.serve import nice_of
+from hlm_ray.bench.serve import nice_of, processes
 from hlm_ray.errors import HLMError
 from hlm_ray.generate import Generator
 from hlm_ray.serve.app import build_app, make_app
@@ -802,22 +802,13 @@ def test_hlm_serve_with_no_options_answers_on_its_port_past_the_proxy(model_dir,
 
 
 def _descendants(pid: int) -> dict[int, str]:
-    """Every process under `pid` (Linux /proc), with its command line."""
-    parents, titles = {}, {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-                title = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
-            except OSError:
-                continue
-            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
-            titles[int(entry.name)] = title.decode(errors="replace")
+    """Every process under `pid`, with its command line."""
+    procs = processes()
     found, frontier = {}, [pid]
     while frontier:
         parent = frontier.pop()
-        for child, pp in parents.items():
+        for child, (title, pp) in procs.items():
             if pp == parent and child not in found:
-                found[child] = titles[child]
+                found[child] = title
                 frontier.append(child)
     return found

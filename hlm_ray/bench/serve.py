@@ -141,8 +141,8 @@ def nice_of(pid: int | None) -> int | None:
         return None
 
 
-def serve_pids(app: str) -> dict[str, int | None]:
-    """The replica of `app` and the proxy beside it (same raylet), found by process title."""
+def processes() -> dict[int, tuple[str, int]]:
+    """Every process on this machine: pid -> (command line, parent pid) (Linux /proc)."""
     procs = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -152,6 +152,12 @@ def serve_pids(app: str) -> dict[str, int | None]:
             except (OSError, ValueError, IndexError):
                 continue
             procs[int(entry.name)] = (cmd, ppid)
+    return procs
+
+
+def serve_pids(app: str) -> dict[str, int | None]:
+    """The replica of `app` and the proxy beside it (same raylet), found by process title."""
+    procs = processes()
     replica = next((p for p, (c, _) in procs.items() if f"ServeReplica:{app}:" in c), None)
     parent = procs[replica][1] if replica else None
     proxy = next(

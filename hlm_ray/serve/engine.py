@@ -139,10 +139,9 @@ class DecodeLoop:
             try:
                 self._leave_cancelled()
                 self._admit()
-                if forming_until is not None and not self._full():
-                    if time.monotonic() >= forming_until:
-                        forming_until = None
-                else:
+                if forming_until is not None and (
+                    self._full() or time.monotonic() >= forming_until
+                ):
                     forming_until = None
                 if forming_until is None and self._batch.rows:
                     self._step()
