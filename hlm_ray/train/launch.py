@@ -112,14 +112,36 @@ def connect() -> None:
     address = os.environ.get("RAY_ADDRESS")
     if address and address not in ("auto", "local"):
         _probe(address)  # ray.init retries an unreachable address for minutes
-    try:
-        options = local_cluster_options() if _starts_local(address) else {}
-        ray.init(address=address or None, log_to_driver=True, **options)
-    except (ConnectionError, TimeoutError, RuntimeError, ValueError) as err:
-        raise HLMError(
-            f"cannot reach the Ray cluster at RAY_ADDRESS={address}: {str(err).splitlines()[0]}; "
-            "start one with `ray start --head` or unset RAY_ADDRESS to run locally"
-        ) from None
+    local = _starts_local(address)
+    for attempt in range(1, LOCAL_START_ATTEMPTS + 1 if local else 2):
+        try:
+            options = local_cluster_options() if local else {}  # a fresh dashboard port each try
+            ray.init(address=address or None, log_to_driver=True, **options)
+            return
+        except (ConnectionError, TimeoutError, RuntimeError, ValueError) as err:
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            if not local:
+                raise HLMError(
+                    f"cannot reach the Ray cluster at RAY_ADDRESS={address}: {first}; start one "
+                    "with `ray start --head` or unset RAY_ADDRESS to run locally"
+                ) from None
+            ray.shutdown()  # whatever part of the cluster did start
+            # A port chosen free can be taken before Ray binds it (another cluster starting at
+            # the same moment): a new choice of ports usually succeeds.
+            if attempt < LOCAL_START_ATTEMPTS and _port_taken(str(err)):
+                continue
+            raise HLMError(
+                f"could not start a local Ray cluster on this machine: {first}; check that "
+                "/tmp has free space and the ports are free, or join a running cluster with "
+                "RAY_ADDRESS=HOST:6379"
+            ) from None
+
+
+LOCAL_START_ATTEMPTS = 2
+
+
+def _port_taken(message: str) -> bool:
+    return "Failed to bind" in message or "already in use" in message or "occupied" in message
 
 
 def _starts_local(address: str | None) -> bool:
