@@ -133,10 +133,16 @@ def rss_mib(pid: int | None) -> float | None:
     return None
 
 
+def stat_fields(pid: int | str | None) -> list[str]:
+    """`/proc/PID/stat` after the command name (which may hold spaces and parentheses): index 0
+    is field 3 of proc(5), the state. Raises OSError for a process that is gone."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
 def nice_of(pid: int | None) -> int | None:
     """A process's scheduling niceness (Linux /proc), as it runs."""
     try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+        return int(stat_fields(pid)[16])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -148,7 +154,7 @@ def processes() -> dict[int, tuple[str, int]]:
         if entry.name.isdigit():
             try:
                 cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                ppid = int(stat_fields(entry.name)[1])
             except (OSError, ValueError, IndexError):
                 continue
             procs[int(entry.name)] = (cmd, ppid)
@@ -274,7 +280,7 @@ def cpu_seconds(pids: dict[str, int | None]) -> dict[str, float]:
     out = {}
     for name, pid in pids.items():
         try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            fields = stat_fields(pid)
             out[name] = (int(fields[11]) + int(fields[12])) / tick
         except (OSError, ValueError, IndexError, TypeError):
             continue

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from hlm_ray.config import Config, apply_overrides
-from hlm_ray.errors import HLMError
+from hlm_ray.errors import HLMError, one_line
 from hlm_ray.paths import CACHE_ENV
 from hlm_ray.train import checkpoint as ckpt
 from hlm_ray.train.inputs import build_corpus, build_tokenizer
@@ -113,13 +113,14 @@ def connect() -> None:
     if address and address not in ("auto", "local"):
         _probe(address)  # ray.init retries an unreachable address for minutes
     local = _starts_local(address)
-    for attempt in range(1, LOCAL_START_ATTEMPTS + 1 if local else 2):
+    attempts = LOCAL_START_ATTEMPTS if local else 1
+    for attempt in range(1, attempts + 1):
         try:
             options = local_cluster_options() if local else {}  # a fresh dashboard port each try
             ray.init(address=address or None, log_to_driver=True, **options)
             return
         except (ConnectionError, TimeoutError, RuntimeError, ValueError) as err:
-            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            first = one_line(err)
             if not local:
                 raise HLMError(
                     f"cannot reach the Ray cluster at RAY_ADDRESS={address}: {first}; start one "
@@ -128,7 +129,7 @@ def connect() -> None:
             ray.shutdown()  # whatever part of the cluster did start
             # A port chosen free can be taken before Ray binds it (another cluster starting at
             # the same moment): a new choice of ports usually succeeds.
-            if attempt < LOCAL_START_ATTEMPTS and _port_taken(str(err)):
+            if attempt < attempts and _port_taken(str(err)):
                 continue
             raise HLMError(
                 f"could not start a local Ray cluster on this machine: {first}; check that "
