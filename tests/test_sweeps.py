@@ -142,6 +142,11 @@ def test_concurrency_comes_from_the_cluster_and_impossible_trials_fail():
     assert plan_concurrency(two, 8, [{"CPU": 8.0}, {"CPU": 4.0}]) == 3
     gpu = get_sweep("vocab", "tiny", ["sweep.workers_per_trial=2", "sweep.gpus_per_worker=1"])
     assert plan_concurrency(gpu, 8, [{"CPU": 32.0, "GPU": 4.0}, {"CPU": 32.0, "GPU": 2.0}]) == 3
+    # Workers are placed whole on a node: three 3-CPU nodes hold three 2-CPU workers, not four.
+    two_cpu = get_sweep("vocab", "tiny", ["sweep.cpus_per_worker=2"])
+    assert plan_concurrency(two_cpu, 8, [{"CPU": 3.0}] * 3) == 3
+    with pytest.raises(HLMError, match="needs 2 worker.* of 2 CPU but the cluster's nodes hold 1"):
+        plan_concurrency(two, 4, [{"CPU": 3.0}, {"CPU": 1.0}])
     with pytest.raises(HLMError, match="needs 2 worker.* = 4 CPUs but the cluster has 2"):
         plan_concurrency(two, 4, [{"CPU": 2.0}, {"CPU": 2.0}][:1])
     with pytest.raises(HLMError, match="a worker needs 3 CPUs but the largest node has 2"):

@@ -107,10 +107,24 @@ def plan_concurrency(spec: SweepSpec, num_trials: int, nodes: list[dict[str, flo
             f"a trial needs {spec.workers_per_trial} worker(s) × {spec.gpus_per_worker:g} GPU = "
             f"{need_gpu:g} GPUs but the cluster has {total_gpu:g}; {hint}"
         )
-    fits = math.floor(total_cpu / need_cpu + 1e-9)
-    if need_gpu:
-        fits = min(fits, math.floor(total_gpu / need_gpu + 1e-9))
-    return max(1, min(fits, num_trials))
+    # Workers are placed whole on a node: count the workers each node holds, not the cluster's
+    # total (three 3-CPU nodes hold three 2-CPU workers, not four).
+    slots = sum(_workers_on(node, spec) for node in nodes)
+    if slots < spec.workers_per_trial:
+        raise HLMError(
+            f"a trial needs {spec.workers_per_trial} worker(s) of {spec.cpus_per_worker:g} CPU"
+            f"{f' and {spec.gpus_per_worker:g} GPU' if spec.gpus_per_worker else ''} but the "
+            f"cluster's nodes hold {slots} such worker(s); {hint}"
+        )
+    return max(1, min(slots // spec.workers_per_trial, num_trials))
+
+
+def _workers_on(node: dict[str, float], spec: SweepSpec) -> int:
+    """How many of one trial's workers fit on `node` at once."""
+    fits = math.floor(node.get("CPU", 0.0) / spec.cpus_per_worker + 1e-9)
+    if spec.gpus_per_worker:
+        fits = min(fits, math.floor(node.get("GPU", 0.0) / spec.gpus_per_worker + 1e-9))
+    return fits
 
 
 def prepare_inputs(
