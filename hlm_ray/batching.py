@@ -22,6 +22,8 @@ alone or joining any batch at any step (up to float noise).
 
 from __future__ import annotations
 
+import functools
+import inspect
 import random
 import secrets
 import time
@@ -226,11 +228,28 @@ def _forward(model, ids_BL, mask_BL, positions_BL, past=None):
         input_ids=ids_BL,
         attention_mask=mask_BL,
         position_ids=positions_BL,
-        past_key_values=past,
         use_cache=True,
         logits_to_keep=1,
+        **{cache_keyword(model): past},
     )
-    return out.logits[:, -1].float(), out.past_key_values
+    return out.logits[:, -1].float(), returned_cache(out)
+
+
+@functools.cache
+def _forward_parameters(forward) -> frozenset[str]:
+    return frozenset(inspect.signature(forward).parameters)
+
+
+def cache_keyword(model) -> str:
+    """The forward's name for the KV cache: `cache` in the transformers releases that renamed
+    it, `past_key_values` before them (the old name warns there, and goes in 5.40)."""
+    return "cache" if "cache" in _forward_parameters(type(model).forward) else "past_key_values"
+
+
+def returned_cache(out):
+    """The KV cache a forward pass returned, under either name (`cache_keyword`)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
 
 
 def _draw(row) -> random.Random | None:

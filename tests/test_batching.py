@@ -4,9 +4,14 @@ with the same seed; the cache stays as wide as the longest running row."""
 
 from __future__ import annotations
 
-import pytest
+import inspect
+import warnings
+from types import SimpleNamespace
 
-from hlm_ray.batching import RunningBatch
+import pytest
+import torch
+
+from hlm_ray.batching import RunningBatch, cache_keyword, returned_cache
 from hlm_ray.generate import Generator, SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -122,6 +127,27 @@ def test_a_failed_prefill_leaves_the_running_batch_as_it_was(gen):
     while batch.rows:
         batch.step()
     _same(rows[0].result, expected)
+
+
+def test_the_kv_cache_goes_by_the_name_the_installed_transformers_takes(gen):
+    """transformers renamed the forward's `past_key_values` to `cache` (the old name warns,
+    and goes in 5.40): a prefill and a step pass the cache under the name the model takes, so
+    nothing warns, and an older release's model still gets `past_key_values`."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        batch = RunningBatch(gen)
+        batch.admit(gen.rows(PROMPTS[0], SamplingParams(max_new_tokens=3, temperature=0)))
+        batch.step()
+    assert not [w for w in caught if "past_key_values" in str(w.message)]
+    assert cache_keyword(gen.model) in inspect.signature(type(gen.model).forward).parameters
+
+    class Older(torch.nn.Module):
+        def forward(self, input_ids=None, past_key_values=None, use_cache=None):
+            return SimpleNamespace(past_key_values=("cache", past_key_values))
+
+    assert cache_keyword(Older()) == "past_key_values"
+    assert returned_cache(Older()(past_key_values=1)) == ("cache", 1)
+    assert returned_cache(SimpleNamespace(cache="new", past_key_values=None)) == "new"
 
 
 # ----------------------------------------------------------------------------- the decode loop

@@ -18,7 +18,7 @@ the log-softmax, in float32, over the whole vocabulary of the model's *un-filter
 bias, temperature, top-k/p or padding mask is applied to them. A prompt is scored in the forward
 pass that reads it (one pass, not token by token); `max_new_tokens=0` only scores it. Text is
 decoded incrementally (`hlm_ray.detokenize`). Prompts are left-padded into one batch with an attention
-mask and explicit positions, and decoded with the KV cache (`past_key_values`).
+mask and explicit positions, and decoded with the KV cache.
 
 A headless decoder that was never fine-tuned only has the raw Eᵀ head (its input embeddings) and
 is refused: `hlm finetune --task clm` gives it a real head (`allow_raw_head=True` overrides).

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from hlm_ray.batching import RunningBatch
+from hlm_ray.batching import RunningBatch, returned_cache
 from hlm_ray.detokenize import text_offsets, token_strings
 from hlm_ray.device import device_name
 from hlm_ray.errors import HLMError
@@ -247,7 +247,7 @@ class Generator:
             row.prompt_logprobs = [None] + token_logprobs(
                 logprobs_TV, targets, row.params.logprobs or 0
             )
-        return head(hidden_BLD[:, -1]).float(), out.past_key_values
+        return head(hidden_BLD[:, -1]).float(), returned_cache(out)
 
     def _logprobs(self, logits_BV: torch.Tensor, rows: list[Row]) -> list:
         """Per row, None or a function of the sampled token giving its TokenLogprob: log-softmax
