@@ -14,7 +14,7 @@ replica keeps the tokenizer and everything HTTP.
 Messages (pickled over a `multiprocessing` pipe; ids are the parent's job numbers):
   parent -> child  ("submit", [(id, [(prompt_ids, params, seed, deadline)], stream)])
                    ("cancel", id) | ("stats", token) | ("stop",)
-  child -> parent  ("ready",) | ("failed", message)            once, after loading the model
+  child -> parent  ("ready", frozen) | ("failed", message)     once, after loading the model
                    ("jobs", [news], stats)                       after a decoding pass, where
                    news is ("events", id, [[Delta]])             a streamed job's steps,
                            ("done", id, [Completion], [[Delta]]) every row finished,
@@ -81,6 +81,8 @@ class DecodeProcess:
             first = ("failed", f"it exited with code {self._proc.exitcode}")
         if first[0] != "ready":
             raise HLMError(f"the decode process could not start: {first[1]}")
+        self.frozen_objects: int = first[1]
+        """How many objects the child froze once loaded (`engine.freeze_loaded_heap`)."""
         self.stats: dict[str, Any] = {}
         self._closing = False
         self._jobs: dict[int, Job] = {}
@@ -227,7 +229,7 @@ def _child_main(conn, spec: ChildSpec) -> None:
     import torch
 
     from hlm_ray.generate import Generator
-    from hlm_ray.serve.engine import DecodeLoop
+    from hlm_ray.serve.engine import DecodeLoop, freeze_loaded_heap
 
     if spec.num_threads:
         torch.set_num_threads(spec.num_threads)
@@ -275,7 +277,7 @@ def _child_main(conn, spec: ChildSpec) -> None:
 
         return notify
 
-    conn.send(("ready",))
+    conn.send(("ready", freeze_loaded_heap()))
     while True:
         try:
             message = conn.recv()

@@ -46,7 +46,7 @@ from hlm_ray.generate import Generator, Row
 from hlm_ray.pretrained import REGISTRY_SCHEME
 from hlm_ray.serve.access_log import AccessLog
 from hlm_ray.serve.decode_process import DecodeProcess
-from hlm_ray.serve.engine import DecodeLoop
+from hlm_ray.serve.engine import DecodeLoop, freeze_loaded_heap
 from hlm_ray.serve.protocol import (
     CHAT_TEMPLATE,
     ApiError,
@@ -147,6 +147,7 @@ class CompletionServer:
             )
         self._requests = 0
         self.access_log = AccessLog(log)
+        freeze_loaded_heap()  # no full collection rescans the loaded app mid-request
         log.info(
             "serving %s (%s) from %s, %d positions, %s, decoding %s",
             self.name,
