@@ -1,9 +1,10 @@
-"""The serving benchmark's arithmetic (`hlm_ray.bench.serve`): the breakdown of a served round
-from the replica's counters, and its Markdown. The benchmark itself runs with `hlm bench`."""
+"""The serving benchmark's arithmetic (`hlm_ray.bench.serve_report`): the breakdown of a served
+round from the replica's counters, the decode process's speed against the in-process arm's, and
+the Markdown. The benchmark itself runs with `hlm bench`."""
 
 from __future__ import annotations
 
-from hlm_ray.bench.serve import breakdown, markdown
+from hlm_ray.bench.serve_report import breakdown, decode_speed, markdown
 
 
 def test_breakdown_of_a_served_round_from_the_replica_counters():
@@ -24,6 +25,11 @@ def test_breakdown_of_a_served_round_from_the_replica_counters():
     text = markdown({"load": "1.0 1.0 1.0", "cpus": 2, "overhead": overhead})
     assert "**0.5**" in text and "lead 50.0 ms" in text and "take 100 ms" in text
     assert "proxy" not in text  # no proxy arm measured: none reported
+    assert "Per forward pass" not in text  # no in-process CPU measured: no comparison
+    # 80 ms over 36 forwards served against 68 ms over 34 in process: 2.22 / 2.0 ms.
+    assert decode_speed(overhead | {"in_process_cpu_ms": 68}) == 1.11
+    text = markdown({"load": "1", "cpus": 2, "overhead": overhead | {"in_process_cpu_ms": 68}})
+    assert "the decode process used **1.11** times the CPU" in text
     # With the default configuration, the same requests through Serve's proxy as a side arm.
     overhead |= {"proxy_tok_s": 3072, "proxy_ratio": 0.3, "proxy_all": [3072]}
     text = markdown({"load": "1.0 1.0 1.0", "cpus": 2, "overhead": overhead, "wall_s": 61.5})
