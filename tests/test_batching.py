@@ -296,15 +296,16 @@ def test_a_forming_batch_prefills_each_request_as_it_arrives_and_steps_once_full
         engine.close()
 
 
-def test_a_burst_submitted_on_an_event_loop_crosses_to_the_decode_process_at_once(
-    gen, tiny_decoder_dir
+def test_a_burst_submitted_on_an_event_loop_crosses_to_the_decode_process_in_groups(
+    gen, tiny_decoder_dir, monkeypatch
 ):
-    """Requests submitted in one turn of the replica's event loop reach the decode process as
-    one message (one write, one wake-up of the child), and its answers come back one message
-    per decoding pass; each request still gets what it gets alone, and one cancelled before
-    its turn ended is never decoded."""
+    """Requests submitted in one turn of the replica's event loop reach the decode process in
+    messages of FLUSH_EVERY (one write, one wake-up of the child each) and the rest at the
+    turn's end, and its answers come back one message per decoding pass; each request still
+    gets what it gets alone, and one cancelled before its turn ended is never decoded."""
     import asyncio
 
+    from hlm_ray.serve import decode_process
     from hlm_ray.serve.decode_process import DecodeProcess
 
     requests = _requests(gen)
@@ -312,7 +313,11 @@ def test_a_burst_submitted_on_an_event_loop_crosses_to_the_decode_process_at_onc
     engine = DecodeProcess(tiny_decoder_dir, device="cpu", max_rows=8, num_threads=1)
     sent: list[str] = []
     send = engine._conn.send
-    engine._conn.send = lambda message: (sent.append(message[0]), send(message))[1]
+    engine._conn.send = lambda message: (
+        sent.append(f"{message[0]} {len(message[1])}" if message[0] == "submit" else message[0]),
+        send(message),
+    )[1]
+    monkeypatch.setattr(decode_process, "FLUSH_EVERY", 3)  # the 4 requests: 3, then 1
     try:
 
         async def burst():
@@ -328,7 +333,7 @@ def test_a_burst_submitted_on_an_event_loop_crosses_to_the_decode_process_at_onc
             return jobs, dropped
 
         jobs, dropped = asyncio.run(burst())
-        assert sent.count("submit") == 1, sent
+        assert [m for m in sent if m.startswith("submit")] == ["submit 3", "submit 2"], sent
         _all_same(jobs, expected)
         assert dropped.rows[0].result is None and not dropped.done
         # Each kept row decodes at most one step per token it gave; the dropped row none of 40.

@@ -43,6 +43,13 @@ from hlm_ray.serve.engine import Job
 
 log = logging.getLogger("ray.serve")
 START_TIMEOUT_S = 600.0  # loading a large model from a slow disk
+# A burst's requests cross to the child in messages of at most this many, the last at the end of
+# the event loop's turn: the child prefills each group while the replica parses the next, so the
+# prefill left after the last arrival (on the round's critical path, before the first step) is
+# of a few requests, not of all those parsed in the turn. 2 cores, 16 alternated runs each of
+# the serving benchmark: served / in-process median 0.803 at 4 against 0.755 with one
+# message per turn.
+FLUSH_EVERY = 4
 
 
 @dataclass(frozen=True)
@@ -88,9 +95,9 @@ class DecodeProcess:
         self._jobs: dict[int, Job] = {}
         self._ids = itertools.count()
         self._send_lock = threading.Lock()
-        # Jobs submitted from an event loop wait here for the loop's next turn, so that a burst
-        # of requests crosses the pipe as one message (one pickling, one write, one wake-up of
-        # the child), not one each.
+        # Jobs submitted from an event loop wait here for the loop's next turn, or until
+        # FLUSH_EVERY of them wait, so that a burst crosses the pipe in a few messages (one
+        # pickling, one write, one wake-up of the child each), not one per request.
         self._outbox: list[tuple[Job, tuple]] = []
         self._fresh = threading.Condition()
         self._stats_asked = 0  # the last stats request sent, and the last one answered
@@ -109,12 +116,12 @@ class DecodeProcess:
         payload = [(row.prompt_ids, row.params, row.seed, row.deadline) for row in rows]
         with self._send_lock:
             self._outbox.append((job, (job.id, payload, stream)))
-            first = len(self._outbox) == 1
+            first, full = len(self._outbox) == 1, len(self._outbox) >= FLUSH_EVERY
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # not on an event loop: nothing to gather it with
             loop = None
-        if loop is None:
+        if loop is None or full:
             self._flush()
         elif first:
             loop.call_soon(self._flush)
