@@ -317,7 +317,7 @@ def test_a_burst_submitted_on_an_event_loop_crosses_to_the_decode_process_in_gro
         sent.append(f"{message[0]} {len(message[1])}" if message[0] == "submit" else message[0]),
         send(message),
     )[1]
-    monkeypatch.setattr(decode_process, "FLUSH_EVERY", 3)  # the 4 requests: 3, then 1
+    monkeypatch.setattr(decode_process, "FLUSH_EVERY", 3)  # 3 at once, then 1 + the dropped one
     try:
 
         async def burst():
