@@ -209,8 +209,11 @@ def test_decode_loop_streams_cancels_and_fails_requests_alone(gen, tiny_decoder_
     """The server's decode loop (`hlm_ray.serve.engine.DecodeLoop`, on the replica's thread
     or in its own process): requests submitted while others decode get what they get alone
     (streamed deltas concatenate to it); a cancelled request leaves the batch at the next
-    step; one that cannot be decoded fails alone, with its error's type."""
+    step; one that cannot be decoded fails alone, with its error's type. Its counters say when
+    it was last handed a request and when its busy spell's first step began (the serving
+    benchmark's breakdown reads them)."""
     import threading
+    import time
 
     from hlm_ray.generate import Row
 
@@ -219,8 +222,13 @@ def test_decode_loop_streams_cancels_and_fails_requests_alone(gen, tiny_decoder_
     expected = [_alone(gen, rows) for rows in requests]
     engine = _engine(kind, gen, tiny_decoder_dir)
     try:
-        first_step = threading.Event()
-        cancelled = engine.submit(gen.rows(PROMPTS[1], long, seed=5), first_step.set, stream=True)
+        first_step, seen = threading.Event(), []  # the Unix times its news arrived
+
+        def stamp() -> None:
+            seen.append(time.time())
+            first_step.set()
+
+        cancelled = engine.submit(gen.rows(PROMPTS[1], long, seed=5), stamp, stream=True)
         assert first_step.wait(30)  # it is decoding: the others join a running batch
         poisoned = [Row([gen.vocab_size + 5], SamplingParams(max_new_tokens=3))]
         jobs = [engine.submit(rows, lambda: None, stream=i == 2) for i, rows in enumerate(requests)]
@@ -236,6 +244,11 @@ def test_decode_loop_streams_cancels_and_fails_requests_alone(gen, tiny_decoder_
         assert streamed == [c.text for c in expected[2]]
         assert cancelled.rows[0].result is None and not cancelled.done
         assert engine.stats["max_batch_requests"] >= 2
+        stats = engine.refresh_stats() if kind == "process" else engine.stats
+        # The first step of this busy spell came before the second piece of news (a prefill
+        # gives the first, a step at the latest the second), not at a later step.
+        assert stats["busy_since"] <= stats["stepping_since"] <= seen[1]
+        assert seen[0] <= engine.submitted_at <= time.time()  # the last submission (`bad`)
     finally:
         engine.close()
 

@@ -14,11 +14,19 @@ def breakdown(
     """Where a served round's wall time went, from the replica's counters (GET /healthz):
     prefills and steps it ran, the mean rows per step, the time its decode thread was busy;
     `lead_ms`: from the first request sent to the replica's first prefill (HTTP, proxy,
-    routing, parsing); `tail_ms`: from its last step to the last answer received (response
-    bodies back through the proxy)."""
+    routing, parsing); `arrivals_ms`: to the last request handed to the decoder (the replica
+    reading every request of the round, one after another); `catch_up_ms`: from there to the
+    first step (the prefills still owed); `tail_ms`: from the last step to the last answer
+    received (response bodies back through the proxy)."""
     keys = ("batches", "steps", "decoded_rows", "busy_s", "busy_cpu_s")
     diff = {k: after[k] - before[k] for k in keys}
     steps = max(1, diff["steps"])
+    spans = {}
+    if after.get("submitted_at") and after.get("stepping_since"):  # a server that reports them
+        spans = {
+            "arrivals_ms": round(1000 * (after["submitted_at"] - unix_start), 1),
+            "catch_up_ms": round(1000 * (after["stepping_since"] - after["submitted_at"]), 1),
+        }
     return {
         "prefills": diff["batches"],
         "steps": diff["steps"],
@@ -29,6 +37,7 @@ def breakdown(
         "wall_ms": round(1000 * wall, 1),
         "busy_share": round(diff["busy_s"] / wall, 2),
         "lead_ms": round(1000 * (after["busy_since"] - unix_start), 1),
+        **spans,
         "tail_ms": round(1000 * (unix_start + wall - after["idle_since"]), 1),
         "latency_p50_ms": round(1000 * statistics.median(lat for _, lat, _ in answers), 1),
     }
@@ -88,6 +97,14 @@ def markdown(result: dict[str, Any]) -> str:
                 f"waiting between steps; in process the same tokens take {in_ms:.0f} ms.",
                 "",
             ]
+            if "arrivals_ms" in b:
+                lines += [
+                    f"The replica handed the last request to the decoder {b['arrivals_ms']} ms "
+                    "after the first was sent (it reads them one after another), and the "
+                    f"decoder's first step came {b['catch_up_ms']} ms after that (the prefills "
+                    "still owed); in process, one prefill of the whole batch comes first.",
+                    "",
+                ]
         if cpu := (b or {}).get("cpu_ms"):
             lines += [
                 "CPU per round (ms, median; 10 ms ticks): "

@@ -2,7 +2,7 @@
 
     engine = DecodeProcess(model_dir, device="cpu", max_rows=32)   # starts the child
     job = engine.submit(rows, notify)        # as DecodeLoop: notify runs on a reader thread
-    engine.cancel(job); engine.stats; engine.alive; engine.close()
+    engine.cancel(job); engine.stats; engine.submitted_at; engine.alive; engine.close()
 
 Why: a replica is one Python process, so its event loop (HTTP, routing, parsing, tokenizing,
 answering) and its decode thread take turns on one interpreter lock. With a small model, where
@@ -33,6 +33,7 @@ import logging
 import multiprocessing as mp
 import pickle
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -102,6 +103,8 @@ class DecodeProcess:
         self._fresh = threading.Condition()
         self._stats_asked = 0  # the last stats request sent, and the last one answered
         self._stats_answered = 0
+        self.submitted_at = 0.0
+        """Unix time requests last left for the child (as `DecodeLoop.submitted_at`)."""
         self._reader = threading.Thread(target=self._read, name="decode-reader", daemon=True)
         self._reader.start()
         self.refresh_stats()
@@ -173,6 +176,7 @@ class DecodeProcess:
                 return
             try:
                 self._conn.send(("submit", [message for _, message in waiting]))
+                self.submitted_at = time.time()
                 return
             except (OSError, ValueError) as err:
                 error = HLMError(f"the decode process is gone ({err})")

@@ -95,11 +95,13 @@ class DecodeLoop:
         job the pass touched was notified (`DecodeProcess`'s child sends their news at once)."""
         self.stats = {"batches": 0, "steps": 0, "decoded_rows": 0, "max_batch_requests": 0,
                       "max_batch_rows": 0, "busy_s": 0.0, "busy_cpu_s": 0.0,
-                      "busy_since": 0.0, "idle_since": 0.0}  # fmt: skip
+                      "busy_since": 0.0, "idle_since": 0.0, "stepping_since": 0.0}  # fmt: skip
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: deque[Job] = deque()
         self._running: dict[int, Job] = {}  # id(row) -> its job, for rows in the batch
         self._batch = RunningBatch(generator)
+        self.submitted_at = 0.0
+        """Unix time a request was last handed to this loop (by the replica's event loop)."""
         self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
         self._thread.start()
 
@@ -115,6 +117,7 @@ class DecodeLoop:
         """Queue a job made by the caller (`DecodeProcess`'s child: `notify` refers to it)."""
         for i, row in enumerate(job.rows):
             row.index = i
+        self.submitted_at = time.time()
         self._inbox.put(job)
 
     def cancel(self, job: Job) -> None:
@@ -156,6 +159,8 @@ class DecodeLoop:
                 ):
                     forming_until = None
                 if forming_until is None and self._batch.rows:
+                    if self.stats["stepping_since"] < self.stats["busy_since"]:
+                        self.stats["stepping_since"] = time.time()  # this busy spell's first
                     self._step()
             except Exception as err:  # a bug here: fail what is running rather than hang it
                 log.exception("decode loop error")

@@ -220,6 +220,10 @@ class Health(BaseModel):
     """Unix time the decode thread last left idle (its first prefill after an empty batch)."""
     idle_since: float
     """Unix time the batch last became empty (its last row finished)."""
+    stepping_since: float = 0.0
+    """Unix time of the first step since the decode thread last left idle (the batch formed)."""
+    submitted_at: float = 0.0
+    """Unix time the replica last handed a request to the decode thread or process."""
 
 
 class AppArgs(BaseModel):

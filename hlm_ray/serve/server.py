@@ -167,6 +167,7 @@ class CompletionServer:
             stats = dict(await loop.run_in_executor(self._prep_pool, self.engine.refresh_stats))
         else:
             stats = dict(self.engine.stats)
+        stats["submitted_at"] = self.engine.submitted_at
         stats["busy_s"], stats["busy_cpu_s"] = (
             round(stats["busy_s"], 4),
             round(stats["busy_cpu_s"], 4),
