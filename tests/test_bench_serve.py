@@ -4,7 +4,10 @@ the Markdown. The benchmark itself runs with `hlm bench`."""
 
 from __future__ import annotations
 
+import pytest
+
 from hlm_ray.bench.serve_report import breakdown, decode_speed, markdown
+from hlm_ray.errors import HLMError
 
 
 def test_breakdown_of_a_served_round_from_the_replica_counters():
@@ -41,3 +44,46 @@ def test_breakdown_of_a_served_round_from_the_replica_counters():
     text = markdown({"load": "1.0 1.0 1.0", "cpus": 2, "overhead": overhead, "wall_s": 61.5})
     assert "| the same through Serve's proxy | 3,072 | [3072] |" in text
     assert "**0.5**; through the proxy 0.3" in text and "61.5 s in all" in text
+
+
+def test_a_runs_summary_holds_each_arms_median_the_ratios_and_the_decode_speed():
+    """serve.json's `overhead` from the rounds: medians, ratios against the in-process rounds
+    each HTTP arm alternated with, warm-ups left out, and the decode process's speed stored
+    (not only printed), so that runs compare from their JSON."""
+    from hlm_ray.bench.serve_report import summary
+
+    served = {"prefills": 3, "steps": 31, "decode_cpu_ms": 80.0}
+    breakdowns = [{"prefills": 9, "steps": 99, "decode_cpu_ms": 999.0}] + [served] * 3
+    arms = {"in_process": [10000, 12000, 11000], "served": [8000, 9000, 8500],
+            "in_proxy": [], "proxy": []}  # fmt: skip
+    cpu_in = [0.5, 0.064, 0.064, 0.064]  # the warm-up first: 500 ms, never the median
+    s = summary(arms, breakdowns, cpu_in, rounds=3, prompts=32, new_tokens=32, threads=1)
+    assert s["in_process_tok_s"] == 11000 and s["served_tok_s"] == 8500
+    assert s["ratio"] == round(8500 / 11000, 3) and s["in_process_cpu_ms"] == 64
+    assert s["breakdown"] == served  # the warm-up round's breakdown left out
+    # 80 ms over 34 forwards served against 64 ms over 32 in process: 2.353 / 2.0 ms.
+    assert s["decode_speed"] == 1.18
+    assert "proxy_ratio" not in s  # no proxy arm ran
+    arms |= {"in_proxy": [10000, 10000], "proxy": [4000, 5000]}
+    s = summary(arms, breakdowns, cpu_in, rounds=3, prompts=32, new_tokens=32, threads=1)
+    assert s["proxy_tok_s"] == 4500 and s["proxy_ratio"] == 0.45
+
+
+def test_new_tokens_beyond_the_models_positions_fail_before_ray_starts(tiny_decoder_dir, tmp_path):
+    """The tiny decoder has 128 positions: 12-token prompts with --new-tokens 128 do not fit.
+    The benchmark says so at once, with the option's name, rather than after starting Ray and
+    the server."""
+    import time
+
+    import ray
+
+    from hlm_ray.bench import serve
+
+    start = time.perf_counter()
+    argv = ["--model", tiny_decoder_dir, "--new-tokens", "128", "--output", str(tmp_path)]
+    assert serve.main(argv) == 2
+    assert not ray.is_initialized() and time.perf_counter() - start < 30
+    with pytest.raises(HLMError, match=r"--new-tokens 128: prompt has \d+ tokens and "
+                       r"max_new_tokens=128: together more than the model's 128 positions"):  # fmt: skip
+        serve.check_lengths(tiny_decoder_dir, 32, 128)
+    serve.check_lengths(tiny_decoder_dir, 32, 96)  # 96 fits

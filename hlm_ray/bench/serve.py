@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -42,7 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from hlm_ray.bench.serve_clients import Clients, percentile, send
-from hlm_ray.bench.serve_report import breakdown, markdown, medians
+from hlm_ray.bench.serve_report import breakdown, markdown, summary
+from hlm_ray.errors import HLMError
 
 CONFIGS = {
     "default": "`hlm serve`'s defaults: the replica answers HTTP itself (direct ingress) and "
@@ -247,27 +247,8 @@ def overhead(url: str, model: str, *, rounds: int, num_prompts: int, new_tokens:
     alternate("in_process", "served", url)
     if proxy_url:  # the side arm, after: the same requests through Serve's proxy
         alternate("in_proxy", "proxy", proxy_url)
-    med = {arm: statistics.median(v) for arm, v in arms.items() if v}
-    result = {
-        "rounds": rounds,
-        "prompts": num_prompts,
-        "new_tokens": new_tokens,
-        "torch_threads": threads,
-        "in_process_tok_s": round(med["in_process"]),
-        "served_tok_s": round(med["served"]),
-        "ratio": round(med["served"] / med["in_process"], 3),
-        "in_process_all": [round(x) for x in arms["in_process"]],
-        "served_all": [round(x) for x in arms["served"]],
-        # Of the served rounds (warm-up excluded), the median of each figure.
-        "breakdown": medians(breakdowns[1:]),
-        # The target pair's in-process rounds: cpu_in[0] is their warm-up.
-        "in_process_cpu_ms": round(1000 * statistics.median(cpu_in[1 : rounds + 1])),
-    }
-    if proxy_url:  # against the in-process rounds it alternated with
-        result["proxy_tok_s"] = round(med["proxy"])
-        result["proxy_ratio"] = round(med["proxy"] / med["in_proxy"], 3)
-        result["proxy_all"] = [round(x) for x in arms["proxy"]]
-    return result
+    return summary(arms, breakdowns, cpu_in, rounds=rounds, prompts=num_prompts,
+                   new_tokens=new_tokens, threads=threads)  # fmt: skip
 
 
 def cpu_seconds(pids: dict[str, int | None]) -> dict[str, float]:
@@ -318,6 +299,18 @@ def soak(url: str, app: str, *, num_requests: int, concurrency: int, log=print) 
     return result
 
 
+def check_lengths(model: str, num_prompts: int, new_tokens: int) -> None:
+    """Fail before Ray starts (tens of seconds) when the benchmark's prompts with
+    `--new-tokens` do not fit the model's positions (the tiny decoder has 128)."""
+    from hlm_ray.generate import Generator, SamplingParams
+
+    gen = Generator.load(model, device="cpu", weights=False)  # tokenizer and limits only
+    try:
+        gen.rows(prompts(num_prompts), SamplingParams(max_new_tokens=new_tokens))
+    except HLMError as err:
+        raise HLMError(f"--new-tokens {new_tokens}: {err}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
@@ -326,6 +319,8 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tmp = tempfile.TemporaryDirectory(prefix="hlm-bench-serve-")
     model = args.model or tiny_model(Path(tmp.name))
+    if args.rounds:
+        check_lengths(model, args.clients, args.new_tokens)
     app = "hlm"  # the application's name (`launch.start`), which finds its processes
     result: dict[str, Any] = {"model": "tiny decoder" if not args.model else args.model}
     started = time.perf_counter()
@@ -387,7 +382,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hlm_ray.bench.serve", description=__doc__)
     add_arguments(parser)
-    return run(parser.parse_args(argv))
+    try:
+        return run(parser.parse_args(argv))
+    except HLMError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

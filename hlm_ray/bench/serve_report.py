@@ -1,6 +1,7 @@
 """The serving benchmark's arithmetic and report (`hlm_ray.bench.serve` measures): where a
-served round went, from the replica's counters; how fast the decode process ran the same forward
-passes as the in-process arm; and the Markdown of a run (serve.md)."""
+served round went, from the replica's counters; a run's summary (serve.json's `overhead`); how
+fast the decode process ran the same forward passes as the in-process arm; and the Markdown of a
+run (serve.md)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,36 @@ def medians(rows: list[dict]) -> dict:
     """Each figure's median over the rounds' breakdowns (nested dicts figure by figure)."""
     return {k: medians([r[k] for r in rows]) if isinstance(v, dict)
             else statistics.median(r[k] for r in rows) for k, v in rows[0].items()}  # fmt: skip
+
+
+def summary(arms: dict[str, list[float]], breakdowns: list[dict], cpu_in: list[float], *,
+            rounds: int, prompts: int, new_tokens: int, threads: int) -> dict[str, Any]:  # fmt: skip
+    """A run's overhead figures (serve.json's `overhead`) from its rounds: `arms` holds each
+    arm's tokens/s per round (in_process, served; in_proxy, proxy when the proxy arm ran),
+    `breakdowns` the served rounds' (the first is the warm-up), `cpu_in` the in-process arm's
+    CPU seconds per round (its warm-up first)."""
+    med = {arm: statistics.median(v) for arm, v in arms.items() if v}
+    result = {
+        "rounds": rounds,
+        "prompts": prompts,
+        "new_tokens": new_tokens,
+        "torch_threads": threads,
+        "in_process_tok_s": round(med["in_process"]),
+        "served_tok_s": round(med["served"]),
+        "ratio": round(med["served"] / med["in_process"], 3),
+        "in_process_all": [round(x) for x in arms["in_process"]],
+        "served_all": [round(x) for x in arms["served"]],
+        # Of the served rounds (warm-up excluded), the median of each figure.
+        "breakdown": medians(breakdowns[1:]),
+        # The target pair's in-process rounds: cpu_in[0] is their warm-up.
+        "in_process_cpu_ms": round(1000 * statistics.median(cpu_in[1 : rounds + 1])),
+    }
+    result["decode_speed"] = decode_speed(result)
+    if "proxy" in med:  # against the in-process rounds it alternated with
+        result["proxy_tok_s"] = round(med["proxy"])
+        result["proxy_ratio"] = round(med["proxy"] / med["in_proxy"], 3)
+        result["proxy_all"] = [round(x) for x in arms["proxy"]]
+    return result
 
 
 def decode_speed(overhead: dict[str, Any]) -> float | None:
