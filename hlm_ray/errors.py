@@ -1,7 +1,8 @@
 """The one exception type users see, and the one way an error becomes one line of text.
 
 Raise `HLMError` for bad input: the message is a single line that says what was wrong and what
-to do. The CLI prints it as ``error: <message>`` and exits with status 2, without a traceback.
+to do. The CLI prints it as ``error: <message>`` and exits with status 2, without a traceback
+(`exit_status` does that for a module run as a command).
 
     raise HLMError("tokenizer.vocab_size=100 is below the 261 byte-level + special tokens; use >= 261")
 
@@ -15,6 +16,9 @@ such a message, a log warning, a summary cell or an HTTP answer:
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 
 class HLMError(Exception):
     """Bad input or an unusable environment, explained in one line."""
@@ -23,6 +27,15 @@ class HLMError(Exception):
 class TorchTooOld(HLMError, RuntimeError):
     """An option needs a newer torch than the one installed (a RuntimeError too: a benchmark
     records the arm as unsupported and goes on)."""
+
+
+def exit_status(command: Callable[[], int]) -> int:
+    """Run a command: its own exit status, or 2 with its HLMError printed as one line."""
+    try:
+        return command()
+    except HLMError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
 
 
 def one_line(

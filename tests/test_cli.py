@@ -147,3 +147,21 @@ def test_train_dry_run_adds_the_overhead_it_is_given(tmp_path, monkeypatch, caps
     with_overhead = _train_plan_wall_time(capsys, "--overhead-s", "7200")
     assert "wall time   2.0 h (+ 7200 s fixed cost" in with_overhead
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_module_run_as_a_command_prints_bad_input_as_one_line(capsys):
+    """`python -m hlm_ray.serve.cli` (and the serving benchmark): an HLMError is one `error:`
+    line and status 2, no traceback; the command's own status otherwise."""
+    from hlm_ray.errors import HLMError, exit_status
+    from hlm_ray.serve.cli import main
+
+    assert main(["--model", "runs/does-not-exist"]) == 2  # before any Ray starts
+    err = capsys.readouterr().err
+    assert err.startswith("error: model runs/does-not-exist does not exist; pass a run folder")
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+    def bad() -> int:
+        raise HLMError("what was wrong; what to do")
+
+    assert exit_status(bad) == 2 and exit_status(lambda: 7) == 7
+    assert capsys.readouterr().err == "error: what was wrong; what to do\n"

@@ -42,7 +42,7 @@ from typing import Any
 
 from hlm_ray.bench.serve_clients import Clients, percentile, send
 from hlm_ray.bench.serve_report import breakdown, markdown, summary
-from hlm_ray.errors import HLMError
+from hlm_ray.errors import HLMError, exit_status
 
 CONFIGS = {
     "default": "`hlm serve`'s defaults: the replica answers HTTP itself (direct ingress) and "
@@ -382,11 +382,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hlm_ray.bench.serve", description=__doc__)
     add_arguments(parser)
-    try:
-        return run(parser.parse_args(argv))
-    except HLMError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return exit_status(lambda: run(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":

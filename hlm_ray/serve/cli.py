@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any
 
-from hlm_ray.errors import HLMError
+from hlm_ray.errors import HLMError, exit_status
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -248,11 +248,7 @@ def _interrupt_on_signals() -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hlm_ray.serve.cli")
     add_arguments(parser)
-    try:
-        return run(parser.parse_args(argv))
-    except HLMError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return exit_status(lambda: run(parser.parse_args(argv)))
 
 
 if __name__ == "__main__":
