@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hlm_ray.errors import HLMError
+from hlm_ray.errors import exit_status
 from hlm_ray.tune import scripts as sweep_scripts
 from hlm_ray.tune.scripts import SWEEPS  # noqa: F401 (the kinds `hlm sweep` offers)
 
@@ -71,16 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    try:
+
+    def command() -> int:
         # train and sweep print the command that continues an interrupted run: they get argv.
         if args.command == "train":
             return args.handler(args, argv)
         if args.command == "sweep":
             return sweep_scripts.run(args, argv)
         return args.handler(args)
-    except HLMError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+
+    return exit_status(command)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hlm_ray.errors import HLMError
+from hlm_ray.errors import exit_status
 
 HELP = "benchmark headless vs vanilla: loss head, training step, Ray overhead"
 
@@ -95,11 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hlm_ray.bench", description=HELP)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except HLMError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+    return exit_status(lambda: run(args))
 
 
 __all__ = ["add_arguments", "add_parser", "main", "run"]
