@@ -385,6 +385,51 @@ def test_a_decode_process_that_dies_fails_its_requests_and_says_so(tiny_decoder_
         engine.close()
 
 
+def test_a_decode_process_whose_replica_dies_exits_too(tiny_decoder_dir, tmp_path):
+    """The child reads its pipe on its decode thread and waits on it when idle: a replica
+    killed outright (SIGKILL: no "stop" message) closes the pipe, and the child exits instead
+    of living on as an orphan that holds the model."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    replica = subprocess.Popen(
+        [sys.executable, "-c", (
+            "import sys, time\n"
+            "from hlm_ray.serve.decode_process import DecodeProcess\n"
+            "engine = DecodeProcess(sys.argv[1], device='cpu', max_rows=8, num_threads=1)\n"
+            "print(engine._proc.pid, flush=True)\n"
+            "time.sleep(600)\n"
+        ), tiny_decoder_dir],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )  # fmt: skip
+    child = 0
+    try:
+        child = int(replica.stdout.readline())
+        assert _running(child)
+        os.kill(replica.pid, signal.SIGKILL)
+        replica.wait(10)
+        end = time.monotonic() + 20
+        while _running(child):
+            assert time.monotonic() < end, "the decode process outlived its replica"
+            time.sleep(0.05)
+    finally:
+        replica.kill()
+        if child and _running(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's exit may wait for a reaper)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_a_failed_step_leaves_the_batch_as_it_was(gen):
     """A step that fails (here a row's logit_bias names a token past the vocabulary) leaves the
     cache, mask and positions as they were: once the row that fails is dropped, the others go

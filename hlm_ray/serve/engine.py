@@ -84,6 +84,7 @@ class DecodeLoop:
         max_rows: int,
         wait_s: float = 0.0,
         after_pass: Callable[[], None] | None = None,
+        fetch: Callable[[bool, float | None], list[Job] | None] | None = None,
     ) -> None:
         self.gen = generator
         self.max_rows = max_rows
@@ -96,6 +97,11 @@ class DecodeLoop:
         self.stats = {"batches": 0, "steps": 0, "decoded_rows": 0, "max_batch_requests": 0,
                       "max_batch_rows": 0, "busy_s": 0.0, "busy_cpu_s": 0.0,
                       "busy_since": 0.0, "idle_since": 0.0, "stepping_since": 0.0}  # fmt: skip
+        self._fetch = fetch or self._from_inbox
+        """`fetch(block, timeout)`: the jobs submitted since the last call, waiting for
+        something first when `block` (up to `timeout` s; None: until it comes); None once the
+        loop is closed. Default: what `submit`, `cancel` and `close` queue on this object.
+        `DecodeProcess`'s child reads its pipe instead."""
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: deque[Job] = deque()
         self._running: dict[int, Job] = {}  # id(row) -> its job, for rows in the batch
@@ -178,18 +184,29 @@ class DecodeLoop:
                 forming_until = None
 
     def _receive(self, *, block: bool, timeout: float | None = None) -> bool:
-        """Move submitted jobs to the pending queue; when `block`, wait for something first (up
-        to `timeout` seconds; None: until it comes). False when the loop is closed."""
+        """Move submitted jobs to the pending queue (`fetch`); False when the loop is closed."""
+        jobs = self._fetch(block, timeout)
+        if jobs is None:
+            return False
+        self._pending.extend(jobs)
+        return True
+
+    def _from_inbox(self, block: bool, timeout: float | None) -> list[Job] | None:
+        jobs: list[Job] = []
         while True:
             try:
                 item = self._inbox.get(timeout=timeout) if block else self._inbox.get_nowait()
             except queue.Empty:
-                return True
+                return jobs
             if item is _STOP:
-                return False
+                return None
             if isinstance(item, Job):
-                self._pending.append(item)
+                jobs.append(item)
             block = False  # then take what else is there, without waiting
+
+    def join(self) -> None:
+        """Wait until the loop has closed."""
+        self._thread.join()
 
     def _full(self) -> bool:
         """No more rows fit the forming batch (pending ones are left only when they do not)."""
