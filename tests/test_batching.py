@@ -231,17 +231,20 @@ def test_decode_loop_streams_cancels_and_fails_requests_alone(gen, tiny_decoder_
         cancelled = engine.submit(gen.rows(PROMPTS[1], long, seed=5), stamp, stream=True)
         assert first_step.wait(30)  # it is decoding: the others join a running batch
         poisoned = [Row([gen.vocab_size + 5], SamplingParams(max_new_tokens=3))]
-        jobs = [engine.submit(rows, lambda: None, stream=i == 2) for i, rows in enumerate(requests)]
+        # Streamed: a request of 2 rows (n=2: each delta names its choice) and one of 1.
+        jobs = [engine.submit(rows, lambda: None, stream=i in (0, 2))
+                for i, rows in enumerate(requests)]  # fmt: skip
         bad = engine.submit(poisoned, lambda: None)
         engine.cancel(cancelled)
         _wait([*jobs, bad])
         assert isinstance(bad.error, IndexError)
         _all_same(jobs, expected)
-        streamed = ["" for _ in jobs[2].rows]
-        for deltas in jobs[2].events:
-            for d in deltas:
-                streamed[d.index] += d.text
-        assert streamed == [c.text for c in expected[2]]
+        for i in (0, 2):
+            streamed = ["" for _ in jobs[i].rows]
+            for deltas in jobs[i].events:
+                for d in deltas:
+                    streamed[d.index] += d.text
+            assert streamed == [c.text for c in expected[i]]
         assert cancelled.rows[0].result is None and not cancelled.done
         assert engine.stats["max_batch_requests"] >= 2
         stats = engine.refresh_stats() if kind == "process" else engine.stats

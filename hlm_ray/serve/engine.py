@@ -116,15 +116,9 @@ class DecodeLoop:
     def submit(self, rows: list[Row], notify: Callable[[], None], *, stream: bool = False) -> Job:
         """Queue a request's rows (`Delta.index` is the row's place in `rows`)."""
         job = Job(rows, notify, stream)
-        self.enqueue(job)
-        return job
-
-    def enqueue(self, job: Job) -> None:
-        """Queue a job made by the caller (`DecodeProcess`'s child: `notify` refers to it)."""
-        for i, row in enumerate(job.rows):
-            row.index = i
         self.submitted_at = time.time()
         self._inbox.put(job)
+        return job
 
     def cancel(self, job: Job) -> None:
         """Stop decoding `job` (its client went away); it gets no result."""
@@ -184,10 +178,14 @@ class DecodeLoop:
                 forming_until = None
 
     def _receive(self, *, block: bool, timeout: float | None = None) -> bool:
-        """Move submitted jobs to the pending queue (`fetch`); False when the loop is closed."""
+        """Move submitted jobs to the pending queue (`fetch`); False when the loop is closed.
+        Each row's `index` becomes its place in its job, whichever way the job came."""
         jobs = self._fetch(block, timeout)
         if jobs is None:
             return False
+        for job in jobs:
+            for i, row in enumerate(job.rows):
+                row.index = i
         self._pending.extend(jobs)
         return True
 
