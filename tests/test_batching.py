@@ -426,10 +426,11 @@ def test_a_decode_process_whose_replica_dies_exits_too(tiny_decoder_dir, tmp_pat
 
 def _running(pid: int) -> bool:
     """Alive and not a zombie (an orphan's exit may wait for a reaper)."""
+    from hlm_ray.bench.serve import stat_fields
+
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
+        return stat_fields(pid)[0] != "Z"
+    except OSError:
         return False
 
 

@@ -112,8 +112,8 @@ class DecodeProcess:
     # ------------------------------------------------------------------------- any thread
 
     def submit(self, rows: list[Row], notify: Callable[[], None], *, stream: bool = False) -> Job:
-        for i, row in enumerate(rows):
-            row.index = i
+        # Each row's place in its job (`Delta.index`) is set where the rows decode: by the
+        # child's `DecodeLoop` when it takes the job.
         job = Job(rows, notify, stream, id=next(self._ids))
         self._jobs[job.id] = job
         payload = [(row.prompt_ids, row.params, row.seed, row.deadline) for row in rows]
