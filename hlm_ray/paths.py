@@ -112,6 +112,19 @@ def resolve_output(path: str | Path) -> Path:
     return (work_dir() / path).resolve()
 
 
+def resolve_input(path: str | Path) -> Path:
+    """A folder the user names as the input of a command (a model, a run to resume): as given,
+    relative to the current directory; else, when relative and not there, inside `work_dir()`,
+    where hlm's relative outputs went. Under `ray job submit --working-dir .` the two differ:
+    the job runs in Ray's copy of the folder, its outputs go to the checkout, and `hlm finetune
+    --model runs/x` after `hlm train --output runs/x` must find the run."""
+    path = Path(path).expanduser()
+    if path.exists() or path.is_absolute():
+        return path
+    beside_outputs = work_dir() / path
+    return beside_outputs if beside_outputs.exists() else path
+
+
 def data_dir() -> Path:
     """The offline data folder named by ``HLM_DATA_DIR`` (it may not exist).
 

@@ -148,7 +148,7 @@ def sweep_plan(
     name: str | None = None,
 ) -> Plan:
     """The plan of a `SweepSpec`'s grid (one trial per cell); `fit(nodes)` is how many trials
-    run side by side on those nodes (`hlm_ray.tune.sweep.plan_concurrency`)."""
+    run side by side on those nodes (`hlm_ray.tune.placement.plan_concurrency`)."""
     trials = [
         trial_plan(
             spec.cell_config(c["value"], c["objective"], c["seed"]),

@@ -23,6 +23,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 from hlm_ray.config import Config
 from hlm_ray.errors import HLMError
+from hlm_ray.paths import resolve_input
 
 REGISTRY_SCHEME = "models:/"
 _KINDS = ("auto", "causal_lm", "encoder", "masked_lm")
@@ -47,7 +48,7 @@ def resolve_model_dir(ref: str | Path) -> Path:
         from hlm_ray.tracking import download_model
 
         return resolve_model_dir(download_model(text))
-    path = Path(text).expanduser()
+    path = resolve_input(text)
     if not path.exists():
         raise HLMError(f"model {text} does not exist; {_HINT}")
     for candidate in (path, path / "model"):

@@ -14,7 +14,7 @@ XDIST_GROUP = "ray"
 # them, and a cluster starting on two busy cores can time out). Whole modules move, so
 # module-scoped fixtures are still set up once.
 LAST_MODULES = ("test_headline.py", "test_multinode.py", "test_sweeps_together.py",
-                "test_walkthrough.py")  # fmt: skip
+                "test_walkthrough.py", "test_cluster_box.py")  # fmt: skip
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
@@ -152,4 +152,6 @@ def make_tiny_decoder(root) -> str:
 
 
 # The serving tests' session fixtures (one Serve application for test_serve*.py).
+# An S3 API on loopback (moto's server) for run storage in an object store.
+from s3_common import s3, s3_endpoint  # noqa: E402, F401
 from serve_common import serve_app, serve_model_dir, serve_model_uri  # noqa: E402, F401

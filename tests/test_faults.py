@@ -20,7 +20,7 @@ from hlm_ray.errors import HLMError
 from hlm_ray.paths import data_dir
 from hlm_ray.presets import load_config
 from hlm_ray.train import checkpoint as ckpt
-from hlm_ray.train.launch import choose_resume
+from hlm_ray.train.ray_worker import choose_resume
 from hlm_ray.train.resume import check_compatible, resumed_config
 
 SHAKESPEARE = str(data_dir() / "corpus" / "en" / "tinyshakespeare.txt")
@@ -311,7 +311,7 @@ def _vocab_script():
 def test_an_interrupted_sweep_exits_130_with_the_command_to_continue(monkeypatch, capsys):
     import hlm_ray.tune.sweep as sweep
 
-    def interrupted(spec, *, name, search, assumptions=None):
+    def interrupted(spec, *, name, search, assumptions=None, storage_path=None):
         rows = [{"status": "FINISHED"}, {"status": "KILLED"}, {"status": "KILLED"}]
         return sweep.SweepOutcome(name, None, rows, "", [], None, False, 1.0, interrupted=True)
 

@@ -10,8 +10,8 @@ from hlm_ray.errors import HLMError
 from hlm_ray.flops import PEAK_FLOPS, config_step_flops
 from hlm_ray.plan import Assumptions, format_plan, plan_metrics, sweep_plan, train_plan
 from hlm_ray.presets import get_preset
+from hlm_ray.tune.placement import plan_concurrency
 from hlm_ray.tune.spec import get_sweep
-from hlm_ray.tune.sweep import plan_concurrency
 
 ROOT = Path(__file__).resolve().parents[1]
 

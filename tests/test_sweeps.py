@@ -26,15 +26,10 @@ from hlm_ray.flops import config_step_flops
 from hlm_ray.paths import data_dir
 from hlm_ray.tracking import read_run_ref
 from hlm_ray.tune import spec as spec_mod
+from hlm_ray.tune.placement import plan_concurrency
 from hlm_ray.tune.spec import SweepSpec
 from hlm_ray.tune.summary import markdown_table, write_summary
-from hlm_ray.tune.sweep import (
-    _close_orphans,
-    _rows,
-    check_resume,
-    plan_concurrency,
-    prepare_inputs,
-)
+from hlm_ray.tune.sweep import _close_orphans, _rows, check_resume, prepare_inputs
 from hlm_ray.tune.trial import TrialRuntime, final_metrics
 
 SHAKESPEARE = data_dir() / "corpus" / "en" / "tinyshakespeare.txt"
@@ -129,7 +124,8 @@ def test_a_vocabulary_larger_than_the_corpus_supports_is_said_and_recorded(tmp_p
     with pytest.raises(HLMError, match="20000 is more than the corpus supports: .*stopped at"):
         prepare_inputs(get_sweep("vocab", "tiny", items), progress=False)
     spec = get_sweep("vocab", "tiny", [*items, "sweep.allow_smaller_vocab=true"])
-    real = prepare_inputs(spec, progress=False)
+    real, located = prepare_inputs(spec, progress=False)
+    assert located == {}  # one machine: the trials open the cache's folders
     assert real[300] == 300 and 300 < real[20000] < 20000
     assert f"BPE training stopped at {real[20000]} tokens" in capsys.readouterr().out
 
@@ -330,7 +326,7 @@ def test_a_scripts_report_follows_its_grid_sweep_only(monkeypatch, tmp_path, cap
     import hlm_ray.tune.sweep as sweep
     from hlm_ray.tune.cli import SweepScript
 
-    def finished(spec, *, name, search, assumptions=None):
+    def finished(spec, *, name, search, assumptions=None, storage_path=None):
         rows = [{"status": "FINISHED", "trial_id": "t0", "loss": 1.0, "lr": 1e-3}]
         rows[0]["warmup_steps"] = 10
         return sweep.SweepOutcome(name, tmp_path, rows, "| table |", [], None, False, 1.0)

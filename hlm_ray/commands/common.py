@@ -15,7 +15,7 @@ import inspect
 from collections.abc import Callable
 from pathlib import Path
 
-from hlm_ray.paths import resolve_output
+from hlm_ray.paths import resolve_input, resolve_output
 
 
 def add_command(sub, name: str, handler: Callable) -> argparse.ArgumentParser:
@@ -125,7 +125,7 @@ def default_output(model: str, suffix: str) -> str:
     """Where a result of `model` goes: beside its run folder, or under runs/ for models:/."""
     if model.startswith("models:/"):
         return f"runs/{model.removeprefix('models:/').replace('/', '-').replace('@', '-')}-{suffix}"
-    folder = Path(model).resolve()
+    folder = resolve_input(model).resolve()
     if folder.name == "model":
         folder = folder.parent
     return str(folder.with_name(f"{folder.name}-{suffix}"))

@@ -22,7 +22,7 @@ from hlm_ray.commands.common import (
     load_args_config,
     run_training,
 )
-from hlm_ray.paths import resolve_output
+from hlm_ray.paths import resolve_input, resolve_output
 
 
 def add_parsers(sub) -> None:
@@ -67,8 +67,8 @@ def cmd_train(args, argv: list[str]) -> int:
 
     resume = resume_from = None
     if args.resume:
-        resume = resolve_resume(args.resume)
-        named = Path(args.resume).resolve() == resume.resolve()  # a checkpoint, not a run
+        resume = resolve_resume(resolve_input(args.resume))
+        named = resolve_input(args.resume).resolve() == resume.resolve()  # a checkpoint
         resume_from = resume if named else None
         args.output = args.output or str(resume.parent)
         launch_settings(args, resume.parent)

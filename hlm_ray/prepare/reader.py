@@ -24,14 +24,22 @@ from hlm_ray.prepare.store import MANIFEST
 
 
 def open_prepared(folder: str | Path) -> Prepared:
-    """A finished prepared folder (local or on a shared filesystem), checked."""
-    folder = Path(str(folder)).expanduser()
+    """A finished prepared folder (local, on a shared filesystem, or a URI such as s3://...,
+    read through a copy on this node: `fetch.local_copy`), checked."""
     if "://" in str(folder):
-        raise HLMError(
-            f"{folder}: training reads prepared folders on a local or shared "
-            "filesystem path (mount the bucket, or prepare into a shared folder)"
-        )
+        from hlm_ray.prepare.fetch import local_copy
+
+        folder = local_copy(str(folder))
+    folder = Path(str(folder)).expanduser()
     path = folder / MANIFEST
+    if not folder.exists():
+        import socket
+
+        raise HLMError(
+            f"prepared folder {folder} does not exist on this node ({socket.gethostname()}): on "
+            "a cluster it must be on storage every node mounts (set HLM_CACHE_DIR to a shared "
+            "folder, or give a shared or s3:// --storage-path)"
+        )
     if not path.is_file():
         hint = (
             " (an unfinished preparation: run `hlm data prepare` again to finish it)"

@@ -90,7 +90,35 @@ class Store:
         """Copy a local folder in under `name` (via a temporary name, then renamed)."""
         tmp = f".{name}.tmp-{uuid.uuid4().hex[:8]}"
         shutil.copytree(local, self.path(tmp))
+        self.delete(name)
         os.replace(self.path(tmp), self.path(name))
+
+    def upload(self, local: Path, name: str) -> None:
+        """A local file or folder copied in under `name`, replacing what was there."""
+        if Path(local).is_dir():
+            self.upload_dir(Path(local), name)
+        else:
+            self.write_bytes(name, Path(local).read_bytes())
+
+    def download(self, name: str, local: Path) -> bool:
+        """File or folder `name` copied to `local` (replacing it, never leaving half a copy
+        there); False when there is no `name`."""
+        if not self.exists(name):
+            return False
+        local = Path(local)
+        tmp = local.with_name(f".{local.name}.tmp-{uuid.uuid4().hex[:8]}")
+        local.parent.mkdir(parents=True, exist_ok=True)
+        self._copy_out(name, tmp)
+        if local.is_dir() and not local.is_symlink():
+            shutil.rmtree(local)
+        os.replace(tmp, local)
+        return True
+
+    def _copy_out(self, name: str, local: Path) -> None:
+        if os.path.isdir(self.path(name)):
+            shutil.copytree(self.path(name), local)
+        else:
+            shutil.copyfile(self.path(name), local)
 
 
 class RemoteStore(Store):
@@ -155,12 +183,23 @@ class RemoteStore(Store):
             self.fs.delete_file(self.path(name))
 
     def upload_dir(self, local: Path, name: str) -> None:
+        """Copy a local folder in under `name`. An object store cannot rename a folder (S3 has
+        no folders: pyarrow's move of one fails with NO_SUCH_KEY), so the files go straight to
+        their place, each one whole (an object appears only when completely written); what
+        marks the folder complete is a file written after it (a prepared folder's manifest, a
+        checkpoint's own manifest)."""
         import pyarrow.fs as pafs
 
-        tmp = f".{name}.tmp-{uuid.uuid4().hex[:8]}"
-        self.fs.create_dir(self.path(tmp), recursive=True)
-        pafs.copy_files(str(local), self.path(tmp), pafs.LocalFileSystem(), self.fs)
-        self.fs.move(self.path(tmp), self.path(name))
+        self.delete(name)
+        self.fs.create_dir(self.path(name), recursive=True)
+        pafs.copy_files(str(local), self.path(name), pafs.LocalFileSystem(), self.fs)
+
+    def _copy_out(self, name: str, local: Path) -> None:
+        import pyarrow.fs as pafs
+
+        if self.fs.get_file_info(self.path(name)).type == pafs.FileType.Directory:
+            local.mkdir(parents=True)
+        pafs.copy_files(self.path(name), str(local), self.fs, pafs.LocalFileSystem())
 
 
 def shard_name(split: str, index: int) -> str:

@@ -17,12 +17,19 @@ from hlm_ray.prepare.pipeline import prepare
 from hlm_ray.prepare.request import Prepared, PrepareRequest
 
 
-def _prepare_one(request: PrepareRequest) -> Prepared:
-    return prepare(request, workers=0, allow_smaller_vocab=True, progress=False)
+def _prepare_one(request: PrepareRequest, publish: str | None = None) -> Prepared:
+    prepared = prepare(request, workers=0, allow_smaller_vocab=True, progress=False)
+    if publish is None:
+        return prepared
+    from hlm_ray.cluster import publish_prepared
+
+    return Prepared(publish_prepared(prepared, publish), prepared.manifest)
 
 
-def prepare_many(cfgs: list, progress: bool = True) -> list[Prepared]:
-    """One `Prepared` per config, in order; each distinct request is prepared once."""
+def prepare_many(cfgs: list, progress: bool = True, publish: str | None = None) -> list[Prepared]:
+    """One `Prepared` per config, in order; each distinct request is prepared once. With
+    `publish` (a run storage every node reaches), each task then copies its folder there, out
+    of the cache of whichever node ran it (`cluster.publish_prepared`), and returns the copy."""
     requests = [PrepareRequest.from_config(c) for c in cfgs]
     distinct = list(dict.fromkeys(requests))
     started = time.perf_counter()
@@ -31,13 +38,13 @@ def prepare_many(cfgs: list, progress: bool = True) -> list[Prepared]:
     if ray.is_initialized():
         task = ray.remote(num_cpus=1, max_retries=0)(_prepare_one)
         try:
-            done = ray.get([task.remote(r) for r in distinct])
+            done = ray.get([task.remote(r, publish) for r in distinct])
         except ray.exceptions.RayTaskError as err:
             from hlm_ray.prepare.tokenize import as_hlm_error
 
             raise as_hlm_error(err) from err
     else:
-        done = [_prepare_one(r) for r in distinct]
+        done = [_prepare_one(r, publish) for r in distinct]
     by_request = dict(zip(distinct, done, strict=True))
     if progress:
         for r in distinct:

@@ -207,6 +207,7 @@ def download_model(uri: str, *, tracking_uri: str | None = None) -> Path:
     name, version = parse_model_uri(uri)
     try:
         store.probe(tracking_uri)
+        store.bound_http_waits()  # artifacts through the tracking server (`store.HTTP_WAITS`)
         from mlflow import MlflowClient
         from mlflow.artifacts import download_artifacts
 

@@ -41,6 +41,14 @@ HTTP_WAITS = {
     "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
     "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
     "MLFLOW_HTTP_REQUEST_BACKOFF_JITTER": "0.2",
+    # A server that proxies an object store (--artifacts-destination s3://...) tells clients to
+    # fetch every file, and to send big ones, straight from the store, at URLs it signs with
+    # *its* endpoint for it (a name inside the cluster, or its own loopback): a laptop behind a
+    # port-forward, or a node that cannot resolve that name, retries them for minutes. Through
+    # the server they reach it like every other call. Set these to true where every client
+    # reaches the object store itself.
+    "MLFLOW_ENABLE_PROXY_MULTIPART_DOWNLOAD": "false",
+    "MLFLOW_ENABLE_PROXY_MULTIPART_UPLOAD": "false",
 }
 
 

@@ -96,9 +96,11 @@ class FramedBlocks:
 
 
 def data_tags(cfg: Config) -> dict[str, str]:
-    """The prepared folder a run reads, for its tags: path and fingerprint."""
+    """The prepared folder a run reads, for its tags: where it was given (a URI, not the local
+    copy a worker reads it through) and its fingerprint."""
     prepared = build_prepared(cfg, progress=False)
-    return {"data.prepared": prepared.uri, "data.fingerprint": prepared.fingerprint}
+    where = cfg.data.prepared or prepared.uri
+    return {"data.prepared": where, "data.fingerprint": prepared.fingerprint}
 
 
 class Masking:

@@ -3,8 +3,8 @@
     summary = launch(cfg, num_workers=2)                     # local Ray, CPU workers over gloo
     summary = launch(cfg, num_workers=8, use_gpu=True)       # a GPU cluster (RAY_ADDRESS), NCCL
 
-Three layers, as in Ray's docs: `_ray_worker` (per worker: builds the `WorkerEnv` and reporter,
-then runs `train_worker`), `launch` (checks the cluster, opens the MLflow run, builds and fits
+Three layers, as in Ray's docs: `ray_worker.ray_worker` (per worker: builds the `WorkerEnv` and
+reporter, then runs `train_worker`), `launch` (checks the cluster, opens the MLflow run, builds and fits
 the `TorchTrainer`), and the CLI. Everything that can be wrong with the request (workers the
 cluster can never place, GPUs that do not exist, an unreachable cluster, an unwritable storage
 path) is an `HLMError` before any worker starts.
@@ -12,26 +12,28 @@ path) is an `HLMError` before any worker starts.
 Ray storage: `<storage_path>/<name>` is the run folder itself (`storage_path` defaults to the
 parent of `run.output_dir`), so Ray's checkpoints land in `run.output_dir/checkpoint_NNNNNNNN/`
 next to `metrics.jsonl` and `model/`, and a trainer rebuilt with the same folder resumes from the
-latest one. With a remote `storage_path` (s3://..., a shared file system) the checkpoints go there
-and `run.output_dir` keeps the local files of rank 0.
+latest one. With another `storage_path` (s3://..., a shared volume) the checkpoints go there, and
+so does a mirror of the run folder (`run_mirror.py`): rank 0 may run on another node, and the
+driver takes its results from the storage after the fit.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from hlm_ray.cluster import alive_nodes, check_tracking, prepared_location
 from hlm_ray.config import Config, apply_overrides
 from hlm_ray.errors import HLMError, one_line
 from hlm_ray.paths import CACHE_ENV
 from hlm_ray.train import checkpoint as ckpt
-from hlm_ray.train.inputs import build_corpus, build_tokenizer
+from hlm_ray.train.inputs import build_corpus, build_prepared, build_tokenizer
+from hlm_ray.train.ray_worker import ray_worker
+from hlm_ray.train.run_mirror import PROGRESS, RESULTS, RUN_REF, RunMirror
 
 # Ray Train settings for short runs, unless the user set them: the controller polls its workers
 # every 2 s by default, which every report, the start and the end of a fit wait on (seconds per
@@ -41,65 +43,6 @@ RAY_TRAIN_ENV = {
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
 }
-
-
-class RayReporter:
-    """Hands each checkpoint to `ray.train.report`; every rank calls `report` at the same steps
-    (Ray requires it: the call is a barrier). Only rank 0 passes a checkpoint folder."""
-
-    def __init__(self):
-        self.root = Path(tempfile.mkdtemp(prefix="hlm-ckpt-"))
-
-    def checkpoint_folder(self, step: int) -> Path:
-        return self.root / f"{ckpt.PREFIX}{step:08d}"
-
-    def report(self, metrics: dict[str, float], checkpoint_dir: Path | None) -> None:
-        import ray.train
-
-        step = int(metrics["step"])
-        checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
-        ray.train.report(
-            metrics, checkpoint=checkpoint, checkpoint_dir_name=f"{ckpt.PREFIX}{step:08d}"
-        )
-        if checkpoint_dir is not None:
-            shutil.rmtree(checkpoint_dir, ignore_errors=True)  # Ray copied it to storage
-
-
-def _ray_worker(loop_config: dict[str, Any]) -> None:
-    import ray.train
-    import ray.train.torch
-
-    from hlm_ray.train.loop import WorkerEnv, train_worker
-
-    # The driver's cache folder (when it set one): its tokenizer and tokenized corpus are here.
-    os.environ.update(loop_config.get("env", {}))
-    ctx = ray.train.get_context()
-    env = WorkerEnv(
-        rank=ctx.get_world_rank(),
-        world_size=ctx.get_world_size(),
-        device=ray.train.torch.get_device(),
-    )
-    out_dir = Path(loop_config["config"]["run"]["output_dir"])
-    kwargs = dict(env=env, reporter=RayReporter(), tracking=loop_config["tracking"])
-    checkpoint = ray.train.get_checkpoint()  # Ray's latest, after a restart or on --resume
-    if checkpoint is None:
-        folder = ckpt.latest_valid(out_dir, warn=env.is_main)
-        train_worker(loop_config["config"], **kwargs, resume_from=folder, progress=env.is_main)
-        return
-    with checkpoint.as_directory() as ray_folder:
-        folder = choose_resume(out_dir, Path(ray_folder), warn=env.is_main)
-        train_worker(loop_config["config"], **kwargs, resume_from=folder, progress=env.is_main)
-
-
-def choose_resume(out_dir: Path, ray_folder: Path | None, *, warn: bool = True) -> Path | None:
-    """Where a (re)started worker continues: the newest valid checkpoint in the run folder,
-    or Ray's when it is newer (a remote storage path) and valid. Ray's own pick can lag the
-    disk (a report still in flight when a worker died) or point at a damaged copy."""
-    disk = ckpt.latest_valid(out_dir, warn=warn) if out_dir.is_dir() else None
-    ray_ok = ray_folder is not None and ckpt.verify(ray_folder) is None
-    if ray_ok and (disk is None or ckpt.checkpoint_step(ray_folder) > ckpt.checkpoint_step(disk)):
-        return ray_folder
-    return disk
 
 
 def connect() -> None:
@@ -208,6 +151,11 @@ def check_resources(
         )
 
 
+def absolute(path_or_uri: str) -> str:
+    """A local path made absolute (workers run in other folders); a URI as it is."""
+    return path_or_uri if "://" in path_or_uri else str(Path(path_or_uri).resolve())
+
+
 def check_storage(storage_path: str) -> None:
     if "://" in storage_path:
         return  # a remote URI: Ray's pyarrow filesystem reports its own errors
@@ -274,12 +222,14 @@ def prepare_resume(
     return ckpt.latest_valid(out_dir, warn=False) if chosen is not None else None
 
 
-def finish(tracker, out_dir: Path, status: str) -> None:
-    """End the MLflow run; the status is also kept in the run folder so that a run whose
-    server was down gets it from `hlm sync`."""
+def finish(tracker, out_dir: Path, status: str, mirror: RunMirror | None = None) -> None:
+    """End the MLflow run; the status is also kept in the run folder (and its mirror) so that
+    a run whose server was down gets it from `hlm sync`."""
     from hlm_ray.tracking.sync import record_status
 
     record_status(out_dir, status)
+    if mirror is not None:
+        mirror.push(out_dir, RUN_REF)
     tracker.finish(status)
 
 
@@ -388,6 +338,7 @@ def launch(
 
     from hlm_ray.tracking.sync import sync_quietly
     from hlm_ray.train.interrupt import RunInterrupted, restore_sigint, trainer_class
+    from hlm_ray.train.network import torch_config
 
     check_workers(num_workers)
     cfg.optim.grad_accum_steps(num_workers)  # fails here, not in the workers
@@ -406,13 +357,24 @@ def launch(
 
         use_gpu = ray.cluster_resources().get("GPU", 0) >= num_workers
     check_resources(num_workers, use_gpu, cpus_per_worker, gpus_per_worker)
+    mirror = RunMirror.of(out_dir, storage)
     if not resume:
         ckpt.refuse_existing(out_dir)
-    elif storage_path is None or Path(storage).resolve() == out_dir.parent:
+        if mirror is not None and mirror.has_checkpoints():
+            raise HLMError(
+                f"{mirror.uri} holds checkpoints of an earlier run named {out_dir.name}; "
+                "continue it with --resume, or choose another --output"
+            )
+    elif mirror is None:
         # The run folder is Ray's storage: the newest valid checkpoint in it decides.
         prepare_resume(out_dir, resume_from, cfg)
 
-    # Workers run elsewhere (another cwd, another node): give them absolute paths.
+    # Workers run elsewhere (another cwd, another node): give them absolute paths, the one
+    # tracking server and the prepared corpus they all reach (`hlm_ray.cluster`).
+    from hlm_ray.tracking import default_tracking_uri
+
+    nodes = len(alive_nodes())
+    check_tracking(default_tracking_uri(), nodes)
     cfg = apply_overrides(
         cfg,
         {
@@ -420,16 +382,16 @@ def launch(
             "data.sources": [
                 str(Path(s).resolve()) if Path(s).exists() else s for s in cfg.data.sources
             ],
-            **(
-                {"data.prepared": str(Path(cfg.data.prepared).resolve())}
-                if cfg.data.prepared
-                else {}
-            ),
+            "data.prepared": absolute(cfg.data.prepared)
+            if cfg.data.prepared
+            else prepared_location(build_prepared(cfg), storage, nodes),
         },
     )
     tracker, tracking = open_mlflow_run(
         cfg, out_dir, experiment=experiment, resume=resume, parent_run_id=parent_run_id, tags=tags
     )
+    if mirror is not None:  # the run's MLflow id, for a driver on another node (a sweep's)
+        mirror.push(out_dir, RUN_REF)
     resources = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if use_gpu else {})}
     cache = os.environ.get(CACHE_ENV)
     env = {CACHE_ENV: str(Path(cache).expanduser().resolve())} if cache else {}
@@ -439,8 +401,14 @@ def launch(
     # (before fit() installs its handler), ends it KILLED, never RUNNING.
     try:
         trainer = trainer_class()(
-            _ray_worker,
-            train_loop_config={"config": cfg.to_dict(), "tracking": tracking, "env": env},
+            ray_worker,
+            train_loop_config={
+                "config": cfg.to_dict(),
+                "tracking": tracking,
+                "env": env,
+                "mirror": mirror.uri if mirror else None,
+            },
+            torch_config=torch_config(),  # gloo on the address other nodes reach
             scaling_config=ray.train.ScalingConfig(
                 num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources
             ),
@@ -458,24 +426,30 @@ def launch(
         if trainer.interrupted:
             raise KeyboardInterrupt
     except KeyboardInterrupt:
-        finish(tracker, out_dir, "KILLED")
+        finish(tracker, out_dir, "KILLED", mirror)
         raise RunInterrupted() from None
     except Exception as err:
         if trainer is not None and trainer.interrupted:  # Ray's abort surfaced as an error
-            finish(tracker, out_dir, "KILLED")
+            finish(tracker, out_dir, "KILLED", mirror)
             raise RunInterrupted() from None
-        finish(tracker, out_dir, "FAILED")
+        finish(tracker, out_dir, "FAILED", mirror)
+        if mirror is not None:  # the history so far, for `hlm sync`; checkpoints stay there
+            mirror.pull(out_dir, PROGRESS)
         last = ckpt.latest_valid(out_dir, warn=False)
         kept = f"; last checkpoint: {last}" if last else ""
+        if mirror is not None and last is None:
+            kept = f"; its checkpoints are in {mirror.uri}"
         raise HLMError(
             f"training failed after {max_failures} restart(s): "
             f"{str(err).strip().splitlines()[-1]}{kept}"
         ) from err
     except BaseException:
-        finish(tracker, out_dir, "FAILED")
+        finish(tracker, out_dir, "FAILED", mirror)
         raise
     fit_s = time.time() - fit_at
-    finish(tracker, out_dir, "FINISHED")
+    if mirror is not None:  # rank 0's results, from whichever node it ran on
+        mirror.pull(out_dir, RESULTS)
+    finish(tracker, out_dir, "FINISHED", mirror)
     if tracker.run_id is not None:
         note = sync_quietly(out_dir)  # what the workers could not send (a tracking outage)
         if note:

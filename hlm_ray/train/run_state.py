@@ -32,6 +32,8 @@ class WorkerEnv:
     rank: int = 0
     world_size: int = 1
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    nodes: tuple[str, ...] = ()
+    """Each rank's node address, in rank order (Ray Train workers; empty in one process)."""
 
     @property
     def is_main(self) -> bool:

@@ -49,6 +49,7 @@ def run_tags(cfg: Config, tokenizer, env: WorkerEnv, model, step_cost) -> dict[s
         "family": cfg.model.family,
         "vocab_size": len(tokenizer),
         "world_size": env.world_size,
+        **({"worker_nodes": ",".join(env.nodes)} if env.nodes else {}),
         "parameters": num_parameters(model),
     }
 

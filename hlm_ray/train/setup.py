@@ -105,6 +105,8 @@ def setup_run(
         tracker.log_metrics({**describe(step_cost), **budget_log}, step=0)
     elif env.is_main:  # resumed: values changed by overrides are kept as param_changed.* tags
         tracker.log_params(cfg.to_dict())
+        if env.nodes:  # a restarted worker group may sit elsewhere: where it is now
+            tracker.set_tags({"worker_nodes": ",".join(env.nodes)})
     amp = autocast_dtype(cfg.optim.precision, env.device)
     return TrainRun(
         cfg=cfg,

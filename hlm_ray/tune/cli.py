@@ -135,6 +135,12 @@ def build_parser(
         help="restarts of a trial's failed worker group, and retries of a failed trial",
     )
     p.add_argument(
+        "--storage-path",
+        help="where Tune's state, the trials' checkpoints and run folders go, under the sweep's "
+        "name: an s3:// (or gs://) URI or a folder every node mounts (default: the sweep's "
+        "folder, runs/sweeps/<name>)",
+    )
+    p.add_argument(
         "--search",
         action="store_true",
         help="random search over lr and warm-up with ASHA early stopping (for one grid cell) "
@@ -179,7 +185,7 @@ def _get_spec(presets: dict[str, SweepSpec], args: argparse.Namespace) -> SweepS
 def _print_plan(spec: SweepSpec, args: argparse.Namespace, name: str) -> None:
     """--dry-run: the trials, their steps, FLOPs and GPU-hours; nothing started."""
     from hlm_ray.plan import assumptions_from, format_plan, sweep_plan
-    from hlm_ray.tune.sweep import plan_concurrency
+    from hlm_ray.tune.placement import plan_concurrency
 
     trials = len(spec.cells())
     fit = lambda nodes: plan_concurrency(spec, trials, nodes)  # noqa: E731
@@ -198,7 +204,13 @@ def _run(spec: SweepSpec, args: argparse.Namespace, name: str):
             "--set sweep.objectives=[...] --set sweep.values=[...]"
         )
     assumptions = assumptions_from(args)
-    return run_sweep(spec, name=name, search=args.search, assumptions=assumptions)
+    return run_sweep(
+        spec,
+        name=name,
+        search=args.search,
+        assumptions=assumptions,
+        storage_path=args.storage_path,
+    )
 
 
 def _print_table(outcome) -> None:

@@ -36,12 +36,12 @@ from hlm_ray.paths import CACHE_ENV, resolve_output
 from hlm_ray.tracking import TRACKING_URI_ENV, browse_hint, default_tracking_uri
 from hlm_ray.tracking.server import QUIET_LINKS
 from hlm_ray.tune import summary as summary_mod
+from hlm_ray.tune.placement import plan_concurrency
 from hlm_ray.tune.spec import SweepSpec
+from hlm_ray.tune.storage import STATE_FILE, TUNE_DIR, SweepStorage
 from hlm_ray.tune.trial import TRIAL_RESOURCES, TrialRuntime, run_name, run_trial
 
 SWEEPS_DIR = "runs/sweeps"
-STATE_FILE = "sweep.json"
-TUNE_DIR = "tune"
 ASHA_METRIC = "val/loss"
 
 
@@ -78,74 +78,33 @@ class SweepOutcome:
 # ------------------------------------------------------------------------------ checks
 
 
-def plan_concurrency(spec: SweepSpec, num_trials: int, nodes: list[dict[str, float]]) -> int:
-    """Trials that fit side by side on the cluster (`nodes`: each alive node's resources), or
-    an HLMError when one trial can never be placed."""
-    need_cpu = spec.workers_per_trial * spec.cpus_per_worker
-    need_gpu = spec.workers_per_trial * spec.gpus_per_worker
-    total_cpu = sum(n.get("CPU", 0.0) for n in nodes)
-    total_gpu = sum(n.get("GPU", 0.0) for n in nodes)
-    hint = "lower --workers-per-trial, --cpus-per-worker or --gpus-per-worker"
-    if not any(n.get("CPU", 0.0) >= spec.cpus_per_worker for n in nodes):
-        biggest = max((n.get("CPU", 0.0) for n in nodes), default=0.0)
-        raise HLMError(
-            f"a worker needs {spec.cpus_per_worker:g} CPUs but the largest node has "
-            f"{biggest:g}; {hint}"
-        )
-    if need_cpu > total_cpu + 1e-9:
-        raise HLMError(
-            f"a trial needs {spec.workers_per_trial} worker(s) × {spec.cpus_per_worker:g} CPU = "
-            f"{need_cpu:g} CPUs but the cluster has {total_cpu:g}; {hint}"
-        )
-    if spec.gpus_per_worker and not any(n.get("GPU", 0.0) >= spec.gpus_per_worker for n in nodes):
-        raise HLMError(
-            f"a worker needs {spec.gpus_per_worker:g} GPU(s) but the cluster has "
-            f"{total_gpu:g} GPU(s) (none on one node); {hint}, or --gpus-per-worker 0"
-        )
-    if need_gpu > total_gpu + 1e-9:
-        raise HLMError(
-            f"a trial needs {spec.workers_per_trial} worker(s) × {spec.gpus_per_worker:g} GPU = "
-            f"{need_gpu:g} GPUs but the cluster has {total_gpu:g}; {hint}"
-        )
-    # Workers are placed whole on a node: count the workers each node holds, not the cluster's
-    # total (three 3-CPU nodes hold three 2-CPU workers, not four).
-    slots = sum(_workers_on(node, spec) for node in nodes)
-    if slots < spec.workers_per_trial:
-        raise HLMError(
-            f"a trial needs {spec.workers_per_trial} worker(s) of {spec.cpus_per_worker:g} CPU"
-            f"{f' and {spec.gpus_per_worker:g} GPU' if spec.gpus_per_worker else ''} but the "
-            f"cluster's nodes hold {slots} such worker(s); {hint}"
-        )
-    return max(1, min(slots // spec.workers_per_trial, num_trials))
-
-
-def _workers_on(node: dict[str, float], spec: SweepSpec) -> int:
-    """How many of one trial's workers fit on `node` at once."""
-    fits = math.floor(node.get("CPU", 0.0) / spec.cpus_per_worker + 1e-9)
-    if spec.gpus_per_worker:
-        fits = min(fits, math.floor(node.get("GPU", 0.0) / spec.gpus_per_worker + 1e-9))
-    return fits
-
-
 def prepare_inputs(
-    spec: SweepSpec, values: tuple[int, ...] | None = None, *, progress: bool = True
-) -> dict[int, int]:
+    spec: SweepSpec,
+    values: tuple[int, ...] | None = None,
+    *,
+    progress: bool = True,
+    publish: str | None = None,
+) -> tuple[dict[int, int], dict[str, str]]:
     """Prepare each distinct (tokenizer, data) setting once, before any trial: in parallel as
     Ray tasks, into the cache (`hlm_ray.prepare`), where every trial finds its folder. Returns
     {requested size: real size}, after the axis's `prepared` hook has seen it (it may refuse a
-    size, or warn)."""
+    size, or warn), and {`cluster.request_key`: folder} of the copies published under `publish`
+    (a run storage every node reaches: a cluster's trials open those, `cluster.pin_prepared`)."""
+    from hlm_ray.cluster import request_key
     from hlm_ray.prepare.tasks import prepare_many
 
     if spec.axis.check is not None:
         spec.axis.check(spec)
     cfgs = [spec.cell_config(v, spec.objectives[0], 0) for v in values or spec.values]
+    done = prepare_many(cfgs, progress, publish=publish)
     real = {
         cfg.tokenizer.vocab_size: prepared.manifest["tokenizer"]["vocab_size"]
-        for cfg, prepared in zip(cfgs, prepare_many(cfgs, progress), strict=True)
+        for cfg, prepared in zip(cfgs, done, strict=True)
     }
     if spec.axis.prepared is not None:
         spec.axis.prepared(spec, real)
-    return real
+    located = {request_key(c): p.uri for c, p in zip(cfgs, done, strict=True)} if publish else {}
+    return real, located
 
 
 def check_resume(folder: Path, spec: SweepSpec, search: bool) -> dict[str, Any] | None:
@@ -177,12 +136,19 @@ def run_sweep(
     root: str | Path = SWEEPS_DIR,
     verbose: int = 1,
     assumptions=None,
+    storage_path: str | None = None,
 ) -> SweepOutcome:
+    """`storage_path`: where Tune's state and the trials go (`tune.storage`; default the
+    sweep's folder)."""
+    from hlm_ray.cluster import alive_nodes, check_tracking, publish_root
     from hlm_ray.train.launch import connect
 
     started = time.perf_counter()
     folder = resolve_output(root) / name
+    store = SweepStorage.of(folder, storage_path, name)
+    store.pull_state()
     state = check_resume(folder, spec, search)
+    store.check_same(state)
     if spec.axis.check is not None:
         spec.axis.check(spec)
     num_trials = spec.search_samples if search else len(spec.cells())
@@ -195,11 +161,16 @@ def run_sweep(
         t0 = time.perf_counter()
         connect()
         phases["ray_start"] = time.perf_counter() - t0
-        import ray
+        from hlm_ray.tracking import default_tracking_uri
 
-        nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+        nodes = [n["Resources"] for n in alive_nodes()]
+        check_tracking(default_tracking_uri(), len(nodes))
         ready["concurrency"] = plan_concurrency(spec, num_trials, nodes)
-        ready["real_vocab"] = prepare_inputs(spec, spec.values[:1] if search else None)
+        ready["real_vocab"], ready["prepared"] = prepare_inputs(
+            spec,
+            spec.values[:1] if search else None,
+            publish=publish_root(store.tune_path, len(nodes)),
+        )
         phases["ray_and_inputs"] = time.perf_counter() - t0
 
     from hlm_ray.tracking.server import tracking_server
@@ -225,16 +196,20 @@ def run_sweep(
                         "parent_run_id": parent.run_id,
                         # what `_log_results` logged on this parent run already
                         "results": state.get("results", {}) if same_parent else {},
+                        "storage": store.remote,
                     },
                     indent=1,
                 )
             )
+            store.push_state()
             runtime = TrialRuntime(
                 sweep=name,
                 kind=spec.axis.name,
                 experiment=spec.experiment,
                 parent_run_id=parent.run_id,
                 trials_dir=str(folder / "trials"),
+                storage=store.trials,
+                prepared=ready["prepared"],
                 recipe=spec.recipe,
                 workers=spec.workers_per_trial,
                 cpus_per_worker=spec.cpus_per_worker,
@@ -244,7 +219,7 @@ def run_sweep(
                 max_failures=spec.max_failures,
                 report_steps=search,  # ASHA compares the steps' reports
             )
-            resumed = _tuner_exists(folder)
+            resumed = store.tuner_exists()
             print(
                 f"sweep {name}: {'resuming' if resumed else 'starting'} {num_trials} trial(s), "
                 f"{concurrency} at a time, in {folder}"
@@ -253,14 +228,16 @@ def run_sweep(
 
             phases["before_trials"] = time.perf_counter() - started
             with tune_interrupt() as stop:
-                results = _tuner(spec, folder, runtime, search, concurrency, verbose).fit()
+                results = _tuner(spec, store, runtime, search, concurrency, verbose).fit()
             phases["trials"] = time.perf_counter() - started - phases["before_trials"]
             rows = _rows(results, spec, runtime, search, interrupted=stop.interrupted)
+            store.pull_trials([r["run"] for r in rows])  # what the report reads, from each trial
             _close_orphans(rows, spec, runtime)
             files = summary_mod.write_summary(rows, folder, axis=spec.axis, figures=not search)
             for path in files:
                 parent.log_artifact(path)
             _log_results(parent, rows, spec, name, folder, files)
+            store.push_state()
             counts = {s: sum(r["status"] == s for r in rows) for s in ("FINISHED", "FAILED")}
             parent.log_metrics({f"trials_{k.lower()}": v for k, v in counts.items()}, step=0)
             seconds = time.perf_counter() - started
@@ -359,21 +336,15 @@ def _trial_env(uri: str) -> dict[str, str]:
     return env
 
 
-def _tuner_exists(folder: Path) -> bool:
-    from ray import tune
-
-    return (folder / TUNE_DIR).is_dir() and tune.Tuner.can_restore(str(folder / TUNE_DIR))
-
-
-def _tuner(spec, folder, runtime, search, concurrency, verbose):
+def _tuner(spec, store: SweepStorage, runtime, search, concurrency, verbose):
     from ray import tune
 
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, runtime=runtime), TRIAL_RESOURCES
     )
-    if _tuner_exists(folder):
+    if store.tuner_exists():
         return tune.Tuner.restore(
-            str(folder / TUNE_DIR),
+            f"{store.tune_path}/{TUNE_DIR}",
             trainable,
             resume_unfinished=True,
             # Keeps the trial id (restart_errored would give a new one, hence a new run folder):
@@ -415,7 +386,7 @@ def _tuner(spec, folder, runtime, search, concurrency, verbose):
         ),
         run_config=tune.RunConfig(
             name=TUNE_DIR,
-            storage_path=str(folder),
+            storage_path=store.tune_path,
             failure_config=tune.FailureConfig(max_failures=spec.max_failures),
             verbose=verbose,
         ),

@@ -21,15 +21,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hlm_ray.cluster import alive_nodes, pin_prepared
 from hlm_ray.config import Config, apply_overrides
 from hlm_ray.flops import config_step_flops
-from hlm_ray.tracking.base import read_run_ref  # the child run's id, kept in its run folder
+from hlm_ray.tracking.base import RUN_REF_FILE, read_run_ref  # the child run's id, in its folder
+from hlm_ray.train.run_mirror import RunMirror
 
 # The trial function itself only waits on its trainer and downstream task: it takes no CPU
 # (0.01 CPU per trial would leave a 2-CPU machine unable to run two 1-CPU trials side by side),
 # only a token of memory, because a placement group bundle cannot be empty.
 TRIAL_RESOURCES = {"cpu": 0, "memory": 64 * 2**20}
 DOWNSTREAM_FILE = "downstream.json"
+DONE_FILES = ("summary.json", DOWNSTREAM_FILE, RUN_REF_FILE)
+"""What tells a retried trial which stages are done, and its MLflow run."""
 NO_DOWNSTREAM = "none"  # `sweep.recipe=none`: pretraining only
 
 
@@ -59,6 +63,12 @@ class TrialRuntime:
     A grid sweep without a scheduler goes without: the callback's queue is one more actor
     process per trial (1.4 s of CPU on 2 cores), and each trial's MLflow run and progress bar
     already show its steps."""
+    storage: str | None = None
+    """The trials' Ray Train storage (`SweepStorage.trials`); None: their run folders in
+    `trials_dir`, which every node then mounts. Else each trial's run folder is mirrored there
+    (`RunMirror`), wherever its trial, its rank 0 and its downstream step run."""
+    prepared: dict[str, str] = field(default_factory=dict)
+    """The prepared corpora published for a cluster's nodes (`cluster.pin_prepared`)."""
 
 
 def run_name(objective: str, short: str, value: Any, seed: int, trial_id: str) -> str:
@@ -75,10 +85,13 @@ def run_trial(params: dict[str, Any], runtime: TrialRuntime) -> None:
     trial_id = ray.tune.get_context().get_trial_id()
     name = run_name(cfg.objective.name, runtime.short, params["value"], cfg.run.seed, trial_id)
     out_dir = Path(runtime.trials_dir) / name
-    cfg = apply_overrides(cfg, {"run.output_dir": str(out_dir)})
+    cfg = pin_prepared(apply_overrides(cfg, {"run.output_dir": str(out_dir)}), runtime.prepared)
+    mirror = RunMirror(f"{runtime.storage}/{name}") if runtime.storage else None
+    if mirror is not None:  # an earlier attempt's stages, perhaps done on another node
+        mirror.pull(out_dir, (*DONE_FILES, "model"))
     summary = _pretrain(cfg, runtime, out_dir, trial_id)
     pretrained = time.perf_counter()
-    scores = _downstream(runtime, out_dir, Path(summary["model_dir"]))
+    scores = _downstream(runtime, out_dir, Path(summary["model_dir"]), mirror)
     finished = time.perf_counter()
     metrics = final_metrics(cfg, summary, scores, runtime.workers)
     metrics.update(trial_times(summary, started, pretrained, finished))
@@ -142,6 +155,7 @@ def _pretrain(cfg: Config, runtime: TrialRuntime, out_dir: Path, trial_id: str) 
     }
     return launch(
         cfg,
+        storage_path=runtime.storage,
         num_workers=runtime.workers,
         use_gpu=runtime.gpus_per_worker > 0,
         cpus_per_worker=runtime.cpus_per_worker,
@@ -176,11 +190,14 @@ def _finished_summary(out_dir: Path, max_steps: int) -> dict[str, Any] | None:
     return summary
 
 
-def _downstream(runtime: TrialRuntime, out_dir: Path, model_dir: Path) -> dict[str, float]:
+def _downstream(
+    runtime: TrialRuntime, out_dir: Path, model_dir: Path, mirror: RunMirror | None = None
+) -> dict[str, float]:
     """`run_downstream`, logging into the trial's MLflow run (nothing for `sweep.recipe=none`).
-    With GPU workers it runs as a Ray task holding one worker's resources (the trial function
-    holds none); on CPU it runs here, in the trial's process, once its trainer has given the
-    worker's CPUs back."""
+    With GPU workers, or on a cluster of several nodes, it runs as a Ray task holding one
+    worker's resources (the trial function holds none, and may sit on a head node sized for
+    drivers); on one machine's CPUs it runs here, in the trial's process, once its trainer has
+    given the worker's CPUs back. The task finds the model through the run's mirror."""
     if runtime.recipe == NO_DOWNSTREAM:
         return {}
     path = out_dir / DOWNSTREAM_FILE
@@ -190,7 +207,7 @@ def _downstream(runtime: TrialRuntime, out_dir: Path, model_dir: Path) -> dict[s
     run_id = ref["run_id"] if ref else None
     args = (str(model_dir), runtime.recipe, str(out_dir / "downstream"), runtime.experiment)
     try:
-        if runtime.gpus_per_worker > 0:
+        if runtime.gpus_per_worker > 0 or len(alive_nodes()) > 1:
             import ray
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -201,7 +218,7 @@ def _downstream(runtime: TrialRuntime, out_dir: Path, model_dir: Path) -> dict[s
                 # default; it holds only the trial function's token of memory).
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None),
             )
-            scores = ray.get(task.remote(*args, run_id, runtime.env))
+            scores = ray.get(task.remote(*args, run_id, runtime.env, mirror))
         else:
             scores = _downstream_task(*args, run_id, runtime.env)
     except BaseException:
@@ -211,6 +228,8 @@ def _downstream(runtime: TrialRuntime, out_dir: Path, model_dir: Path) -> dict[s
             MlflowTracker(runtime.experiment, run_id=run_id).finish("FAILED")
         raise
     path.write_text(json.dumps(scores, indent=1))
+    if mirror is not None:
+        mirror.push(out_dir, (DOWNSTREAM_FILE,))
     return scores
 
 
@@ -221,8 +240,11 @@ def _downstream_task(
     experiment: str,
     run_id: str | None,
     env: dict[str, str],
+    mirror: RunMirror | None = None,
 ) -> dict[str, float]:
     os.environ.update(env)
+    if mirror is not None and not Path(model_dir).is_dir():  # a task on another node
+        mirror.pull(Path(model_dir).parent, ("model",))
     from hlm_ray.downstream import run_downstream
     from hlm_ray.tracking import MlflowTracker, Tracker
 

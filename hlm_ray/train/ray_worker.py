@@ -1,0 +1,105 @@
+"""What runs in each Ray Train worker: the `WorkerEnv` from Ray's context, the reporter that
+hands checkpoints to Ray, the checkpoint to continue from, then `train_worker`.
+
+    TorchTrainer(ray_worker, train_loop_config={"config": ..., "tracking": ..., "env": ...,
+                                                "mirror": ...})
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from hlm_ray.train import checkpoint as ckpt
+from hlm_ray.train.run_mirror import PROGRESS, RESULTS, RunMirror
+
+
+class RayReporter:
+    """Hands each checkpoint to `ray.train.report`; every rank calls `report` at the same steps
+    (Ray requires it: the call is a barrier). Only rank 0 passes a checkpoint folder, and first
+    brings the run's mirror (when it has one) up to this step: a rank 0 restarted elsewhere
+    from this checkpoint then finds the history that leads to it."""
+
+    def __init__(self, out_dir: Path | None = None, mirror: RunMirror | None = None):
+        self.root = Path(tempfile.mkdtemp(prefix="hlm-ckpt-"))
+        self.out_dir, self.mirror = out_dir, mirror
+
+    def checkpoint_folder(self, step: int) -> Path:
+        return self.root / f"{ckpt.PREFIX}{step:08d}"
+
+    def report(self, metrics: dict[str, float], checkpoint_dir: Path | None) -> None:
+        import ray.train
+
+        step = int(metrics["step"])
+        if checkpoint_dir is not None and self.mirror is not None:
+            self.mirror.push(self.out_dir, PROGRESS)
+        checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
+        ray.train.report(
+            metrics, checkpoint=checkpoint, checkpoint_dir_name=f"{ckpt.PREFIX}{step:08d}"
+        )
+        if checkpoint_dir is not None:
+            shutil.rmtree(checkpoint_dir, ignore_errors=True)  # Ray copied it to storage
+
+
+def ray_worker(loop_config: dict[str, Any]) -> None:
+    import ray.train
+    import ray.train.torch
+
+    from hlm_ray.train.loop import WorkerEnv, train_worker
+
+    # The driver's cache folder (when it set one): its tokenizer and tokenized corpus are here.
+    os.environ.update(loop_config.get("env", {}))
+    ctx = ray.train.get_context()
+    env = WorkerEnv(
+        rank=ctx.get_world_rank(),
+        world_size=ctx.get_world_size(),
+        device=ray.train.torch.get_device(),
+        nodes=worker_nodes(ctx.get_world_size()),
+    )
+    if env.is_main:  # where the group landed, in the job's log (and the run's tags)
+        print("workers on nodes: " + ", ".join(f"rank {r} {ip}" for r, ip in enumerate(env.nodes)))
+    out_dir = Path(loop_config["config"]["run"]["output_dir"])
+    mirror = RunMirror(loop_config["mirror"]) if loop_config.get("mirror") else None
+    reporter = RayReporter(out_dir, mirror if env.is_main else None)
+    kwargs = dict(env=env, reporter=reporter, tracking=loop_config["tracking"])
+    checkpoint = ray.train.get_checkpoint()  # Ray's latest, after a restart or on --resume
+    if checkpoint is not None and mirror is not None and env.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        mirror.pull(out_dir, PROGRESS)  # perhaps another node's: the history so far
+    if checkpoint is None:
+        folder = ckpt.latest_valid(out_dir, warn=env.is_main)
+        train_worker(loop_config["config"], **kwargs, resume_from=folder, progress=env.is_main)
+    else:
+        with checkpoint.as_directory() as ray_folder:
+            folder = choose_resume(out_dir, Path(ray_folder), warn=env.is_main)
+            train_worker(loop_config["config"], **kwargs, resume_from=folder, progress=env.is_main)
+    if mirror is not None and env.is_main:
+        mirror.push(out_dir, RESULTS)  # the driver takes them from there
+
+
+def worker_nodes(world_size: int) -> tuple[str, ...]:
+    """Every rank's node address, in rank order (all ranks call it: a collective)."""
+    import ray.util
+
+    ip = ray.util.get_node_ip_address()
+    if world_size == 1:
+        return (ip,)
+    import torch.distributed as dist
+
+    gathered: list[str | None] = [None] * world_size
+    dist.all_gather_object(gathered, ip)
+    return tuple(str(g) for g in gathered)
+
+
+def choose_resume(out_dir: Path, ray_folder: Path | None, *, warn: bool = True) -> Path | None:
+    """Where a (re)started worker continues: the newest valid checkpoint in the run folder,
+    or Ray's when it is newer (a remote storage path) and valid. Ray's own pick can lag the
+    disk (a report still in flight when a worker died) or point at a damaged copy."""
+    disk = ckpt.latest_valid(out_dir, warn=warn) if out_dir.is_dir() else None
+    ray_ok = ray_folder is not None and ckpt.verify(ray_folder) is None
+    if ray_ok and (disk is None or ckpt.checkpoint_step(ray_folder) > ckpt.checkpoint_step(disk)):
+        return ray_folder
+    return disk

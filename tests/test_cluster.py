@@ -1,0 +1,278 @@
+"""What a run needs on a cluster whose nodes share only the run storage, the tracking server and
+the Ray head, as plain functions: the run folder's mirror in the storage, prepared corpora
+published there and fetched by workers, the sweep's state there, one tracking server for all
+nodes, gloo on the address other nodes reach, inputs found where outputs went. The object store
+is a real S3 API on loopback (moto's server, `s3_common`); tests/test_cluster_box.py runs the
+same code across namespaced nodes."""
+
+from __future__ import annotations
+
+import json
+import socket
+from collections import namedtuple
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hlm_ray import cluster
+from hlm_ray.errors import HLMError
+from hlm_ray.prepare import PrepareRequest, TokenBlocks, open_prepared, prepare
+from hlm_ray.prepare.store import Store
+from hlm_ray.train import network
+from hlm_ray.train.run_mirror import PROGRESS, RESULTS, RunMirror
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def make_run_folder(root: Path) -> Path:
+    """A run folder as rank 0 leaves it: metrics, params, the best checkpoint, the model."""
+    out = root / "run"
+    (out / "model").mkdir(parents=True)
+    (out / "model" / "model.safetensors").write_bytes(b"\0" * 4096)
+    (out / "model" / "config.json").write_text("{}")
+    (out / "best_checkpoint").mkdir()
+    (out / "best_checkpoint" / "hlm_checkpoint.json").write_text('{"step": 10}')
+    (out / "metrics.jsonl").write_text('{"step": 1, "train/loss": 2.0}\n')
+    (out / "params.json").write_text("{}")
+    (out / "summary.json").write_text('{"steps": 10}')
+    return out
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
+
+
+# ------------------------------------------------------------------------ object stores
+
+
+def test_a_folder_goes_into_an_object_store_and_comes_back(s3, tmp_path):
+    """S3 has no folders to rename: a folder is copied in place, and read back whole."""
+    local = make_run_folder(tmp_path)
+    store = Store.open(f"{s3}/some/where")
+    store.upload_dir(local / "model", "model")
+    store.upload(local / "summary.json", "summary.json")
+    assert store.download("model", tmp_path / "back" / "model")
+    assert store.download("summary.json", tmp_path / "back" / "summary.json")
+    assert tree(tmp_path / "back" / "model") == tree(local / "model")
+    assert (tmp_path / "back" / "summary.json").read_text() == '{"steps": 10}'
+    assert not store.download("nothing", tmp_path / "back" / "nothing")
+    store.upload_dir(local / "best_checkpoint", "model")  # replaces what was there
+    assert store.download("model", tmp_path / "again")
+    assert tree(tmp_path / "again") == tree(local / "best_checkpoint")
+
+
+def test_the_run_mirror_carries_a_run_folder_across_nodes(s3, tmp_path):
+    rank0 = make_run_folder(tmp_path / "node-a")
+    storage = f"{s3}/runs"
+    mirror = RunMirror.of(rank0, storage)
+    assert mirror == RunMirror(f"{storage}/run")
+    assert RunMirror.of(rank0, str(rank0.parent)) is None  # the storage holds the run folder
+    assert RunMirror.of(rank0, None) is None
+    mirror.push(rank0, PROGRESS)
+    restarted = tmp_path / "node-b" / "run"  # rank 0 restarted on another node
+    assert mirror.pull(restarted, RESULTS) == list(PROGRESS)
+    assert (restarted / "metrics.jsonl").read_text() == (rank0 / "metrics.jsonl").read_text()
+    mirror.push(rank0, RESULTS)
+    driver = tmp_path / "head" / "run"
+    assert mirror.pull(driver, RESULTS) == [n for n in RESULTS if (rank0 / n).exists()]
+    assert tree(driver) == tree(rank0)
+    assert not mirror.has_checkpoints()
+    Store.open(mirror.uri).upload_dir(rank0 / "best_checkpoint", "checkpoint_00000010")
+    assert mirror.has_checkpoints()
+
+
+def test_rank_0_brings_the_mirror_up_to_a_checkpoint_before_reporting_it(s3, tmp_path, monkeypatch):
+    """A worker that dies right after Ray registered the checkpoint must not leave a mirror
+    whose history stops before it: the mirror is pushed first, then the report."""
+    import ray.train
+
+    from hlm_ray.train.ray_worker import RayReporter
+
+    out = make_run_folder(tmp_path)
+    mirror = RunMirror(f"{s3}/runs/run")
+    seen = []
+    monkeypatch.setattr(
+        ray.train, "report", lambda *a, **k: seen.append(Store.open(mirror.uri).exists(PROGRESS[0]))
+    )
+    monkeypatch.setattr(ray.train.Checkpoint, "from_directory", lambda folder: folder)
+    reporter = RayReporter(out, mirror)
+    checkpoint = reporter.checkpoint_folder(10)
+    checkpoint.mkdir()
+    reporter.report({"step": 10}, checkpoint)
+    assert seen == [True]
+
+
+# ------------------------------------------------------------------------ prepared corpora
+
+
+@pytest.fixture
+def prepared(tmp_path):
+    rng = np.random.default_rng(0)
+    words = ["the", "cat", "sat", "on", "a", "mat", "while", "dogs", "ran", "far", "home"]
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(" ".join(rng.choice(words, 30)) for _ in range(300)))
+    request = PrepareRequest(sources=(str(corpus),), vocab_size=300, val_fraction=0.1,
+                             shard_tokens=2000)  # fmt: skip
+    return prepare(request, tmp_path / "prepared" / "bpe300-abc", workers=0, progress=False,
+                   allow_smaller_vocab=True)  # fmt: skip
+
+
+def test_a_prepared_corpus_published_in_storage_reads_as_the_original(s3, prepared, tmp_path):
+    uri = cluster.publish_prepared(prepared, f"{s3}/runs/_prepared")
+    assert uri == f"{s3}/runs/_prepared/bpe300-abc"
+    remote = open_prepared(uri)  # a worker node: read through a local copy
+    assert remote.manifest == json.loads(json.dumps(prepared.manifest))
+    here = TokenBlocks.open(prepared, "train", seq_len=16)
+    there = TokenBlocks.open(remote, "train", seq_len=16)
+    assert here.num_blocks == there.num_blocks
+    assert (here[np.arange(here.num_blocks)] == there[np.arange(there.num_blocks)]).all()
+    # Published again: nothing is copied (the manifest there is the same).
+    store = Store.open(uri)
+    store.delete("tokenizer")
+    assert cluster.publish_prepared(prepared, f"{s3}/runs/_prepared") == uri
+    assert not store.exists("tokenizer")
+
+
+def test_a_fetched_copy_is_reused_and_refreshed_when_the_remote_changes(s3, prepared):
+    from hlm_ray.prepare.fetch import local_copy
+
+    uri = cluster.publish_prepared(prepared, f"{s3}/p")
+    first = local_copy(uri)
+    stamp = (first / "manifest.json").stat().st_mtime_ns
+    assert local_copy(uri) == first and (first / "manifest.json").stat().st_mtime_ns == stamp
+    manifest = {**prepared.manifest, "note": "prepared again"}
+    Store.open(uri).write_json("manifest.json", manifest)
+    assert json.loads((local_copy(uri) / "manifest.json").read_text())["note"] == "prepared again"
+    with pytest.raises(HLMError, match="is not a prepared corpus: no manifest.json"):
+        local_copy(f"{s3}/nothing-here")
+
+
+def test_workers_on_other_nodes_open_the_published_copy(monkeypatch, prepared, s3):
+    """On one machine (or with a cache the user shared) the workers open the driver's folder;
+    on several nodes, or with run storage in an object store, the copy in the storage."""
+    monkeypatch.delenv("HLM_CACHE_DIR")  # the default, private ~/.cache of each node
+    assert cluster.publish_root("/runs", 1) is None
+    assert cluster.publish_root("/runs", 3) == "/runs/_prepared"
+    assert cluster.publish_root(f"{s3}/runs", 1) == f"{s3}/runs/_prepared"
+    assert cluster.prepared_location(prepared, "/nowhere", 1) == prepared.uri
+    assert cluster.prepared_location(prepared, f"{s3}/r", 1) == f"{s3}/r/_prepared/bpe300-abc"
+    monkeypatch.setenv("HLM_CACHE_DIR", "/mnt/shared/cache")  # the user's shared cache
+    assert cluster.publish_root(f"{s3}/runs", 3) is None
+
+
+def test_a_trial_opens_its_corpus_s_published_copy():
+    from hlm_ray.presets import load_config
+
+    cfg = load_config("tiny-decoder")
+    located = {cluster.request_key(cfg): "s3://b/runs/_prepared/x"}
+    assert cluster.pin_prepared(cfg, located).data.prepared == "s3://b/runs/_prepared/x"
+    assert cluster.pin_prepared(cfg, {}).data.prepared == cfg.data.prepared
+    other = load_config("tiny-decoder", overrides=["tokenizer.vocab_size=2048"])
+    assert cluster.pin_prepared(other, located).data.prepared == other.data.prepared
+
+
+def test_a_prepared_folder_missing_on_this_node_says_what_to_share(tmp_path):
+    with pytest.raises(HLMError, match="does not exist on this node .*HLM_CACHE_DIR"):
+        open_prepared(tmp_path / "driver-cache" / "bpe1024-0123")
+
+
+# ------------------------------------------------------------------------ tracking, sweeps
+
+
+def test_several_nodes_need_a_tracking_server_they_all_reach():
+    cluster.check_tracking("sqlite:////home/me/mlflow.db", 1)
+    cluster.check_tracking("http://mlflow:5000", 3)
+    with pytest.raises(HLMError, match="3 nodes but MLflow's store is sqlite.*MLFLOW_TRACKING_URI"):
+        cluster.check_tracking("sqlite:////home/me/mlflow.db", 3)
+
+
+def test_a_sweep_keeps_its_state_and_trials_in_the_storage(s3, tmp_path):
+    from hlm_ray.tune.storage import STATE_FILE, SweepStorage
+
+    folder = tmp_path / "runs" / "sweeps" / "vocab-x"
+    assert SweepStorage.of(folder, None, "vocab-x") == SweepStorage(folder)
+    assert SweepStorage.of(folder, str(folder.parent), "vocab-x").remote is None
+    store = SweepStorage.of(folder, f"{s3}/sweeps", "vocab-x")
+    assert store.tune_path == f"{s3}/sweeps/vocab-x"
+    assert store.trials == f"{s3}/sweeps/vocab-x/trials"
+    folder.mkdir(parents=True)
+    (folder / STATE_FILE).write_text(json.dumps({"storage": store.remote}))
+    store.push_state()
+    new_head = SweepStorage.of(tmp_path / "elsewhere" / "vocab-x", f"{s3}/sweeps", "vocab-x")
+    new_head.folder.mkdir(parents=True)
+    new_head.pull_state()  # a head without the folder resumes from the storage's copy
+    state = json.loads((new_head.folder / STATE_FILE).read_text())
+    new_head.check_same(state)
+    with pytest.raises(HLMError, match="resume it with the --storage-path it started with"):
+        SweepStorage(folder).check_same(state)
+    trial = make_run_folder(tmp_path / "node-a")
+    (trial / "downstream.json").write_text('{"downstream/score": 0.5}')
+    RunMirror(f"{store.trials}/headless-v8-s0-t1").push(trial, ("summary.json", "downstream.json"))
+    store.pull_trials(["headless-v8-s0-t1"])
+    got = folder / "trials" / "headless-v8-s0-t1"
+    assert json.loads((got / "downstream.json").read_text()) == {"downstream/score": 0.5}
+    assert not store.tuner_exists()
+
+
+# ------------------------------------------------------------------------ gloo, paths
+
+Address = namedtuple("Address", "family address")
+
+
+def test_gloo_listens_on_the_interface_of_the_node_address(monkeypatch):
+    interfaces = {
+        "lo": [Address(socket.AF_INET, "127.0.0.1")],
+        "eth0": [Address(socket.AF_INET6, "fe80::1"), Address(socket.AF_INET, "198.18.0.11")],
+    }
+    assert network.interface_of("198.18.0.11", interfaces) == "eth0"
+    assert network.interface_of("10.0.0.9", interfaces) is None
+    import psutil
+    import ray.util
+
+    monkeypatch.setattr(psutil, "net_if_addrs", lambda: interfaces)
+    monkeypatch.setattr(ray.util, "get_node_ip_address", lambda: "198.18.0.11")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert network.bind_gloo_to_node_address() == "eth0"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ib0")  # the user's choice stays
+    assert network.bind_gloo_to_node_address() == "ib0"
+
+
+def test_the_trainer_sets_gloo_up_on_every_worker_before_the_process_group():
+    from ray.train.torch.config import _TorchBackend
+
+    calls = []
+
+    class Group:
+        def execute(self, fn, *a, **k):
+            calls.append(fn)
+
+    config = network.torch_config()
+    backend = config.backend_cls()
+    assert isinstance(backend, _TorchBackend)
+    original = _TorchBackend.on_start
+    try:
+        _TorchBackend.on_start = lambda self, group, cfg: calls.append("process group")
+        backend.on_start(Group(), config)
+    finally:
+        _TorchBackend.on_start = original
+    assert calls == [network.bind_gloo_to_node_address, "process group"]
+
+
+def test_an_input_is_found_where_outputs_went(tmp_path, monkeypatch):
+    """In `ray job submit --working-dir .` the job runs in Ray's copy while `--output runs/x`
+    lands in the checkout: `--model runs/x` afterwards must find it there."""
+    from hlm_ray.paths import resolve_input
+
+    work = tmp_path / "checkout"
+    (work / "runs" / "x").mkdir(parents=True)
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    monkeypatch.setenv("HLM_WORK_DIR", str(work))
+    monkeypatch.chdir(copy)
+    assert resolve_input("runs/x") == work / "runs" / "x"
+    (copy / "runs" / "x").mkdir(parents=True)
+    assert resolve_input("runs/x") == Path("runs/x")  # the current folder first
+    assert resolve_input("runs/none") == Path("runs/none")  # neither: as given, for its error
