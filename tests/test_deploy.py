@@ -92,11 +92,32 @@ def _serve_config_v2() -> dict:
 # ----------------------------------------------------------------------------- inventory
 
 
+BOX = ("box/box.py", "box/scenarios.py", "box/view.py", "box/load.py")
+"""The cluster in a box: run by tests/test_cluster_box.py (two scenarios) and loaded here."""
+
+
 def test_every_file_in_deploy_is_checked_here():
-    files = {str(p.relative_to(DEPLOY)) for p in DEPLOY.rglob("*") if p.is_file()}
-    assert files == {"README.md", "serve.yaml", *MANIFESTS}, (
+    files = {
+        str(p.relative_to(DEPLOY))
+        for p in DEPLOY.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+    assert files == {"README.md", "serve.yaml", *MANIFESTS, *BOX}, (
         "a new file in deploy/ needs a check in tests/test_deploy.py"
     )
+
+
+def test_the_box_scripts_load_and_name_their_scenarios(monkeypatch):
+    """Every script of deploy/box imports, has its entry point, and the scenarios the docs
+    table names are the ones `scenarios.py --only` accepts."""
+    monkeypatch.syspath_prepend(str(DEPLOY / "box"))
+    modules = {rel: importlib.import_module(rel.split("/")[1].removesuffix(".py")) for rel in BOX}
+    for rel, module in modules.items():
+        assert callable(module.main), rel
+    scenarios = modules["box/scenarios.py"]
+    table = re.findall(r"^\| ([\w, -]+) \|", scenarios.__doc__, re.M)[1:]  # not the header
+    named = {n.strip() for row in table for n in row.split(",")}
+    assert named == set(scenarios.SCENARIOS), named
 
 
 # ----------------------------------------------------------------------------- serve.yaml
@@ -254,6 +275,7 @@ def test_readme_commands_and_references():
         "mlflow server --backend-store-uri postgresql+psycopg2://",  # SQLAlchemy 2.1: psycopg 3 else
         "--artifacts-destination s3://",
         "--host 0.0.0.0",
+        "--allowed-hosts 'mlflow.mlflow.svc.cluster.local:5000",  # else every pod gets 403
         "RAY_AUTH_MODE=token ray job submit",
         "python sweeps/vocab.py --preset paper",
         "kubectl apply -f deploy/kuberay/rayservice.yaml",

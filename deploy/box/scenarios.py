@@ -1,0 +1,392 @@
+"""The cluster box's scenarios: what a user does on a cluster, submitted from the client namespace
+as `ray job submit`, and checked from there through MLflow and the Job API alone.
+
+    python deploy/box/scenarios.py                  # up, every scenario, down: a table of findings
+    python deploy/box/scenarios.py --only train-s3 partition --keep     # some; keep the box up
+    python deploy/box/scenarios.py --reuse --only serve      # on the box `box.py up` started
+
+| scenario | what it runs | what must hold |
+|---|---|---|
+| train-shared, train-s3 | `hlm train --num-workers 2`, run storage on the shared volume / in S3 | one worker on each worker node (the run's `worker_nodes` tag), every step in MLflow, the model logged; no worker node prepared the corpus itself |
+| sweep-shared, sweep-s3 | `python sweeps/vocab.py --preset tiny` from a folder on the shared volume / with `--storage-path s3://...` | the parent and its 6 children FINISHED in MLflow with scores and figures; resubmitted, the S3 sweep resumes (no trial runs again) |
+| registry | `hlm finetune --task clm --register` on the cluster, then `hlm generate --model models:/...` on the client | the registered model loads on the client, through the tracking server |
+| partition | a one-trial sweep (S3); its rank 0's node cut off (link down) after its first checkpoint | the node declared dead; the trial finishes on the other node, one child run whose loss at every step equals an undisturbed run's; the node rejoins |
+| tracking-outage | `hlm train` whose rank 0's node cannot reach the tracking server for 60 s | the run goes on; MLflow has every logged step at the end |
+| serve | `hlm serve` with 2 replicas (one per worker node) and an API key, asked from the client through the head; one replica's node cut off | every request answered; how long the requests in flight at the cut waited |
+
+Each scenario is a function of the box that raises `AssertionError` naming what did not hold
+and returns its figures; `tests/test_cluster_box.py` runs two of them in `make test`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from box import (  # noqa: E402
+    CHECKOUT,
+    HEAD_CLIENT_IP,
+    PORTS,
+    RUN_BUCKET,
+    SHARED,
+    WORKERS,
+    Box,
+    missing,
+)
+
+EXPERIMENT = "hlm_ray"  # `hlm train`'s
+SWEEP_EXPERIMENT = "hlm_ray-sweeps"  # every sweep's (SweepSpec.experiment)
+TRAIN = ["hlm", "train", "--preset", "tiny-decoder", "--set", "run.log_every=1"]
+VOCAB_SWEEP = ["python", "sweeps/vocab.py", "--preset", "tiny"]
+# The partition's sweep: the batch-size preset cut to one trial of one worker, a checkpoint
+# every 8 of 48 steps (tests/multinode_scenario.py's, on one worker: it restarts on the node left).
+CUT_VALUE, CUT_OBJECTIVE, CUT_STEPS, CUT_EVERY = 8, "vanilla", 48, 8
+CUT_SETTINGS = [
+    f"sweep.values=[{CUT_VALUE}]",
+    f"sweep.objectives=[{CUT_OBJECTIVE}]",
+    "sweep.workers_per_trial=1",
+    "sweep.max_failures=2",
+    f"optim.max_steps={CUT_STEPS}",
+    f"run.checkpoint_every={CUT_EVERY}",
+    f"run.eval_every={CUT_STEPS}",
+    "run.log_every=1",
+    "tokenizer.train_sample_bytes=300000",
+]
+S3_RUNS = f"s3://{RUN_BUCKET}/runs"
+TAG = time.strftime("%H%M%S")
+"""In every run, sweep and job name: scenarios run again on a box that is up (`--reuse`) make
+new ones (Ray refuses a job id twice; `hlm train` an output folder that exists)."""
+S3_SWEEPS = f"s3://{RUN_BUCKET}/sweeps"
+
+
+# ------------------------------------------------------------------------ the client's tools
+
+
+def submit(box: Box, argv: list[str], *, job: str, env: dict | None = None,
+           wait: bool = True, timeout: float = 900) -> str:  # fmt: skip
+    """`RAY_AUTH_MODE=token ray job submit --working-dir . -- argv` from the client; the job's
+    output (waited for), or "" (`wait` False: poll it with `status` and `logs`)."""
+    cmd = ["ray", "job", "submit", "--submission-id", job, "--working-dir", "."]
+    if env:
+        cmd += ["--runtime-env-json", json.dumps({"env_vars": env})]
+    if not wait:
+        cmd.append("--no-wait")
+    done = box.client([*cmd, "--", *argv], timeout=timeout)
+    if wait:
+        state = status(box, job)
+        assert state == "SUCCEEDED", f"job {job} ({' '.join(argv)}) {state}: {done.stdout[-3000:]}"
+    return done.stdout
+
+
+def job_state(box: Box, job: str) -> dict:
+    """{"status": PENDING | RUNNING | SUCCEEDED | FAILED | STOPPED, "logs": ...} from the Job API."""
+    return view(box, "job", job)
+
+
+def status(box: Box, job: str) -> str:
+    return job_state(box, job)["status"]
+
+
+def logs(box: Box, job: str) -> str:
+    return job_state(box, job)["logs"]
+
+
+def wait_job(box: Box, job: str, timeout: float = 900) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = status(box, job)
+        if state in ("SUCCEEDED", "FAILED", "STOPPED"):
+            return state
+        time.sleep(2)
+    raise AssertionError(f"job {job} still {state} after {timeout:.0f} s")
+
+
+def wait_log(box: Box, job: str, pattern: str, timeout: float = 600) -> re.Match:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = job_state(box, job)
+        found = re.search(pattern, state["logs"])
+        if found:
+            return found
+        assert state["status"] not in ("FAILED", "STOPPED"), state["logs"][-3000:]
+        time.sleep(1)
+    raise AssertionError(f"job {job}: no {pattern!r} after {timeout:.0f} s")
+
+
+def view(box: Box, *args: str):
+    """deploy/box/view.py from the client: what MLflow holds."""
+    done = box.client(["python", "deploy/box/view.py", *args], timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def one_run(box: Box, name: str) -> dict:
+    found = view(box, "run", EXPERIMENT, name)
+    assert len(found) == 1, f"{len(found)} MLflow runs named {name}"
+    return found[0]
+
+
+def worker_ips(box: Box) -> set[str]:
+    return {box.nodes[name].ip for name in WORKERS}
+
+
+def node_of(box: Box, ip: str) -> str:
+    return next(name for name, node in box.nodes.items() if node.ip == ip)
+
+
+def prepared_on_node(box: Box, name: str) -> list[str]:
+    """The prepared corpora a node made in its own cache (not copies fetched from storage)."""
+    done = box.run(name, ["sh", "-c", "ls $HOME/.cache/hlm_ray/prepared 2>/dev/null || true"])
+    return [n for n in done.stdout.split() if n != "fetched"]
+
+
+def complete_steps(run: dict, key: str, steps: int) -> None:
+    got = run["steps"].get(key, [])
+    assert got == list(range(1, steps + 1)), f"{run['name']}: {key} at {len(got)} of {steps} steps"
+
+
+# ------------------------------------------------------------------------ scenarios
+
+
+def train(box: Box, storage: str) -> dict:
+    """`hlm train --num-workers 2`: a worker on each worker node, the run whole in MLflow."""
+    name = f"box-train-{storage}-{TAG}"
+    where = (["--output", f"{SHARED}/runs/{name}"] if storage == "shared"
+             else ["--output", f"runs/{name}", "--storage-path", S3_RUNS])  # fmt: skip
+    started = time.perf_counter()
+    submit(box, [*TRAIN, "--num-workers", "2", *where, "--set", "optim.max_steps=20",
+                 "--set", "run.checkpoint_every=10"], job=name)  # fmt: skip
+    seconds = time.perf_counter() - started
+    run = one_run(box, name)
+    assert run["status"] == "FINISHED", run["status"]
+    nodes = run["tags"].get("worker_nodes", "").split(",")
+    assert sorted(nodes) == sorted(worker_ips(box)), f"workers on {nodes}, not one per node"
+    complete_steps(run, "train/loss", 20)
+    assert {"model", "config.yaml"} <= set(run["artifacts"]), run["artifacts"]
+    opened = run["tags"]["data.prepared"]  # the driver's corpus, published in the storage
+    assert opened.startswith(f"{SHARED}/runs/_prepared/" if storage == "shared"
+                             else f"{S3_RUNS}/_prepared/"), opened  # fmt: skip
+    rebuilt = {n: opened.rsplit("/", 1)[-1] in prepared_on_node(box, n) for n in WORKERS}
+    assert not any(rebuilt.values()), f"worker nodes prepared the corpus again: {rebuilt}"
+    return {"job_s": round(seconds), "worker_nodes": ",".join(nodes), "corpus": opened}
+
+
+def sweep(box: Box, storage: str) -> dict:
+    """The tiny vocabulary sweep, its parent and six children whole in MLflow; on S3, a second
+    submission resumes it."""
+    name = f"vocab-box-{storage}-{TAG}"
+    argv = [*VOCAB_SWEEP, "--name", name]
+    env = None
+    if storage == "shared":  # the sweep's folder on the volume every node mounts
+        env = {"HLM_WORK_DIR": f"{SHARED}/hlm"}
+    else:
+        argv += ["--storage-path", S3_SWEEPS]
+    started = time.perf_counter()
+    submit(box, argv, job=name, env=env)
+    seconds = time.perf_counter() - started
+    runs = view(box, "sweep", SWEEP_EXPERIMENT, name)
+    parents = [r for r in runs if r["tags"].get("sweep_role") == "parent"]
+    children = [r for r in runs if r["tags"].get("sweep_role") != "parent"]
+    assert len(parents) == 1 and len(children) == 6, (len(parents), len(children))
+    assert parents[0]["status"] == "FINISHED", parents[0]["status"]
+    assert {"summary.csv", "report.md"} <= set(parents[0]["artifacts"]), parents[0]["artifacts"]
+    assert any(a.endswith(".png") for a in parents[0]["artifacts"]), parents[0]["artifacts"]
+    for child in children:
+        assert child["status"] == "FINISHED", (child["name"], child["status"])
+        assert "downstream/score" in child["metrics"] and "model" in child["artifacts"], child
+        assert set(child["tags"]["worker_nodes"].split(",")) <= worker_ips(box), child["tags"]
+    out = {"job_s": round(seconds)}
+    if storage == "s3":
+        started = time.perf_counter()
+        again = submit(box, argv, job=f"{name}-again")
+        out["resubmitted_s"] = round(time.perf_counter() - started)
+        assert f"sweep {name}: resuming 6 trial(s)" in again, again[-2000:]
+        assert len(view(box, "sweep", SWEEP_EXPERIMENT, name)) == 7  # no trial ran again
+    return out
+
+
+def registry(box: Box) -> dict:
+    """A generator fine-tuned and registered on the cluster loads on the client."""
+    out = submit(box, ["hlm", "finetune", "--task", "clm", "--model", f"runs/box-train-s3-{TAG}",
+                       "--register", "hlm-box-generator", "--eval-limit", "20",
+                       "--storage-path", S3_RUNS], job=f"box-registry-{TAG}")  # fmt: skip
+    version = re.search(r"registered hlm-box-generator version (\d+)", out).group(1)
+    model = f"models:/hlm-box-generator/{version}"
+    done = box.client(["hlm", "generate", "--model", model, "--max-tokens", "8",
+                       "The history of"], timeout=300)  # fmt: skip
+    assert done.returncode == 0 and "The history of" in done.stdout, done.stderr[-2000:]
+    box.generator = model  # what `serve` serves
+    return {"model": model, "generated": done.stdout.strip().splitlines()[0][:60]}
+
+
+def partition(box: Box) -> dict:
+    """A sweep trial's node cut off mid-run: Ray declares it dead, the trial continues from its
+    last checkpoint on the other node, its losses those of an undisturbed run."""
+    name = f"box-cut-{TAG}"
+    argv = ["python", "sweeps/batch_size.py", "--preset", "tiny", "--name", name,
+            "--storage-path", S3_SWEEPS]  # fmt: skip
+    argv += [a for item in CUT_SETTINGS for a in ("--set", item)]
+    submit(box, argv, job=name, wait=False)
+    rank0 = wait_log(box, name, r"workers on nodes: rank 0 (\S+)").group(1)
+    wait_log(box, name, rf"checkpoint_{CUT_EVERY:08d}")
+    lost = node_of(box, rank0)
+    box.cut(lost)
+    cut_at = time.monotonic()
+    try:
+        while any(n["NodeManagerAddress"] == rank0 for n in box.alive_nodes()):
+            assert time.monotonic() - cut_at < 180, f"{rank0} still alive 180 s after its cut"
+            time.sleep(1)
+        declared_dead_s = time.monotonic() - cut_at
+        state = wait_job(box, name)
+        finished_s = time.monotonic() - cut_at
+    finally:  # the node back, whatever happened: the next scenario needs it
+        box.mend(lost)
+        box.rejoin(lost, 1 + len(WORKERS))
+    assert state == "SUCCEEDED", logs(box, name)[-3000:]
+    runs = view(box, "sweep", SWEEP_EXPERIMENT, name)
+    (child,) = [r for r in runs if r["tags"].get("sweep_role") != "parent"]
+    assert child["status"] == "FINISHED", child["status"]
+    now_on = child["tags"]["worker_nodes"]
+    assert now_on != rank0 and now_on in worker_ips(box), (rank0, now_on)
+    history = {int(k): v for k, v in view(box, "history", child["run_id"], "train/loss").items()}
+    expected = undisturbed_losses()
+    assert sorted(history) == sorted(expected), (sorted(history), sorted(expected))
+    worst = max(abs(history[s] - expected[s]) / abs(expected[s]) for s in expected)
+    assert worst < 1e-4, f"losses differ from an undisturbed run's by up to {worst:.2e}"
+    return {"cut_node": rank0, "declared_dead_s": round(declared_dead_s),
+            "job_ended_after_cut_s": round(finished_s), "continued_on": now_on,
+            "max_rel_loss_diff": f"{worst:.1e}"}  # fmt: skip
+
+
+def undisturbed_losses() -> dict[int, float]:
+    """The partition trial's losses in one process, here: the reference."""
+    import importlib.util
+    import tempfile
+
+    from hlm_ray.config import apply_overrides
+    from hlm_ray.tracking import read_metrics
+    from hlm_ray.train.loop import train_worker
+    from hlm_ray.tune.spec import get_sweep
+
+    path = CHECKOUT / "sweeps" / "batch_size.py"
+    module_spec = importlib.util.spec_from_file_location("sweep_batch_size", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    cell = get_sweep(module.PRESETS, "tiny", CUT_SETTINGS).cell_config(CUT_VALUE, CUT_OBJECTIVE, 0)
+    with tempfile.TemporaryDirectory() as out:
+        train_worker(apply_overrides(cell, {"run.output_dir": out}).to_dict(), progress=False)
+        return {r["step"]: r["train/loss"] for r in read_metrics(Path(out)) if "train/loss" in r}
+
+
+def tracking_outage(box: Box, outage_s: float = 60) -> dict:
+    """Rank 0's node cannot reach the tracking server for a minute (its packets dropped):
+    training goes on, and MLflow ends with every logged step."""
+    name, steps = f"box-outage-{TAG}", 400
+    submit(box, [*TRAIN, "--num-workers", "1", "--output", f"runs/{name}", "--storage-path",
+                 S3_RUNS, "--set", f"optim.max_steps={steps}", "--set", "run.log_every=5",
+                 "--set", "run.checkpoint_every=100"], job=name, wait=False)  # fmt: skip
+    rank0 = wait_log(box, name, r"workers on nodes: rank 0 (\S+)").group(1)
+    rule = box.drop_port_to(node_of(box, rank0), PORTS["mlflow"])
+    try:
+        time.sleep(outage_s)
+    finally:
+        box.restore(rule)
+    assert wait_job(box, name) == "SUCCEEDED", logs(box, name)[-3000:]
+    said = logs(box, name)
+    assert "MLflow tracking is off for the rest of this run" in said, "the outage was not felt"
+    replayed = re.search(r"MLflow: replayed (\d+) metric point", said)
+    assert replayed, "the driver replayed nothing at the end of the run"
+    run = one_run(box, name)
+    got = run["steps"].get("train/loss", [])
+    assert got == list(range(5, steps + 1, 5)), f"train/loss at {len(got)} of {steps // 5} steps"
+    return {"outage_s": outage_s, "rank0": rank0, "logged_steps": len(got),
+            "replayed_points": int(replayed.group(1))}  # fmt: skip
+
+
+def serve(box: Box, seconds: float = 60) -> dict:
+    """Two replicas answer the client through the head, with the API key; one replica's node
+    cut off while a request goes out every 0.5 s."""
+    job = f"box-serve-{TAG}"
+    model = getattr(box, "generator", "models:/hlm-box-generator/1")  # the registry scenario's
+    submit(box, ["hlm", "serve", "--model", model, "--host", "0.0.0.0", "--replicas", "2"],
+           job=job, env={"HLM_API_KEY": "box-key"}, wait=False)  # fmt: skip
+    wait_log(box, job, r"serving hlm-box-generator/")
+    url = f"http://{HEAD_CLIENT_IP}:{PORTS['serve']}"
+    probe = box.client(["python", "deploy/box/load.py", url, "box-key", "0"], timeout=120)
+    assert json.loads(probe.stdout.strip().splitlines()[-1])["unauthorized"] == 401, probe.stdout
+    load = box.client_background(["python", "deploy/box/load.py", url, "box-key", str(seconds)])
+    time.sleep(8)
+    box.cut("w1")
+    try:
+        out, _ = load.communicate(timeout=seconds + 120)
+    finally:
+        box.client(["ray", "job", "stop", job])
+        box.mend("w1")
+        box.rejoin("w1", 1 + len(WORKERS))
+    result = json.loads(out.strip().splitlines()[-1])
+    failed = [r for r in result["requests"] if r[1] != 200]
+    assert not failed, f"{len(failed)} of {len(result['requests'])} requests failed: {failed[:5]}"
+    slowest = max(r[2] for r in result["requests"])
+    return {"requests": len(result["requests"]), "failed": 0, "slowest_s": slowest}
+
+
+SCENARIOS: dict[str, Callable[[Box], dict]] = {
+    "train-shared": lambda box: train(box, "shared"),
+    "train-s3": lambda box: train(box, "s3"),
+    "sweep-shared": lambda box: sweep(box, "shared"),
+    "sweep-s3": lambda box: sweep(box, "s3"),
+    "registry": registry,
+    "partition": partition,
+    "tracking-outage": tracking_outage,
+    "serve": serve,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="the cluster box's scenarios")
+    parser.add_argument("--only", nargs="+", choices=list(SCENARIOS), help="run these only")
+    parser.add_argument("--keep", action="store_true", help="leave the box up afterwards")
+    parser.add_argument(
+        "--reuse", action="store_true", help="run on the box that is up (box.py up) and keep it"
+    )
+    parser.add_argument("--root", default="/var/tmp/hlm-box", help="the box's folder")
+    args = parser.parse_args(argv)
+    reason = missing()
+    if reason:
+        print(f"error: {reason}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    box = Box.load(Path(args.root)) if args.reuse else Box(Path(args.root)).up()
+    args.keep = args.keep or args.reuse
+    results, failed = [], 0
+    try:
+        for name in args.only or SCENARIOS:
+            t0 = time.perf_counter()
+            try:
+                figures, verdict = SCENARIOS[name](box), "PASS"
+            except Exception as err:  # an assertion, or the scenario's own failure
+                figures, verdict = {"why": f"{type(err).__name__}: {str(err)[:500]}"}, "FAIL"
+                failed += 1
+            results.append((name, verdict, time.perf_counter() - t0, figures))
+            print(f"{name}: {verdict} in {results[-1][2]:.0f} s {json.dumps(figures)}", flush=True)
+    finally:
+        if not args.keep:
+            box.down()
+    total = time.perf_counter() - started
+    print("\n| scenario | result | seconds | figures |\n|---|---|---|---|")
+    for name, verdict, seconds, figures in results:
+        shown = ", ".join(f"{k} {v}" for k, v in figures.items())
+        print(f"| {name} | {verdict} | {seconds:.0f} | {shown} |")
+    print(f"\nbox up, {len(results)} scenario(s){'' if args.keep else ', down'}: {total:.0f} s")
+    (Path(args.root) / "report.json").write_text(json.dumps(results, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

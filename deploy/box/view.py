@@ -1,0 +1,71 @@
+"""What MLflow holds of a run or a sweep, as one JSON line: what the cluster box's scenarios
+check from the client, through the tracking server alone (MLFLOW_TRACKING_URI).
+
+    python deploy/box/view.py run hlm_ray box-train-s3        # status, tags, metric steps, files
+    python deploy/box/view.py sweep hlm-vocab vocab-tiny       # the parent and its children
+    python deploy/box/view.py history RUN_ID train/loss        # {step: value}
+    python deploy/box/view.py job SUBMISSION_ID                # {"status": ..., "logs": ...}
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _client():
+    from mlflow import MlflowClient
+
+    return MlflowClient()
+
+
+def describe(run, client) -> dict:
+    """A run's status, tags, the steps of each metric, and its top-level artifacts."""
+    steps = {}
+    for key in run.data.metrics:
+        steps[key] = sorted({m.step for m in client.get_metric_history(run.info.run_id, key)})
+    return {
+        "run_id": run.info.run_id,
+        "name": run.info.run_name,
+        "status": run.info.status,
+        "tags": {k: v for k, v in run.data.tags.items() if not k.startswith("mlflow.note")},
+        "metrics": run.data.metrics,
+        "steps": steps,
+        "artifacts": sorted(a.path for a in client.list_artifacts(run.info.run_id)),
+    }
+
+
+def runs(experiment: str, where: str) -> list:
+    client = _client()
+    found = client.get_experiment_by_name(experiment)
+    if found is None:
+        return []
+    return client.search_runs([found.experiment_id], where, max_results=1000)
+
+
+def main(argv: list[str]) -> int:
+    what, *rest = argv
+    client = _client()
+    if what == "run":
+        experiment, name = rest
+        out = [describe(r, client) for r in runs(experiment, f"attributes.run_name = '{name}'")]
+    elif what == "sweep":
+        experiment, sweep = rest
+        out = [describe(r, client) for r in runs(experiment, f"tags.sweep = '{sweep}'")]
+    elif what == "job":  # the Job API at RAY_ADDRESS, with the token in the environment
+        from ray.job_submission import JobSubmissionClient
+
+        jobs = JobSubmissionClient()
+        (job,) = rest
+        out = {"status": str(jobs.get_job_status(job).value), "logs": jobs.get_job_logs(job)}
+    elif what == "history":
+        run_id, key = rest
+        out = {m.step: m.value for m in client.get_metric_history(run_id, key)}
+    else:
+        raise SystemExit(f"unknown view {what!r}: run, sweep, history or job")
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
