@@ -276,3 +276,24 @@ def test_an_input_is_found_where_outputs_went(tmp_path, monkeypatch):
     (copy / "runs" / "x").mkdir(parents=True)
     assert resolve_input("runs/x") == Path("runs/x")  # the current folder first
     assert resolve_input("runs/none") == Path("runs/none")  # neither: as given, for its error
+
+
+def test_artifacts_come_through_the_tracking_server_unless_the_user_says(monkeypatch):
+    """A server over S3 offers presigned URLs of its own endpoint, which a client outside the
+    cluster's network retries for minutes: hlm's clients keep to the proxy by default."""
+    from hlm_ray.tracking.store import bound_http_waits
+
+    monkeypatch.delenv("MLFLOW_ENABLE_PROXY_MULTIPART_DOWNLOAD", raising=False)
+    monkeypatch.setenv("MLFLOW_ENABLE_PROXY_MULTIPART_UPLOAD", "true")  # the user's choice
+    bound_http_waits()
+    import os
+
+    assert os.environ["MLFLOW_ENABLE_PROXY_MULTIPART_DOWNLOAD"] == "false"
+    assert os.environ["MLFLOW_ENABLE_PROXY_MULTIPART_UPLOAD"] == "true"
+
+
+def test_a_prepared_uri_reaches_the_workers_as_given():
+    from hlm_ray.train.launch import absolute
+
+    assert absolute("s3://bucket/runs/_prepared/x") == "s3://bucket/runs/_prepared/x"
+    assert absolute("runs/p") == str(Path("runs/p").resolve())

@@ -35,10 +35,12 @@ def box():
     # Not under pytest's folder: PostgreSQL runs as an unprivileged user that root's 0700
     # temporary folders shut out.
     root = Path(tempfile.mkdtemp(prefix="hlm-box-", dir="/var/tmp"))
-    up = box_mod.Box(root, prefix=PREFIX).up()
-    yield up
-    up.down()
-    shutil.rmtree(root, ignore_errors=True)
+    try:
+        up = box_mod.Box(root, prefix=PREFIX).up()
+        yield up
+        up.down()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def test_two_train_workers_land_on_two_nodes_with_the_run_in_s3(box):
@@ -57,4 +59,4 @@ def test_the_box_leaves_no_namespace_link_or_process_behind(box):
     pods = [box.nodes[name].pod for name in ("head", *box_mod.WORKERS)]
     box.down()
     assert box_mod.leftovers(PREFIX) == [] and box_mod.links(PREFIX) == []
-    assert not [pid for pid in pods if Path(f"/proc/{pid}").exists()]
+    assert not [pid for pid in pods if box_mod.running(pid)]

@@ -372,9 +372,13 @@ class Box:
         folder = self.root / "pg"
         folder.mkdir()
         os.chown(folder, user["user"], user["group"])
-        subprocess.run([pgbin / "initdb", "-D", folder / "data", "-U", "mlflow", "--auth=trust",
-                        "-E", "UTF8", "--no-sync"], cwd=folder, check=True,
-                       capture_output=True, **user)  # fmt: skip
+        # The database's user must get through the box's folder (mkdtemp makes it 0700).
+        self.root.chmod(self.root.stat().st_mode | 0o711)
+        done = subprocess.run([pgbin / "initdb", "-D", folder / "data", "-U", "mlflow",
+                               "--auth=trust", "-E", "UTF8", "--no-sync"], cwd=folder,
+                              capture_output=True, text=True, **user)  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"initdb failed: {done.stderr.strip()[-500:]}")
         # runuser after `ip netns exec`: entering the namespace needs root.
         self.spawn("head", ["runuser", "-u", name, "--", str(pgbin / "postgres"),
                             "-D", str(folder / "data"), "-h", "127.0.0.1",
@@ -534,6 +538,16 @@ def teardown(prefix: str = PREFIX) -> None:
         subprocess.run(["ip", "netns", "del", netns], capture_output=True)
     for name in links(prefix):
         subprocess.run(["ip", "link", "del", name], capture_output=True)
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` runs (exists, and is not a zombie waiting for its parent to read
+    its exit status: it holds no namespace, mount or memory any more)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in status
 
 
 def leftovers(prefix: str = PREFIX) -> list[str]:
