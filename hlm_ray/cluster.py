@@ -38,32 +38,39 @@ def alive_nodes() -> list[dict]:
     return [n for n in ray.nodes() if n.get("Alive")]
 
 
-def check_tracking(uri: str, num_nodes: int) -> None:
-    """On several nodes, MLflow must be a server they all reach: a sqlite file (the embedded
+def machines(nodes: list[dict]) -> int:
+    """How many machines `nodes` (`alive_nodes()` entries) run on: nodes of one address share
+    its disk, home folder and loopback (several raylets on one host, as tests/test_multinode.py
+    starts them), nodes of different addresses share nothing but what is served or mounted."""
+    return len({n.get("NodeManagerAddress") for n in nodes}) or 1
+
+
+def check_tracking(uri: str, num_machines: int) -> None:
+    """On several machines, MLflow must be a server they all reach: a sqlite file (the embedded
     store, or the sweep's own server over it on loopback) exists on one machine only, and the
     runs of workers elsewhere would be written to files of their own nodes, never seen again."""
-    if num_nodes > 1 and not uri.startswith(("http://", "https://", "databricks")):
+    if num_machines > 1 and not uri.startswith(("http://", "https://", "databricks")):
         raise HLMError(
-            f"this Ray cluster has {num_nodes} nodes but MLflow's store is {uri}, which only "
-            "this machine sees; set MLFLOW_TRACKING_URI to a tracking server every node reaches "
-            "(http://HOST:5000; deploy/README.md shows one on PostgreSQL)"
+            f"this Ray cluster has nodes on {num_machines} machines but MLflow's store is {uri}, "
+            "which only this machine sees; set MLFLOW_TRACKING_URI to a tracking server every "
+            "node reaches (http://HOST:5000; deploy/README.md shows one on PostgreSQL)"
         )
 
 
-def publish_root(storage: str, num_nodes: int) -> str | None:
+def publish_root(storage: str, num_machines: int) -> str | None:
     """Where prepared folders are published for the workers (`storage`: the run storage, a path
     or URI), or None when the workers open the driver's own: on one machine with local storage,
     or when the user named a shared cache (`HLM_CACHE_DIR`)."""
-    if (num_nodes <= 1 and "://" not in storage) or os.environ.get(CACHE_ENV):
+    if (num_machines <= 1 and "://" not in storage) or os.environ.get(CACHE_ENV):
         return None
     return f"{storage.rstrip('/')}/{PREPARED_DIR}"
 
 
-def prepared_location(prepared, storage: str, num_nodes: int) -> str:
+def prepared_location(prepared, storage: str, num_machines: int) -> str:
     """The prepared folder the workers open (`prepared`: the driver's, in its cache): that one
     (`publish_root` None), else its copy in the run storage (the storage path, or the run
     folder's parent)."""
-    root = publish_root(storage, num_nodes)
+    root = publish_root(storage, num_machines)
     if root is None or "://" in prepared.uri:
         return prepared.uri
     return publish_prepared(prepared, root)

@@ -182,11 +182,20 @@ def test_a_prepared_folder_missing_on_this_node_says_what_to_share(tmp_path):
 # ------------------------------------------------------------------------ tracking, sweeps
 
 
-def test_several_nodes_need_a_tracking_server_they_all_reach():
+def test_several_machines_need_a_tracking_server_they_all_reach():
     cluster.check_tracking("sqlite:////home/me/mlflow.db", 1)
     cluster.check_tracking("http://mlflow:5000", 3)
-    with pytest.raises(HLMError, match="3 nodes but MLflow's store is sqlite.*MLFLOW_TRACKING_URI"):
+    with pytest.raises(HLMError, match="3 machines but MLflow's store is sqlite.*MLFLOW_TRACKING"):
         cluster.check_tracking("sqlite:////home/me/mlflow.db", 3)
+
+
+def test_nodes_of_one_address_are_one_machine():
+    """Several raylets on one host (tests/test_multinode.py) share its disk and loopback: the
+    embedded store and the driver's cache serve them all."""
+    node = {"Alive": True, "NodeManagerAddress": "192.0.2.2"}
+    assert cluster.machines([node, dict(node)]) == 1
+    assert cluster.machines([node, {**node, "NodeManagerAddress": "198.18.0.11"}]) == 2
+    assert cluster.machines([]) == 1
 
 
 def test_a_sweep_keeps_its_state_and_trials_in_the_storage(s3, tmp_path):

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# Folders whose scripts the tests import as modules (by sys.path): not third-party packages.
+LOCAL = ("tests", "deploy/box")
 # Imported only inside a function, behind a check, and declared in an extra: (extra, why).
 OPTIONAL = {
     "xformers": ("gpu", "CUDA only: the xformers attention backend and make gpu-check"),
@@ -77,8 +79,8 @@ def third_party(folders: list[str]) -> dict[str, dict[str, bool]]:
             for module, eager in imports(path).items():
                 if module in sys.stdlib_module_names or module in ("hlm_ray", "__future__"):
                     continue
-                if folder == "tests" and (ROOT / "tests" / f"{module}.py").exists():
-                    continue  # a helper module of the tests
+                if folder == "tests" and any((ROOT / f / f"{module}.py").exists() for f in LOCAL):
+                    continue  # a helper module of the tests, or the box's scripts they drive
                 out.setdefault(module, {})[str(path.relative_to(ROOT))] = eager
     return out
 

@@ -259,6 +259,7 @@ def test_ctrl_c_between_the_mlflow_run_and_fit_marks_it_killed(
 
     monkeypatch.setattr(launch_mod, "connect", lambda: None)
     monkeypatch.setattr(launch_mod, "check_resources", lambda *a, **k: None)
+    monkeypatch.setattr(launch_mod, "alive_nodes", lambda: [{"Alive": True}])  # one node
     monkeypatch.setattr("ray.cluster_resources", lambda: {"CPU": 2.0})
     if where == "building the trainer":
         monkeypatch.setattr(interrupt, "trainer_class", ctrl_c)

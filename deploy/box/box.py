@@ -525,6 +525,7 @@ class Box:
 
 def teardown(prefix: str = PREFIX) -> None:
     """Remove whatever a box left on this machine (by the names it uses)."""
+    killed: set[int] = set()
     for netns in leftovers(prefix):
         for _ in range(3):
             out = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True)
@@ -534,10 +535,17 @@ def teardown(prefix: str = PREFIX) -> None:
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+            killed.update(pids)
             time.sleep(0.5)
         subprocess.run(["ip", "netns", "del", netns], capture_output=True)
     for name in links(prefix):
         subprocess.run(["ip", "link", "del", name], capture_output=True)
+    # A killed process leaves its namespaces (and `ip netns pids`) first and exits a little
+    # later (its memory unmapped, its files closed): wait for that, so that `down` returning
+    # means nothing of the box runs.
+    deadline = time.monotonic() + 30
+    while any(running(pid) for pid in killed) and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def running(pid: int) -> bool:

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hlm_ray.cluster import alive_nodes, check_tracking, prepared_location
+from hlm_ray.cluster import alive_nodes, check_tracking, machines, prepared_location
 from hlm_ray.config import Config, apply_overrides
 from hlm_ray.errors import HLMError, one_line
 from hlm_ray.paths import CACHE_ENV
@@ -373,8 +373,8 @@ def launch(
     # tracking server and the prepared corpus they all reach (`hlm_ray.cluster`).
     from hlm_ray.tracking import default_tracking_uri
 
-    nodes = len(alive_nodes())
-    check_tracking(default_tracking_uri(), nodes)
+    num_machines = machines(alive_nodes())
+    check_tracking(default_tracking_uri(), num_machines)
     cfg = apply_overrides(
         cfg,
         {
@@ -384,7 +384,7 @@ def launch(
             ],
             "data.prepared": absolute(cfg.data.prepared)
             if cfg.data.prepared
-            else prepared_location(build_prepared(cfg), storage, nodes),
+            else prepared_location(build_prepared(cfg), storage, num_machines),
         },
     )
     tracker, tracking = open_mlflow_run(

@@ -140,7 +140,7 @@ def run_sweep(
 ) -> SweepOutcome:
     """`storage_path`: where Tune's state and the trials go (`tune.storage`; default the
     sweep's folder)."""
-    from hlm_ray.cluster import alive_nodes, check_tracking, publish_root
+    from hlm_ray.cluster import alive_nodes, check_tracking, machines, publish_root
     from hlm_ray.train.launch import connect
 
     started = time.perf_counter()
@@ -163,13 +163,13 @@ def run_sweep(
         phases["ray_start"] = time.perf_counter() - t0
         from hlm_ray.tracking import default_tracking_uri
 
-        nodes = [n["Resources"] for n in alive_nodes()]
-        check_tracking(default_tracking_uri(), len(nodes))
-        ready["concurrency"] = plan_concurrency(spec, num_trials, nodes)
+        alive = alive_nodes()
+        check_tracking(default_tracking_uri(), machines(alive))
+        ready["concurrency"] = plan_concurrency(spec, num_trials, [n["Resources"] for n in alive])
         ready["real_vocab"], ready["prepared"] = prepare_inputs(
             spec,
             spec.values[:1] if search else None,
-            publish=publish_root(store.tune_path, len(nodes)),
+            publish=publish_root(store.tune_path, machines(alive)),
         )
         phases["ray_and_inputs"] = time.perf_counter() - t0
 
