@@ -452,7 +452,11 @@ class Box:
                         env={"RAY_ADDRESS": f"{HEAD_IP}:{PORTS['gcs']}"})  # fmt: skip
         if done.returncode != 0:
             return []
-        return json.loads(done.stdout.strip().splitlines()[-1])
+        for line in reversed(done.stdout.strip().splitlines()):  # Ray may print after it
+            if line.startswith("["):
+                with contextlib.suppress(ValueError):
+                    return json.loads(line)
+        return []
 
     def wait_nodes(self, count: int, timeout_s: float = START_TIMEOUT_S) -> list[dict]:
         deadline = time.monotonic() + timeout_s
@@ -480,6 +484,8 @@ class Box:
                 f"error: a cluster box is already up on this machine (namespaces "
                 f"{self.prefix}-*): `python deploy/box/box.py down` first"
             )
+        if (self.root / "box.json").exists():  # an earlier box's folder: start from nothing
+            shutil.rmtree(self.root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.token = secrets.token_hex(16)
         self.data_dir = str(data_dir())

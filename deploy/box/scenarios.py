@@ -2,13 +2,14 @@
 as `ray job submit`, and checked from there through MLflow and the Job API alone.
 
     python deploy/box/scenarios.py                  # up, every scenario, down: a table of findings
+    python deploy/box/scenarios.py --full           # the S3 sweep with all three tiny sizes
     python deploy/box/scenarios.py --only train-s3 partition --keep     # some; keep the box up
     python deploy/box/scenarios.py --reuse --only serve      # on the box `box.py up` started
 
 | scenario | what it runs | what must hold |
 |---|---|---|
 | train-shared, train-s3 | `hlm train --num-workers 2`, run storage on the shared volume / in S3 | one worker on each worker node (the run's `worker_nodes` tag), every step in MLflow, the model logged; no worker node prepared the corpus itself |
-| sweep-shared, sweep-s3 | `python sweeps/vocab.py --preset tiny` from a folder on the shared volume / with `--storage-path s3://...` | the parent and its 6 children FINISHED in MLflow with scores and figures; resubmitted, the S3 sweep resumes (no trial runs again) |
+| sweep-shared, sweep-s3 | `python sweeps/vocab.py --preset tiny --set sweep.values=[1024]` (all three sizes on S3 with `--full`) from a folder on the shared volume / with `--storage-path s3://...` | the parent and its 2 children (6 with `--full`) FINISHED in MLflow with scores and figures, on worker nodes; resubmitted, the S3 sweep resumes (no trial runs again) |
 | registry | `hlm finetune --task clm --register` on the cluster, then `hlm generate --model models:/...` on the client | the registered model loads on the client, through the tracking server |
 | partition | a one-trial sweep (S3); its rank 0's node cut off (link down) after its first checkpoint | the node declared dead; the trial finishes on the other node, one child run whose loss at every step equals an undisturbed run's; the node rejoins |
 | tracking-outage | `hlm train` whose rank 0's node cannot reach the tracking server for 60 s | the run goes on; MLflow has every logged step at the end |
@@ -25,6 +26,7 @@ import json
 import re
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -40,6 +42,7 @@ from box import (  # noqa: E402
     missing,
 )
 
+ENDED = ("SUCCEEDED", "FAILED", "STOPPED")  # a job's final states
 EXPERIMENT = "hlm_ray"  # `hlm train`'s
 SWEEP_EXPERIMENT = "hlm_ray-sweeps"  # every sweep's (SweepSpec.experiment)
 TRAIN = ["hlm", "train", "--preset", "tiny-decoder", "--set", "run.log_every=1"]
@@ -63,6 +66,7 @@ TAG = time.strftime("%H%M%S")
 """In every run, sweep and job name: scenarios run again on a box that is up (`--reuse`) make
 new ones (Ray refuses a job id twice; `hlm train` an output folder that exists)."""
 S3_SWEEPS = f"s3://{RUN_BUCKET}/sweeps"
+FULL = False  # --full: the S3 sweep runs the whole tiny preset (six trials, not two)
 
 
 # ------------------------------------------------------------------------ the client's tools
@@ -98,32 +102,35 @@ def logs(box: Box, job: str) -> str:
 
 
 def wait_job(box: Box, job: str, timeout: float = 900) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state = status(box, job)
-        if state in ("SUCCEEDED", "FAILED", "STOPPED"):
-            return state
-        time.sleep(2)
-    raise AssertionError(f"job {job} still {state} after {timeout:.0f} s")
+    state = view(box, "wait", job, "", str(timeout), timeout=timeout + 120)
+    assert state["status"] in ENDED, f"job {job} still {state['status']} after {timeout:.0f} s"
+    return state["status"]
 
 
 def wait_log(box: Box, job: str, pattern: str, timeout: float = 600) -> re.Match:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state = job_state(box, job)
-        found = re.search(pattern, state["logs"])
-        if found:
-            return found
-        assert state["status"] not in ("FAILED", "STOPPED"), state["logs"][-3000:]
-        time.sleep(1)
+    state = view(box, "wait", job, pattern, str(timeout), timeout=timeout + 120)
+    found = re.search(pattern, state["logs"])
+    if found:
+        return found
+    assert state["status"] not in ENDED, state["logs"][-3000:]
     raise AssertionError(f"job {job}: no {pattern!r} after {timeout:.0f} s")
 
 
-def view(box: Box, *args: str):
-    """deploy/box/view.py from the client: what MLflow holds."""
-    done = box.client(["python", "deploy/box/view.py", *args], timeout=300)
+def view(box: Box, *args: str, timeout: float = 300):
+    """deploy/box/view.py from the client: what MLflow and the Job API hold."""
+    done = box.client(["python", "deploy/box/view.py", *args], timeout=timeout)
     assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return last_json(done.stdout)
+
+
+def last_json(text: str):
+    """The last line of `text` that is JSON (a library may print after it)."""
+    for line in reversed(text.strip().splitlines()):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    raise AssertionError(f"no JSON line in: {text[-1000:]!r}")
 
 
 def one_run(box: Box, name: str) -> dict:
@@ -177,23 +184,27 @@ def train(box: Box, storage: str) -> dict:
     return {"job_s": round(seconds), "worker_nodes": ",".join(nodes), "corpus": opened}
 
 
-def sweep(box: Box, storage: str) -> dict:
-    """The tiny vocabulary sweep, its parent and six children whole in MLflow; on S3, a second
-    submission resumes it."""
+def sweep(box: Box, storage: str, full: bool = False) -> dict:
+    """The tiny vocabulary sweep, its parent and children whole in MLflow; on S3, a second
+    submission resumes it. Its 1k size alone (two trials, headless and vanilla) unless `full`
+    (the preset's three sizes, six trials, on S3): what the box checks is where the state,
+    trials and corpus go and that they come back, which two trials show as well as six."""
     name = f"vocab-box-{storage}-{TAG}"
     argv = [*VOCAB_SWEEP, "--name", name]
-    env = None
+    env, trials = None, 6
     if storage == "shared":  # the sweep's folder on the volume every node mounts
         env = {"HLM_WORK_DIR": f"{SHARED}/hlm"}
     else:
         argv += ["--storage-path", S3_SWEEPS]
+    if not (full and storage == "s3"):
+        argv, trials = [*argv, "--set", "sweep.values=[1024]"], 2
     started = time.perf_counter()
     submit(box, argv, job=name, env=env)
     seconds = time.perf_counter() - started
     runs = view(box, "sweep", SWEEP_EXPERIMENT, name)
     parents = [r for r in runs if r["tags"].get("sweep_role") == "parent"]
     children = [r for r in runs if r["tags"].get("sweep_role") != "parent"]
-    assert len(parents) == 1 and len(children) == 6, (len(parents), len(children))
+    assert len(parents) == 1 and len(children) == trials, (len(parents), len(children))
     assert parents[0]["status"] == "FINISHED", parents[0]["status"]
     assert {"summary.csv", "report.md"} <= set(parents[0]["artifacts"]), parents[0]["artifacts"]
     assert any(a.endswith(".png") for a in parents[0]["artifacts"]), parents[0]["artifacts"]
@@ -206,8 +217,8 @@ def sweep(box: Box, storage: str) -> dict:
         started = time.perf_counter()
         again = submit(box, argv, job=f"{name}-again")
         out["resubmitted_s"] = round(time.perf_counter() - started)
-        assert f"sweep {name}: resuming 6 trial(s)" in again, again[-2000:]
-        assert len(view(box, "sweep", SWEEP_EXPERIMENT, name)) == 7  # no trial ran again
+        assert f"sweep {name}: resuming {trials} trial(s)" in again, again[-2000:]
+        assert len(view(box, "sweep", SWEEP_EXPERIMENT, name)) == 1 + trials  # none ran again
     return out
 
 
@@ -319,7 +330,7 @@ def serve(box: Box, seconds: float = 60) -> dict:
     wait_log(box, job, r"serving hlm-box-generator/")
     url = f"http://{HEAD_CLIENT_IP}:{PORTS['serve']}"
     probe = box.client(["python", "deploy/box/load.py", url, "box-key", "0"], timeout=120)
-    assert json.loads(probe.stdout.strip().splitlines()[-1])["unauthorized"] == 401, probe.stdout
+    assert last_json(probe.stdout)["unauthorized"] == 401, probe.stdout
     load = box.client_background(["python", "deploy/box/load.py", url, "box-key", str(seconds)])
     time.sleep(8)
     box.cut("w1")
@@ -329,7 +340,7 @@ def serve(box: Box, seconds: float = 60) -> dict:
         box.client(["ray", "job", "stop", job])
         box.mend("w1")
         box.rejoin("w1", 1 + len(WORKERS))
-    result = json.loads(out.strip().splitlines()[-1])
+    result = last_json(out)
     failed = [r for r in result["requests"] if r[1] != 200]
     assert not failed, f"{len(failed)} of {len(result['requests'])} requests failed: {failed[:5]}"
     slowest = max(r[2] for r in result["requests"])
@@ -340,7 +351,7 @@ SCENARIOS: dict[str, Callable[[Box], dict]] = {
     "train-shared": lambda box: train(box, "shared"),
     "train-s3": lambda box: train(box, "s3"),
     "sweep-shared": lambda box: sweep(box, "shared"),
-    "sweep-s3": lambda box: sweep(box, "s3"),
+    "sweep-s3": lambda box: sweep(box, "s3", full=FULL),
     "registry": registry,
     "partition": partition,
     "tracking-outage": tracking_outage,
@@ -353,10 +364,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="+", choices=list(SCENARIOS), help="run these only")
     parser.add_argument("--keep", action="store_true", help="leave the box up afterwards")
     parser.add_argument(
+        "--full", action="store_true", help="the S3 sweep runs all three sizes of the tiny preset"
+    )
+    parser.add_argument(
         "--reuse", action="store_true", help="run on the box that is up (box.py up) and keep it"
     )
     parser.add_argument("--root", default="/var/tmp/hlm-box", help="the box's folder")
     args = parser.parse_args(argv)
+    global FULL
+    FULL = args.full
     reason = missing()
     if reason:
         print(f"error: {reason}", file=sys.stderr)
@@ -371,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 figures, verdict = SCENARIOS[name](box), "PASS"
             except Exception as err:  # an assertion, or the scenario's own failure
+                traceback.print_exc()  # where it failed, above the table's one-line reason
                 figures, verdict = {"why": f"{type(err).__name__}: {str(err)[:500]}"}, "FAIL"
                 failed += 1
             results.append((name, verdict, time.perf_counter() - t0, figures))

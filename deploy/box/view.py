@@ -5,12 +5,18 @@ check from the client, through the tracking server alone (MLFLOW_TRACKING_URI).
     python deploy/box/view.py sweep hlm-vocab vocab-tiny       # the parent and its children
     python deploy/box/view.py history RUN_ID train/loss        # {step: value}
     python deploy/box/view.py job SUBMISSION_ID                # {"status": ..., "logs": ...}
+    python deploy/box/view.py wait SUBMISSION_ID PATTERN 600   # until PATTERN is in its logs
+                                                               # (or the job ended), as job
 """
 
 from __future__ import annotations
 
 import json
+import re
 import sys
+import time
+
+ENDED = ("SUCCEEDED", "FAILED", "STOPPED")
 
 
 def _client():
@@ -43,6 +49,29 @@ def runs(experiment: str, where: str) -> list:
     return client.search_runs([found.experiment_id], where, max_results=1000)
 
 
+def job_state(job: str) -> dict:
+    from ray.job_submission import JobSubmissionClient
+
+    jobs = JobSubmissionClient()
+    return {"status": str(jobs.get_job_status(job).value), "logs": jobs.get_job_logs(job)}
+
+
+def wait(job: str, pattern: str, timeout_s: float) -> dict:
+    """The job's state once `pattern` (a regex; "" for none) is in its logs, or it ended, or
+    `timeout_s` passed; `found`: whether the pattern was seen."""
+    from ray.job_submission import JobSubmissionClient
+
+    jobs = JobSubmissionClient()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status = str(jobs.get_job_status(job).value)
+        logs = jobs.get_job_logs(job) if pattern or status in ENDED else ""
+        found = bool(pattern) and re.search(pattern, logs) is not None
+        if found or status in ENDED or time.monotonic() > deadline:
+            return {"status": status, "logs": logs, "found": found}
+        time.sleep(1)
+
+
 def main(argv: list[str]) -> int:
     what, *rest = argv
     client = _client()
@@ -53,11 +82,11 @@ def main(argv: list[str]) -> int:
         experiment, sweep = rest
         out = [describe(r, client) for r in runs(experiment, f"tags.sweep = '{sweep}'")]
     elif what == "job":  # the Job API at RAY_ADDRESS, with the token in the environment
-        from ray.job_submission import JobSubmissionClient
-
-        jobs = JobSubmissionClient()
         (job,) = rest
-        out = {"status": str(jobs.get_job_status(job).value), "logs": jobs.get_job_logs(job)}
+        out = job_state(job)
+    elif what == "wait":  # one process polling the Job API, not one process per poll
+        job, pattern, timeout = rest
+        out = wait(job, pattern, float(timeout))
     elif what == "history":
         run_id, key = rest
         out = {m.step: m.value for m in client.get_metric_history(run_id, key)}
