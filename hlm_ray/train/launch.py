@@ -324,13 +324,14 @@ def launch(
     parent_run_id: str | None = None,
     tags: dict[str, Any] | None = None,
     callbacks: list[Any] | None = None,
+    local: bool = False,
 ) -> dict[str, Any]:
     """Train `cfg` on `num_workers` Ray Train workers; returns rank 0's run summary.
 
     `resume` continues the run folder from its newest valid checkpoint; `resume_from` names a
     checkpoint folder to continue from instead (later ones are removed). A sweep trial (Train
     inside Tune) passes `parent_run_id` (its MLflow run nests under the sweep's), `tags`, and
-    `callbacks=[TuneReportCallback()]` (reports reach Tune)."""
+    `callbacks=[TuneReportCallback()]` (reports reach Tune); `local`: one worker, in-process."""
     launched_at = time.time()
     for key, value in RAY_TRAIN_ENV.items():
         os.environ.setdefault(key, value)
@@ -338,6 +339,7 @@ def launch(
 
     from hlm_ray.tracking.sync import sync_quietly
     from hlm_ray.train.interrupt import RunInterrupted, restore_sigint, trainer_class
+    from hlm_ray.train.local_mode import local_worker
     from hlm_ray.train.network import torch_config
 
     check_workers(num_workers)
@@ -358,6 +360,8 @@ def launch(
         use_gpu = ray.cluster_resources().get("GPU", 0) >= num_workers
     check_resources(num_workers, use_gpu, cpus_per_worker, gpus_per_worker)
     mirror = RunMirror.of(out_dir, storage)
+    if local and mirror is not None:  # local mode keeps its checkpoints in the run folder only
+        raise HLMError(f"a run stored in {storage} cannot train in this process (local mode)")
     if not resume:
         ckpt.refuse_existing(out_dir)
         if mirror is not None and mirror.has_checkpoints():
@@ -395,22 +399,24 @@ def launch(
     resources = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if use_gpu else {})}
     cache = os.environ.get(CACHE_ENV)
     env = {CACHE_ENV: str(Path(cache).expanduser().resolve())} if cache else {}
+    loop_config = {
+        "config": cfg.to_dict(),
+        "tracking": tracking,
+        "env": env,
+        "mirror": mirror.uri if mirror else None,
+    }
+    workers, worker_fn = (0, local_worker) if local else (num_workers, ray_worker)
     trainer = None
     fit_at = time.time()
     # The MLflow run is open from here: a Ctrl-C anywhere below, building the trainer included
     # (before fit() installs its handler), ends it KILLED, never RUNNING.
     try:
         trainer = trainer_class()(
-            ray_worker,
-            train_loop_config={
-                "config": cfg.to_dict(),
-                "tracking": tracking,
-                "env": env,
-                "mirror": mirror.uri if mirror else None,
-            },
+            worker_fn,
+            train_loop_config=loop_config,
             torch_config=torch_config(),  # gloo on the address other nodes reach
             scaling_config=ray.train.ScalingConfig(
-                num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources
+                num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources
             ),
             run_config=ray.train.RunConfig(
                 name=out_dir.name,
