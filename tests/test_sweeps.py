@@ -69,7 +69,13 @@ def test_every_preset_builds_valid_trial_configs(kind):
 
 
 # One sweep's own code in hlm_ray/tune (its tables set config keys such as a vocabulary size).
-ONE_SWEEPS_CODE = ("families.py", "headline.py", "vocab_report.py")
+ONE_SWEEPS_CODE = (
+    "families.py",
+    "headline.py",
+    "vocab_report.py",
+    "scaling.py",
+    "scaling_report.py",
+)
 
 
 def test_the_tune_package_names_no_axis():
