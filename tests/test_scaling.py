@@ -76,7 +76,7 @@ def test_a_known_multiplier_is_recovered_within_its_interval():
         assert format_multiplier(row).startswith(f"> {row.bound_high:.3g}×")  # a bound
     assert c.seeds == {"headless": 3, "vanilla": 3} and c.distinct > 50
     text = scaling_fit.closing_sentence(c, "FLOPs", "this scale")
-    assert "**less FLOPs**" in text and "cannot" not in text
+    assert "headless reaches its loss for **less** FLOPs" in text and "cannot" not in text
 
 
 def test_a_pair_with_no_multiplier_reads_cannot_be_told_apart():
@@ -93,7 +93,8 @@ def test_a_multiplier_below_one_reads_reversed():
     readable = [r for r in c.rows if 0 < r.estimate < math.inf]
     assert readable and all(r.verdict == REVERSED for r in readable)
     assert all(r.estimate == pytest.approx(0.25, rel=0.05) for r in readable)
-    assert "vanilla needs **less** FLOPs" in scaling_fit.closing_sentence(c, "FLOPs", "here")
+    text = scaling_fit.closing_sentence(c, "FLOPs", "here")
+    assert "vanilla reaches headless's loss for **less** FLOPs" in text
 
 
 def test_too_few_seeds_or_seeds_that_do_not_vary_read_cannot_be_told_apart():
@@ -110,6 +111,28 @@ def test_an_interval_end_at_a_bound_counts_only_as_far_as_the_bound():
     assert scaling_fit._verdict(0.0, 0.0, 4.0, 0.8)[0] == REVERSED  # all < 0.8
     assert scaling_fit._verdict(0.0, 0.0, 4.0, 1.2)[0] == CANNOT  # all < 1.2
     assert scaling_fit._verdict(0.0, 2.0, 4.0, 0.5)[0] == CANNOT
+
+
+def test_a_trials_compute_counts_the_headless_generator_fine_tune():
+    """Pretraining at the FLOPs per step the run measured, plus the generator fine-tune's
+    tokens at the vanilla arm's FLOPs per token (a new head of the same vocabulary); seconds:
+    the budget's training seconds (across resumes), plus the fine-tune's."""
+    from hlm_ray.budget import flops_per_step, tokens_per_step
+    from hlm_ray.config import apply_overrides
+    from hlm_ray.tune.scaling_report import compare, trial_compute
+
+    cfg = get_sweep(SCALING.PRESETS, "tiny").cell_config("10G", "headless", 0)
+    summary = {"steps": 10, "vocab_size": 1024, "seconds": {"train": 4.0},
+               "budget": {"budget/flops_per_step_measured": 2e9, "budget/train_seconds": 5.0}}  # fmt: skip
+    vanilla = apply_overrides(cfg, {"objective.name": "vanilla", "optim.embedding_update": "dense"})
+    per_token = flops_per_step(vanilla, 1024) / tokens_per_step(cfg)
+    flops, seconds = trial_compute(summary, {"finetune/tokens": 2048, "finetune/seconds": 1.5}, cfg)
+    assert flops == pytest.approx(10 * 2e9 + 2048 * per_token) and seconds == 6.5
+    assert trial_compute(summary, {}, cfg) == (2e10, 5.0)  # a vanilla trial: pretraining alone
+    one_budget = [{"arm": a, "seed": 0, "budget": "1G", "flops": 1e9, "seconds": 1.0, "bpb": 3.0}
+                  for a in ("headless", "vanilla")]  # fmt: skip
+    with pytest.raises(HLMError, match="no report: .* fewer than two budgets"):
+        compare(one_budget, "flops")
 
 
 # ------------------------------------------------------------------------------ learning rates

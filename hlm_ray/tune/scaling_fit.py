@@ -313,11 +313,11 @@ def closing_sentence(c: Comparison, unit: str, scale: str) -> str:
     parts = []
     if held:
         parts.append(
-            f"{c.method} reaches its loss with **less {unit}**: {c.baseline} needs {at(held)} "
-            f"of {c.method}'s {unit} (95% bootstrap intervals over seeds, {seeds})"
+            f"{c.method} reaches its loss for **less** {unit}: {c.baseline} needs, in multiples "
+            f"of {c.method}'s {unit}, {at(held)} (95% bootstrap intervals over seeds, {seeds})"
         )
     if reversed_:
-        parts.append(f"{c.baseline} needs **less** {unit} at {at(reversed_)}")
+        parts.append(f"{c.baseline} reaches {c.method}'s loss for **less** {unit}: {at(reversed_)}")
     rest = len(c.rows) - len(held) - len(reversed_)
     if rest:
         parts.append(f"at the other {rest} budget(s) the two cannot be told apart")

@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from hlm_ray.errors import HLMError
 from hlm_ray.tune import scaling, scaling_fit
 from hlm_ray.tune.spec import SweepSpec
 
@@ -90,7 +91,13 @@ def compare(points: list[dict[str, Any]], against: str) -> scaling_fit.Compariso
     pts = [
         scaling_fit.Point(p["arm"], p["seed"], p["budget"], p[against], p["bpb"]) for p in points
     ]
-    return scaling_fit.compare_arms(pts, method="headless", baseline="vanilla")
+    try:
+        return scaling_fit.compare_arms(pts, method="headless", baseline="vanilla")
+    except ValueError as err:  # too few finished trials to fit an arm
+        raise HLMError(
+            f"no report: {err}; see the sweep's summary.md, and run the same command again to "
+            "retry the failed trials"
+        ) from None
 
 
 def search_rows(folder: Path) -> list[dict[str, Any]]:
