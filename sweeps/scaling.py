@@ -52,7 +52,8 @@ TINY = {"optim.global_batch_size": 16, "run.log_every": 10, "run.checkpoint_ever
 TINY |= SHORT_RUNS
 # cpu: d=128, 2 layers, the GPT-2 tokenizer (V = 50,257, where the head is 94% of a vanilla
 # step); 1,024 tokens a step (one micro-batch: K = 1,008 rows), so the smallest budget still
-# buys the vanilla arm 9 steps (the headless arm ~117).
+# buys the vanilla arm 7 steps (the headless arm 88 at the bound U); 1.2T is the headline
+# comparison's equal-FLOPs budget.
 CPU = {k: v for k, v in GPT2_CPU_SETTINGS.items() if k != "optim.warmup_steps"}
 CPU |= {"optim.global_batch_size": 16, "run.log_every": 50, "run.checkpoint_every": 250}
 CPU |= SHORT_RUNS
@@ -85,7 +86,7 @@ PRESETS = {
     "cpu": preset(
         "tiny-gpt2",
         CPU,
-        ("400G", "800G", "1.6T", "3.2T"),
+        ("300G", "600G", "1.2T", "2.4T"),
         num_seeds=3,
         recipe="scaling-cpu",
         search_lr=(1e-3, 1e-2),

@@ -169,7 +169,7 @@ def test_the_search_grid_the_choice_and_the_shared_rate():
     search = scaling.search_spec(spec)
     assert search.values == (0.001, 0.00316, 0.01) and search.num_seeds == 1
     cfg = search.cell_config(0.00316, "vanilla", 0)
-    assert cfg.optim.lr == 0.00316 and cfg.budget.flops == 4e11  # the smallest budget
+    assert cfg.optim.lr == 0.00316 and cfg.budget.flops == 3e11  # the smallest budget
     rows = [
         {"objective": o, "status": s, "value": lr, "downstream/score": score}
         for o, lr, s, score in [
@@ -183,7 +183,7 @@ def test_the_search_grid_the_choice_and_the_shared_rate():
     assert scaling.shared_lr(spec) == 0.001  # the preset's optim.lr
     shared = scaling.shared_spec(spec, chosen)  # only the arm that chose another rate
     assert shared.objectives == ("headless",)
-    assert shared.cell_config("400G", "headless", 0).optim.lr == 0.001
+    assert shared.cell_config("300G", "headless", 0).optim.lr == 0.001
     assert scaling.shared_spec(spec, {"headless": 0.001, "vanilla": 0.001}) is None
     with pytest.raises(HLMError, match="no finished vanilla trial"):
         scaling.choose_lrs([r for r in rows if r["objective"] == "headless"])
@@ -211,7 +211,7 @@ def test_the_cpu_dry_run_prints_every_trials_budget_arm_learning_rate_and_seed(c
     for lr in ("0.001", "0.00316", "0.01"):  # the search: each arm at each rate
         for arm in ("headless", "vanilla"):
             assert f"{arm} scaling-lr={lr} seed 0" in out
-    for budget in ("400G", "800G", "1.6T", "3.2T"):
+    for budget in ("300G", "600G", "1.2T", "2.4T"):
         for arm in ("headless", "vanilla"):
             for seed in range(3):
                 assert out.count(f"{arm} scaling={budget} seed {seed} ") == 2  # tuned, shared
@@ -241,6 +241,7 @@ def test_scaling_tiny_end_to_end(ray_cluster, mlflow_server, tmp_path, monkeypat
     text = (root / "sc" / "report.md").read_text()
     assert text.count("cannot be told apart") >= 3  # one seed: no interval, said so
     assert "(log-linear)" in text  # 3 budgets: log-linear fits, said so
+    assert "s for the command (the search" in text and "s in optimizer steps" in text
     for png in ("scaling.png", "scaling_shared_lr.png"):
         assert (root / "sc" / png).stat().st_size > 1000
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import math
+import time
 from typing import Any
 
 from hlm_ray.errors import HLMError
@@ -34,6 +36,8 @@ ARMS = ("headless", "vanilla")
 SI = {"k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
 SEARCH_SEEDS = 1
 """Seeds of the learning-rate search (0..n-1)."""
+TIMING_FILE = "timing.json"
+"""Wall seconds of the last invocation's three parts, in the tuned sweep's folder."""
 
 
 def flops_of(value: Value) -> float:
@@ -201,6 +205,7 @@ def run_parts(spec: SweepSpec, args: argparse.Namespace, name: str):
     from hlm_ray.plan import assumptions_from
     from hlm_ray.tune.sweep import run_sweep
 
+    started = time.perf_counter()
     part = names(name)
     assumptions = assumptions_from(args)
     search = run_sweep(search_spec(spec), name=part["search"], assumptions=assumptions)
@@ -212,11 +217,15 @@ def run_parts(spec: SweepSpec, args: argparse.Namespace, name: str):
     tuned = run_sweep(with_lrs(spec, chosen), name=part["tuned"], assumptions=assumptions)
     failed = [r for r in search.rows if r["status"] == "FAILED"]
     shared = shared_spec(spec, chosen)
+    seconds = {"search": search.seconds, "tuned": tuned.seconds, "shared": 0.0}
     if shared is not None and not tuned.interrupted:
         other = run_sweep(shared, name=part["shared"], assumptions=assumptions)
         print(f"\n== {part['shared']}: at the shared lr {shared_lr(spec):g}\n{other.table}")
         failed += [r for r in other.rows if r["status"] == "FAILED"]
         tuned.interrupted = other.interrupted
+        seconds["shared"] = other.seconds
+    seconds["all"] = time.perf_counter() - started  # the report's time line reads it
+    (tuned.folder / TIMING_FILE).write_text(json.dumps(seconds, indent=1))
     tuned.rows = [*tuned.rows, *failed]
     return tuned
 

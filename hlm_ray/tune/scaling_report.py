@@ -215,6 +215,33 @@ def plot(comparisons: dict[str, scaling_fit.Comparison], out_png: Path, title: s
     return out_png
 
 
+def time_line(root: Path, name: str) -> str:
+    """Where the command's time went: its parts' wall time (the last invocation's) against its
+    trials' optimizer steps and their whole time (sums over every trial of the three parts)."""
+    part = scaling.names(name)
+    wall, train, n = 0.0, 0.0, 0
+    for folder in (root / p for p in part.values()):
+        if (folder / "summary.csv").is_file():
+            with (folder / "summary.csv").open(newline="") as f:
+                for r in csv.DictReader(f):
+                    if r["trial/wall_s"] and r["trial/overhead_s"]:
+                        n += 1
+                        wall += float(r["trial/wall_s"])
+                        train += float(r["trial/wall_s"]) - float(r["trial/overhead_s"])
+    path = root / part["tuned"] / scaling.TIMING_FILE
+    parts = json.loads(path.read_text()) if path.is_file() else None
+    head = (
+        f"Time: {parts['all']:.0f} s for the command (the search {parts['search']:.0f} s, the "
+        f"tuned budgets {parts['tuned']:.0f} s, the shared rate {parts['shared']:.0f} s); "
+        if parts
+        else "Time: "
+    )
+    return (
+        head + f"its {n} trials spent {train:.0f} s in optimizer steps, {wall:.0f} s in all "
+        "(sums over the trials; they run side by side as the cluster allows)."
+    )
+
+
 def _drawn(c: scaling_fit.Comparison) -> str:
     if not c.resamples:
         return f"none drawn here: fewer than {scaling_fit.MIN_SEEDS} seeds per arm"
@@ -282,6 +309,8 @@ def write_report(spec: SweepSpec, name: str, preset: str) -> list[Path]:
         f"than {scaling_fit.MIN_SEEDS} seeds per arm). Compute: pretraining FLOPs of the FLOP "
         "model with the measured U, plus the headless arm's generator fine-tune; seconds: "
         "measured optimizer steps, plus the fine-tune. Loss: bits per byte of held-out text.",
+        "",
+        time_line(root, name),
         "",
         "![Bits per byte against FLOPs and seconds, tuned learning rates](scaling.png)",
         "",
