@@ -349,6 +349,12 @@ def launch(
     check_output(out_dir)
     storage = storage_path or str(out_dir.parent)
     check_storage(storage)
+    if local and RunMirror.of(out_dir, storage) is not None:
+        # local mode hands Ray no checkpoint: they stay in the run folder, never mirrored
+        raise HLMError(
+            f"local mode trains with the run folder as its storage, not {storage}: "
+            "leave --storage-path out, or train on Ray Train workers"
+        )
     # Tokenizer and tokenized corpus are built here, once: bad input (a missing corpus, a
     # vocabulary too small, an unreadable tokenizer) fails before any worker starts, and
     # workers on this machine find both in the cache.
@@ -360,8 +366,6 @@ def launch(
         use_gpu = ray.cluster_resources().get("GPU", 0) >= num_workers
     check_resources(num_workers, use_gpu, cpus_per_worker, gpus_per_worker)
     mirror = RunMirror.of(out_dir, storage)
-    if local and mirror is not None:  # local mode keeps its checkpoints in the run folder only
-        raise HLMError(f"a run stored in {storage} cannot train in this process (local mode)")
     if not resume:
         ckpt.refuse_existing(out_dir)
         if mirror is not None and mirror.has_checkpoints():
