@@ -1,6 +1,7 @@
 """The compute sweep (`sweeps/scaling.py`): the fit and the multiplier against known curves, the
 per-arm learning rates as plain functions, the dry run, then the tiny preset end to end."""
 
+import json
 import math
 
 import numpy as np
@@ -187,6 +188,40 @@ def test_the_search_grid_the_choice_and_the_shared_rate():
     assert scaling.shared_spec(spec, {"headless": 0.001, "vanilla": 0.001}) is None
     with pytest.raises(HLMError, match="no finished vanilla trial"):
         scaling.choose_lrs([r for r in rows if r["objective"] == "headless"])
+
+
+def test_the_command_runs_the_search_then_each_arm_at_its_rate_then_the_shared_rate(
+    monkeypatch, tmp_path
+):
+    """`run_parts` with a stand-in `run_sweep` (no Ray): the rates the search chose reach the
+    tuned sweep's trials, the shared rate the third part's, and --storage-path every part."""
+    import hlm_ray.tune.sweep as sweep
+
+    ran = {}
+
+    def run_sweep(spec, *, name, assumptions=None, storage_path=None):
+        ran[name] = (spec, storage_path)
+        rows = [
+            {"objective": arm, "status": "FINISHED", "value": lr, "downstream/score": score}
+            for arm, lr, score in [("headless", 3e-3, 2.9), ("headless", 1e-2, 2.7),
+                                   ("vanilla", 3e-3, 3.1), ("vanilla", 1e-2, 3.4)]
+        ] if name.endswith("-lr") and not name.endswith("shared-lr") else []  # fmt: skip
+        (tmp_path / name).mkdir()
+        return sweep.SweepOutcome(name, tmp_path / name, rows, "", [], None, False, 2.0)
+
+    monkeypatch.setattr(sweep, "run_sweep", run_sweep)
+    args = SCALING.SCRIPT.parser().parse_args(["--preset", "tiny", "--storage-path", "s3://b/x"])
+    spec = get_sweep(SCALING.PRESETS, "tiny")
+    scaling.run_parts(spec, args, "sc")
+    assert list(ran) == ["sc-lr", "sc", "sc-shared-lr"]
+    assert all(storage == "s3://b/x" for _, storage in ran.values())
+    tuned, shared = ran["sc"][0], ran["sc-shared-lr"][0]
+    for cell in tuned.cells():  # each arm at the rate its search chose, every budget and seed
+        lr = {"headless": 1e-2, "vanilla": 3e-3}[cell["objective"]]
+        assert tuned.cell_config(**cell).optim.lr == lr
+    assert shared.objectives == ("headless",)  # vanilla chose the shared rate already
+    assert {shared.cell_config(**c).optim.lr for c in shared.cells()} == {3e-3}
+    assert json.loads((tmp_path / "sc" / scaling.TIMING_FILE).read_text())["shared"] == 2.0
 
 
 def test_budgets_are_flops_with_si_prefixes_and_bad_ones_fail_before_anything_runs():

@@ -170,7 +170,7 @@ def refuse_search(args: argparse.Namespace, axis: Axis) -> None:
 def plan_text(spec: SweepSpec, args: argparse.Namespace, name: str) -> str:
     """--dry-run: the three parts' trials (budget, arm, learning rate, seed) and their cost."""
     from hlm_ray.plan import assumptions_from, format_plan, sweep_plan
-    from hlm_ray.tune.sweep import plan_concurrency
+    from hlm_ray.tune.placement import plan_concurrency
 
     lr = shared_lr(spec)
     part = names(name)
@@ -207,19 +207,19 @@ def run_parts(spec: SweepSpec, args: argparse.Namespace, name: str):
 
     started = time.perf_counter()
     part = names(name)
-    assumptions = assumptions_from(args)
-    search = run_sweep(search_spec(spec), name=part["search"], assumptions=assumptions)
+    kw = {"assumptions": assumptions_from(args), "storage_path": args.storage_path}
+    search = run_sweep(search_spec(spec), name=part["search"], **kw)
     print(f"\n== {part['search']}: the learning-rate search\n{search.table}")
     if search.interrupted:
         return search
     chosen = choose_lrs(search.rows)
     print("chosen: " + ", ".join(f"{arm} lr {lr:g}" for arm, lr in chosen.items()))
-    tuned = run_sweep(with_lrs(spec, chosen), name=part["tuned"], assumptions=assumptions)
+    tuned = run_sweep(with_lrs(spec, chosen), name=part["tuned"], **kw)
     failed = [r for r in search.rows if r["status"] == "FAILED"]
     shared = shared_spec(spec, chosen)
     seconds = {"search": search.seconds, "tuned": tuned.seconds, "shared": 0.0}
     if shared is not None and not tuned.interrupted:
-        other = run_sweep(shared, name=part["shared"], assumptions=assumptions)
+        other = run_sweep(shared, name=part["shared"], **kw)
         print(f"\n== {part['shared']}: at the shared lr {shared_lr(spec):g}\n{other.table}")
         failed += [r for r in other.rows if r["status"] == "FAILED"]
         tuned.interrupted = other.interrupted
