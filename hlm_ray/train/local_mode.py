@@ -16,7 +16,9 @@ runs the function in the calling process instead. What changes, and what does no
 - failures: no worker-group restarts (`FailureConfig` is the controller's); Tune's retries of
   the trial (`sweep.max_failures`) resume from the run folder's newest valid checkpoint;
 - reports: Train callbacks do not run, so trials whose reports Tune needs (ASHA's `--search`)
-  keep a worker group.
+  keep a worker group;
+- storage: Ray gets no checkpoint to copy, so a run stored elsewhere than its folder's parent
+  (`--storage-path`, mirrored by `RunMirror`) keeps a worker group; `launch` refuses the pair.
 """
 
 from __future__ import annotations
