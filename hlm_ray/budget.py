@@ -26,6 +26,9 @@ micro-batch before training (`budget/unique_columns`) and logs the whole run's l
 is at hand (`hlm_ray.plan`'s dry run) the bound U = min(W·K, V) is used: an upper bound on the
 FLOPs, so at most the steps a run gets.
 
+`budget.warmup_share` makes the warm-up that share of the steps a budget becomes (at least one):
+runs whose budgets buy 10 or 1,000 steps warm up alike.
+
 `budget.seconds` is a deadline, not a step count: the loop stops at the first step that ends
 past it (`deadline_passed`, agreed by all workers), saves a checkpoint and logs the steps it
 became; `optim.max_steps` stays the cap and the schedule's length.
@@ -127,6 +130,9 @@ def resolve_budget(
                 f"{unit} per step); raise the budget or lower optim.global_batch_size"
             )
         cfg = apply_overrides(cfg, {"optim.max_steps": steps})
+    if cfg.budget.warmup_share is not None:
+        warmup = max(1, round(cfg.budget.warmup_share * steps))
+        cfg = apply_overrides(cfg, {"optim.warmup_steps": warmup})
     plan = BudgetPlan(kind, value, steps, per_step_tokens, per_step_flops, u, source)
     return cfg, plan
 

@@ -84,6 +84,16 @@ DOWNSTREAM = {
         "classify": "paper",
     },
 }
+# sweeps/scaling.py: decoders scored on bits per byte of held-out text alone (`score`), a
+# headless arm after its generator fine-tune on `clm_share` of its pretraining tokens.
+for _scale, _limit, _clm in (("tiny", 16, "tiny"), ("cpu", 100, "tiny"), ("paper", None, "text")):
+    DOWNSTREAM[f"scaling-{_scale}"] = {
+        "decoder_tasks": ("bpb",),
+        "score": "bpb/bits_per_byte",
+        "bpb_limit": _limit,
+        "clm_recipe": _clm,
+        "clm_share": 0.02,
+    }
 
 
 def share_steps(pretrain_tokens: int, share: float, tokens_per_step: int) -> int:
@@ -352,11 +362,11 @@ def run_downstream(
         pre = load_pretrained(scored, device=device)
         from hlm_ray.evaluate import get_task
 
-        for name, limit in (("lambada", plan["lambada_limit"]), ("bpb", plan["bpb_limit"])):
+        for name in plan.get("decoder_tasks", ("lambada", "bpb")):
             result = get_task(name)(
                 pre,
                 output_dir=output_dir,
-                limit=limit,
+                limit=plan[f"{name}_limit"],
                 batch_size=32,
                 device=device,
                 progress=progress,
@@ -364,7 +374,7 @@ def run_downstream(
             metrics.update(result["metrics"])
         if scored != model_dir:  # the generator this trial made: say what it is
             write_model_card(scored, scores={k: v for k, v in metrics.items() if _finite(v)})
-        metrics["downstream/score"] = metrics["lambada/accuracy"]
+        metrics["downstream/score"] = metrics[plan.get("score", "lambada/accuracy")]
         metrics["bpb"] = metrics["bpb/bits_per_byte"]
     else:
         scores = []

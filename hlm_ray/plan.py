@@ -26,6 +26,7 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 from hlm_ray.budget import resolve_budget
@@ -289,12 +290,18 @@ def vocab_size_of(cfg: Config) -> int:
     """The vocabulary a run will have: the BPE size asked for, or a tokenizer file's size."""
     if cfg.tokenizer.kind == "bpe":
         return cfg.tokenizer.vocab_size
+    return _file_vocab_size(cfg.tokenizer.path, cfg.tokenizer.vocab_size)
+
+
+@cache
+def _file_vocab_size(path: str | None, fallback: int) -> int:
+    """A tokenizer file's size, loaded once per path (a plan prices every trial)."""
     try:
         from hlm_ray.tokenizer import load_tokenizer
 
-        return len(load_tokenizer(cfg.tokenizer.path, None))
+        return len(load_tokenizer(path, None))
     except Exception:  # no data folder here (a laptop): the config's figure
-        return cfg.tokenizer.vocab_size
+        return fallback
 
 
 def _cluster(a: Assumptions, needs_gpu: bool) -> tuple[dict[str, float], list[str]]:

@@ -134,6 +134,21 @@ def test_budget_options_are_validated_by_name():
     assert budget_cfg("vanilla", **{"budget.flops": "3e13"}).budget.flops == 3e13  # as --set
 
 
+def test_a_budget_can_set_the_warm_up_as_a_share_of_its_steps():
+    from hlm_ray.budget import resolve_budget
+
+    base = {"budget.flops": 1e12, "optim.warmup_steps": 7}
+    cfg, plan = resolve_budget(budget_cfg("vanilla", **base, **{"budget.warmup_share": 0.1}), V)
+    assert cfg.optim.warmup_steps == round(0.1 * plan.steps) and plan.steps > 20
+    cfg, _ = resolve_budget(budget_cfg("vanilla", **base), V)
+    assert cfg.optim.warmup_steps == 7  # not set: optim.warmup_steps as it is
+    small, plan = resolve_budget(budget_cfg("vanilla", **{"budget.tokens": 2048 * 3,
+                                                          "budget.warmup_share": 0.1}), V)  # fmt: skip
+    assert plan.steps == 3 and small.optim.warmup_steps == 1  # at least one step
+    with pytest.raises(HLMError, match=r"budget.warmup_share=1.5 is not allowed"):
+        budget_cfg("vanilla", **{"budget.flops": 1e12, "budget.warmup_share": 1.5})
+
+
 def tiny_run_cfg(objective: str, out, **extra) -> Config:
     from hlm_ray.paths import data_dir
     from hlm_ray.presets import load_config

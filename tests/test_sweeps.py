@@ -30,7 +30,7 @@ from hlm_ray.tune.placement import plan_concurrency
 from hlm_ray.tune.spec import SweepSpec
 from hlm_ray.tune.summary import markdown_table, write_summary
 from hlm_ray.tune.sweep import _close_orphans, _rows, check_resume, prepare_inputs
-from hlm_ray.tune.trial import TrialRuntime, final_metrics
+from hlm_ray.tune.trial import TrialRuntime, final_metrics, local_trials, trial_resources
 
 SHAKESPEARE = data_dir() / "corpus" / "en" / "tinyshakespeare.txt"
 _set, _load_script, _sweep_main = set_args, load_script, sweep_main
@@ -69,7 +69,13 @@ def test_every_preset_builds_valid_trial_configs(kind):
 
 
 # One sweep's own code in hlm_ray/tune (its tables set config keys such as a vocabulary size).
-ONE_SWEEPS_CODE = ("families.py", "headline.py", "vocab_report.py")
+ONE_SWEEPS_CODE = (
+    "families.py",
+    "headline.py",
+    "vocab_report.py",
+    "scaling.py",
+    "scaling_report.py",
+)
 
 
 def test_the_tune_package_names_no_axis():
@@ -151,6 +157,24 @@ def test_concurrency_comes_from_the_cluster_and_impossible_trials_fail():
         )
     with pytest.raises(HLMError, match="GPU"):
         plan_concurrency(gpu, 4, [{"CPU": 2.0}])
+
+
+def test_one_worker_cpu_trials_on_one_node_train_in_the_trials_own_process():
+    """Ray Train's local mode where it saves a worker group's start and loses nothing: one CPU
+    worker, one node, no ASHA (its reports need a worker group), `sweep.local_trials` on. The
+    trial then reserves the worker's CPUs itself."""
+    one_node = [{"CPU": 4.0, "GPU": 1.0}]
+    assert local_trials(get_sweep("vocab", "tiny"), one_node, search=False)
+    assert not local_trials(get_sweep("vocab", "tiny"), one_node, search=True)
+    assert not local_trials(get_sweep("vocab", "tiny"), one_node * 2, search=False)
+    # a --storage-path other than the run folders: local mode hands Ray no checkpoint to copy
+    assert not local_trials(get_sweep("vocab", "tiny"), one_node, False, "s3://b/sweep/trials")
+    for item in ("workers_per_trial=2", "gpus_per_worker=1", "local_trials=false"):
+        assert not local_trials(get_sweep("vocab", "tiny", [f"sweep.{item}"]), one_node, False)
+    common = dict(sweep="s", kind="vocab", experiment="e", parent_run_id=None, trials_dir="t",
+                  recipe="tiny", workers=1, cpus_per_worker=1.5, gpus_per_worker=0.0)  # fmt: skip
+    assert trial_resources(TrialRuntime(**common, local=True))["cpu"] == 1.5
+    assert trial_resources(TrialRuntime(**common, local=False))["cpu"] == 0
 
 
 def test_the_tune_space_resolves_to_the_grid_cells():
@@ -471,6 +495,7 @@ def test_vocab_sweep_end_to_end_then_resumes_without_retraining(
         )
         assert 1 < times["train/U"] <= times["train/K"]
         assert child.data.params["objective.name"] == child.data.tags["objective"]
+        assert child.data.tags["ray_train"] == "local"  # one CPU worker: in the trial's process
         assert {"model", "config.yaml", "loss_curve.png"} <= {
             a.path for a in client.list_artifacts(child.info.run_id)
         }
@@ -586,6 +611,7 @@ def test_search_stops_trials_with_asha_and_names_the_lowest_validation_loss(
     assert parent.info.status == "FINISHED"
     runs = {c.data.tags["trial_id"]: c for c in children}
     assert sorted(runs) == sorted(status)
+    assert {c.data.tags["ray_train"] for c in children} == {"workers"}  # ASHA: a worker group
     assert all(c.data.tags["mlflow.parentRunId"] == parent.info.run_id for c in children)
 
     def val_steps(trial):

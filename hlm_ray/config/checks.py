@@ -115,3 +115,5 @@ def _check_budget(b: Any) -> None:
         u,
         "only applies with budget.flops",
     )
+    w = b.warmup_share
+    _check(w is None or 0 < w < 1, "budget.warmup_share", w, "must be between 0 and 1")

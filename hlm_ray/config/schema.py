@@ -215,6 +215,10 @@ class BudgetConfig:
     """budget.flops with the de-duplicated CWT: the U (distinct target ids per micro-batch)
     its FLOPs per step are computed with. None: measured on the run's first micro-batch (the
     measured `train/U` of the whole run is logged beside it)."""
+    warmup_share: float | None = None
+    """With a budget: warm up over this share of the steps it becomes (at least one step),
+    replacing `optim.warmup_steps`, so that runs of different budgets or arms warm up alike
+    (a compute sweep's). None: `optim.warmup_steps` as it is."""
 
 
 @dataclass(frozen=True)

@@ -324,13 +324,14 @@ def launch(
     parent_run_id: str | None = None,
     tags: dict[str, Any] | None = None,
     callbacks: list[Any] | None = None,
+    local: bool = False,
 ) -> dict[str, Any]:
     """Train `cfg` on `num_workers` Ray Train workers; returns rank 0's run summary.
 
     `resume` continues the run folder from its newest valid checkpoint; `resume_from` names a
     checkpoint folder to continue from instead (later ones are removed). A sweep trial (Train
     inside Tune) passes `parent_run_id` (its MLflow run nests under the sweep's), `tags`, and
-    `callbacks=[TuneReportCallback()]` (reports reach Tune)."""
+    `callbacks=[TuneReportCallback()]` (reports reach Tune); `local`: one worker, in-process."""
     launched_at = time.time()
     for key, value in RAY_TRAIN_ENV.items():
         os.environ.setdefault(key, value)
@@ -338,6 +339,7 @@ def launch(
 
     from hlm_ray.tracking.sync import sync_quietly
     from hlm_ray.train.interrupt import RunInterrupted, restore_sigint, trainer_class
+    from hlm_ray.train.local_mode import local_worker
     from hlm_ray.train.network import torch_config
 
     check_workers(num_workers)
@@ -347,6 +349,12 @@ def launch(
     check_output(out_dir)
     storage = storage_path or str(out_dir.parent)
     check_storage(storage)
+    if local and RunMirror.of(out_dir, storage) is not None:
+        # local mode hands Ray no checkpoint: they stay in the run folder, never mirrored
+        raise HLMError(
+            f"local mode trains with the run folder as its storage, not {storage}: "
+            "leave --storage-path out, or train on Ray Train workers"
+        )
     # Tokenizer and tokenized corpus are built here, once: bad input (a missing corpus, a
     # vocabulary too small, an unreadable tokenizer) fails before any worker starts, and
     # workers on this machine find both in the cache.
@@ -395,22 +403,24 @@ def launch(
     resources = {"CPU": cpus_per_worker, **({"GPU": gpus_per_worker} if use_gpu else {})}
     cache = os.environ.get(CACHE_ENV)
     env = {CACHE_ENV: str(Path(cache).expanduser().resolve())} if cache else {}
+    loop_config = {
+        "config": cfg.to_dict(),
+        "tracking": tracking,
+        "env": env,
+        "mirror": mirror.uri if mirror else None,
+    }
+    workers, worker_fn = (0, local_worker) if local else (num_workers, ray_worker)
     trainer = None
     fit_at = time.time()
     # The MLflow run is open from here: a Ctrl-C anywhere below, building the trainer included
     # (before fit() installs its handler), ends it KILLED, never RUNNING.
     try:
         trainer = trainer_class()(
-            ray_worker,
-            train_loop_config={
-                "config": cfg.to_dict(),
-                "tracking": tracking,
-                "env": env,
-                "mirror": mirror.uri if mirror else None,
-            },
+            worker_fn,
+            train_loop_config=loop_config,
             torch_config=torch_config(),  # gloo on the address other nodes reach
             scaling_config=ray.train.ScalingConfig(
-                num_workers=num_workers, use_gpu=use_gpu, resources_per_worker=resources
+                num_workers=workers, use_gpu=use_gpu, resources_per_worker=resources
             ),
             run_config=ray.train.RunConfig(
                 name=out_dir.name,

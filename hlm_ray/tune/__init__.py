@@ -10,7 +10,9 @@ An ablation is an `Axis` record (`tune.axis`) and its presets (`SweepSpec`s; `ti
 `paper_scale`), both defined in its script in `sweeps/` with a `SweepScript` (`tune.cli`): the
 machinery knows no axis by name. What belongs to one sweep lives in its own modules: the
 headline comparison's families (`tune.families`) and report (`tune.headline`), Figure 7's
-report (`tune.vocab_report`); `tune.stats`, `tune.report` and `tune.curve` serve them.
+report (`tune.vocab_report`), the compute sweep's three parts (`tune.scaling`), curve fits and
+multiplier (`tune.scaling_fit`) and report (`tune.scaling_report`); `tune.stats`, `tune.report`
+and `tune.curve` serve them.
 
 Layers, each a floor above the next: `sweeps/*.py` (the experiment) -> `tune.cli` (arguments,
 dry run, the printed summary, the script's report) -> `tune.sweep` (grid, resources, shared

@@ -45,6 +45,12 @@ class SweepScript:
     report: Callable[[SweepSpec, str, str], list[Path]] | None = None
     """(spec, sweep name, preset) -> the files of the script's report in runs/sweeps/<name>,
     Markdown first; called after the trials of a grid sweep (not --dry-run, not --search)."""
+    plan: Callable[[SweepSpec, argparse.Namespace, str], str] | None = None
+    """(spec, arguments, name) -> what --dry-run prints, instead of the grid's cost plan (a
+    script that runs more than its grid: the scaling sweep's search)."""
+    run: Callable[[SweepSpec, argparse.Namespace, str], object] | None = None
+    """(spec, arguments, name) -> the `SweepOutcome` to print, instead of one `run_sweep` of
+    the grid (the scaling sweep runs its learning-rate search first)."""
 
     def parser(self, prog: str | None = None, **kwargs) -> argparse.ArgumentParser:
         p = build_parser(self.axis, self.presets, prog, **kwargs)
@@ -68,9 +74,9 @@ class SweepScript:
             name = default_name(self.axis, args)
             spec = _get_spec(self.presets, args)
             if args.dry_run:
-                _print_plan(spec, args, name)
+                print(self.plan(spec, args, name) if self.plan else _plan(spec, args, name))
                 return 0
-            outcome = _run(spec, args, name)
+            outcome = (self.run or _run)(spec, args, name)
         except HLMError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
@@ -182,14 +188,14 @@ def _get_spec(presets: dict[str, SweepSpec], args: argparse.Namespace) -> SweepS
     return get_sweep(presets, args.preset, sweep_items(args))
 
 
-def _print_plan(spec: SweepSpec, args: argparse.Namespace, name: str) -> None:
+def _plan(spec: SweepSpec, args: argparse.Namespace, name: str) -> str:
     """--dry-run: the trials, their steps, FLOPs and GPU-hours; nothing started."""
     from hlm_ray.plan import assumptions_from, format_plan, sweep_plan
     from hlm_ray.tune.placement import plan_concurrency
 
     trials = len(spec.cells())
     fit = lambda nodes: plan_concurrency(spec, trials, nodes)  # noqa: E731
-    print(format_plan(sweep_plan(spec, assumptions_from(args), fit=fit, name=name)))
+    return format_plan(sweep_plan(spec, assumptions_from(args), fit=fit, name=name))
 
 
 def _run(spec: SweepSpec, args: argparse.Namespace, name: str):

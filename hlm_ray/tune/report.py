@@ -247,10 +247,13 @@ def read_trials(folder: Path, value_column: str) -> list[Trial]:
     return trials
 
 
-def log_to_parent(folder: Path, files: Sequence[Path], description: str, experiment: str) -> None:
+def log_to_parent(
+    folder: Path, files: Sequence[Path], description: str, experiment: str, params=None
+) -> None:
     """The report's files as artifacts of the sweep's parent MLflow run (its id in sweep.json),
     and the report at the top of the run's description, above the sweep's own per-value table
-    and figures (kept in sweep.json); the run is closed again as it was."""
+    and figures (kept in sweep.json), with `params` ({name: value}) if given; the run is closed
+    again as it was."""
     import json
 
     from hlm_ray.tracking import MlflowTracker
@@ -260,6 +263,8 @@ def log_to_parent(folder: Path, files: Sequence[Path], description: str, experim
     if not run_id:
         return
     parent = MlflowTracker(experiment, run_id=run_id)
+    if params:
+        parent.log_params(params)
     for path in files:
         parent.log_artifact(path)
     if state.get("note"):

@@ -7,6 +7,7 @@
     paper_scale(VOCAB, "bert-small", (16_384, 32_768))   # the paper's scale: CC-News, GPUs
     spec.cells()              # [{"value": 512, "objective": "headless", "seed": 0}, ...]
     spec.base_config()        # the validated Config every trial starts from
+    SweepSpec(..., arm_overrides=("headless:optim.lr=3e-3", "vanilla:optim.lr=1e-3"))  # per arm
 
 `--set sweep.FIELD=VALUE` sets a field below; any other `--set KEY=VALUE` is a config override
 on the base preset (`optim.max_steps=20`). Invalid settings raise `HLMError` naming the option.
@@ -38,7 +39,7 @@ TINY_TRIAL = (
 CC_NEWS = "data.sources=[vblagoje/cc_news]"
 
 # Settings that may change when a sweep is resumed: they do not change what a trial computes.
-RUNTIME_FIELDS = ("cpus_per_worker", "gpus_per_worker", "max_failures")
+RUNTIME_FIELDS = ("cpus_per_worker", "gpus_per_worker", "max_failures", "local_trials")
 
 
 @dataclass(frozen=True)
@@ -54,12 +55,18 @@ class SweepSpec:
     """Seeds 0..num_seeds-1 (run.seed) per (value, objective)."""
     overrides: tuple[str, ...] = ()
     """Dotted config overrides on the base preset, `optim.max_steps=20`."""
-    recipe: Literal["tiny", "paper", "headline-tiny", "headline-cpu", "headline-paper", "none"] = (
-        "tiny"
-    )
+    arm_overrides: tuple[str, ...] = ()
+    """Config overrides of one arm, `objective:key=value` (`vanilla:optim.lr=1e-3`), applied
+    after the axis's settings; every arm of the grid must set the same keys (the scaling sweep
+    gives each arm the learning rate its search chose)."""
+    recipe: Literal[
+        "tiny", "paper", "headline-tiny", "headline-cpu", "headline-paper", "scaling-tiny",
+        "scaling-cpu", "scaling-paper", "none",
+    ] = "tiny"  # fmt: skip
     """Downstream protocol (`hlm_ray.downstream.DOWNSTREAM`); the headline-* ones are
-    `sweeps/headline.py`'s (more GLUE tasks, the generator's fine-tuning share). `none`: no
-    downstream step (pretraining only: the summary's downstream columns stay empty)."""
+    `sweeps/headline.py`'s (more GLUE tasks, the generator's fine-tuning share), the scaling-*
+    ones `sweeps/scaling.py`'s (bits per byte alone). `none`: no downstream step (pretraining
+    only: the summary's downstream columns stay empty)."""
     workers_per_trial: int = 1
     cpus_per_worker: float = 1.0
     gpus_per_worker: float = 0.0
@@ -78,6 +85,11 @@ class SweepSpec:
     """--search: choices of optim.warmup_steps."""
     experiment: str = "hlm_ray-sweeps"
     """MLflow experiment of the parent run and its children."""
+    local_trials: bool = True
+    """A one-worker CPU trial on a one-node cluster trains in the trial's own process (Ray
+    Train's local mode, `ScalingConfig(num_workers=0)`) instead of starting a worker group:
+    seconds less per trial; checkpoints, resume and Tune's retries work the same (false: always
+    a worker group)."""
 
     def __post_init__(self):
         if not self.values:
@@ -114,6 +126,16 @@ class SweepSpec:
         for ok, name, allowed in checks:
             if not ok:
                 raise HLMError(f"sweep.{name}={getattr(self, name)!r} is not allowed; {allowed}")
+        keys = {o: set(self.arm_settings(o)) for o in self.objectives}
+        if self.arm_overrides and len({frozenset(k) for k in keys.values()}) > 1:
+            raise HLMError(
+                f"sweep.arm_overrides={list(self.arm_overrides)}: every arm must set the same "
+                f"keys ({'; '.join(f'{o}: {sorted(k)}' for o, k in keys.items())})"
+            )
+
+    def arm_settings(self, objective: str) -> dict[str, Any]:
+        """The `arm_overrides` of one arm, {dotted key: value}."""
+        return arm_settings(self.arm_overrides, objective)
 
     def cells(self) -> list[dict[str, Any]]:
         """Every (value, objective, seed) of the grid, in Tune's order."""
@@ -133,6 +155,7 @@ class SweepSpec:
         """The config of one trial, as Tune resolves `param_space` for it."""
         extra = {
             **self.axis.overrides(value, self.workers_per_trial, objective),
+            **self.arm_settings(objective),
             "objective.name": objective,
             "run.seed": seed,
         }
@@ -160,12 +183,13 @@ class SweepSpec:
             value = tune.grid_search(list(self.values))
             config["objective"]["name"] = tune.grid_search(list(self.objectives))
             config["run"]["seed"] = tune.grid_search(list(range(self.num_seeds)))
-        # Each field a value sets is resolved from the value (grid values resolve first).
+        # Each field a value or an arm sets is resolved from the value and the objective (grid
+        # values resolve first).
         keys = {
             k
             for v in self.values
             for o in self.objectives
-            for k in self.axis.overrides(v, self.workers_per_trial, o)
+            for k in _cell_overrides(self.axis, v, self.workers_per_trial, o, self.arm_overrides)
         }
         for key in sorted(keys):
             *sections, name = key.split(".")  # "optim.lr", or a top-level "preset"
@@ -173,7 +197,7 @@ class SweepSpec:
             for section in sections:
                 target = target[section]
             target[name] = tune.sample_from(
-                partial(_axis_setting, self.axis, self.workers_per_trial, key)
+                partial(_axis_setting, self.axis, self.workers_per_trial, self.arm_overrides, key)
             )
         return {"config": config, "value": value}
 
@@ -220,7 +244,9 @@ def with_overrides(spec: SweepSpec, items: list[str]) -> SweepSpec:
             config_items.append(f"{key}={value.strip()}")
     data["overrides"] = [*data["overrides"], *config_items]
     new = build(SweepSpec, data, prefix="sweep.")  # the axis is kept as it is
-    new.base_config()  # unknown preset, unknown key or invalid value: fail now
+    base = new.base_config()  # unknown preset, unknown key or invalid value: fail now
+    for objective in new.objectives:
+        apply_overrides(base, new.arm_settings(objective))
     return new
 
 
@@ -233,19 +259,41 @@ def get_sweep(
     return with_overrides(presets[preset], list(overrides or []))
 
 
-def _axis_setting(axis: Axis, workers: int, key: str, resolved: dict[str, Any]) -> Any:
+def _axis_setting(
+    axis: Axis, workers: int, arm_overrides: tuple[str, ...], key: str, resolved: dict[str, Any]
+) -> Any:
     """`sample_from` callback: Tune passes the space resolved so far (the grid's value and
     objective)."""
     objective = resolved["config"]["objective"]["name"]
-    return _cell_overrides(axis, resolved["value"], workers, objective).get(key)
+    return _cell_overrides(axis, resolved["value"], workers, objective, arm_overrides).get(key)
 
 
 @cache
-def _cell_overrides(axis: Axis, value: Value, workers: int, objective: str) -> dict[str, Any]:
-    """`axis.overrides` of one cell, computed once for all its keys: Tune resolves each key with
-    its own callback, and a headline family's overrides load presets and price steps (tens of
-    keys × a few ms each, for every cell). Read only: the dict is shared."""
-    return axis.overrides(value, workers, objective)
+def _cell_overrides(
+    axis: Axis, value: Value, workers: int, objective: str, arm_overrides: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """`axis.overrides` of one cell and its arm's `arm_overrides`, computed once for all its
+    keys: Tune resolves each key with its own callback, and a headline family's overrides load
+    presets and price steps (tens of keys × a few ms each, for every cell). Read only: the dict
+    is shared."""
+    out = dict(axis.overrides(value, workers, objective))
+    return {**out, **arm_settings(arm_overrides, objective)}
+
+
+def arm_settings(arm_overrides: tuple[str, ...], objective: str) -> dict[str, Any]:
+    """{dotted key: value} of the `objective:key=value` items that name `objective`."""
+    out = {}
+    for item in arm_overrides:
+        arm, colon, setting = item.partition(":")
+        key, eq, value = setting.partition("=")
+        if not colon or not eq or arm.strip() not in OBJECTIVES or not key.strip():
+            raise HLMError(
+                f"sweep.arm_overrides: {item!r} must look like objective:key=value, e.g. "
+                "vanilla:optim.lr=1e-3"
+            )
+        if arm.strip() == objective:
+            out[key.strip()] = yaml.safe_load(value.strip())
+    return out
 
 
 def _plain(value: Any) -> Any:

@@ -39,7 +39,7 @@ from hlm_ray.tune import summary as summary_mod
 from hlm_ray.tune.placement import plan_concurrency
 from hlm_ray.tune.spec import SweepSpec
 from hlm_ray.tune.storage import STATE_FILE, TUNE_DIR, SweepStorage
-from hlm_ray.tune.trial import TRIAL_RESOURCES, TrialRuntime, run_name, run_trial
+from hlm_ray.tune.trial import TrialRuntime, local_trials, run_name, run_trial, trial_resources
 
 SWEEPS_DIR = "runs/sweeps"
 ASHA_METRIC = "val/loss"
@@ -165,7 +165,9 @@ def run_sweep(
 
         alive = alive_nodes()
         check_tracking(default_tracking_uri(), machines(alive))
-        ready["concurrency"] = plan_concurrency(spec, num_trials, [n["Resources"] for n in alive])
+        nodes = [n["Resources"] for n in alive]
+        ready["concurrency"] = plan_concurrency(spec, num_trials, nodes)
+        ready["local"] = local_trials(spec, nodes, search, store.trials)
         ready["real_vocab"], ready["prepared"] = prepare_inputs(
             spec,
             spec.values[:1] if search else None,
@@ -218,6 +220,7 @@ def run_sweep(
                 short=spec.axis.short,
                 max_failures=spec.max_failures,
                 report_steps=search,  # ASHA compares the steps' reports
+                local=ready["local"],  # not under ASHA: its reports need a worker group
             )
             resumed = store.tuner_exists()
             print(
@@ -340,7 +343,7 @@ def _tuner(spec, store: SweepStorage, runtime, search, concurrency, verbose):
     from ray import tune
 
     trainable = tune.with_resources(
-        tune.with_parameters(run_trial, runtime=runtime), TRIAL_RESOURCES
+        tune.with_parameters(run_trial, runtime=runtime), trial_resources(runtime)
     )
     if store.tuner_exists():
         return tune.Tuner.restore(

@@ -69,6 +69,31 @@ class TrialRuntime:
     (`RunMirror`), wherever its trial, its rank 0 and its downstream step run."""
     prepared: dict[str, str] = field(default_factory=dict)
     """The prepared corpora published for a cluster's nodes (`cluster.pin_prepared`)."""
+    local: bool = False
+    """Train in the trial's own process (`hlm_ray.train.local_mode`; the trial then holds the
+    worker's CPUs, `trial_resources`); Tune's retries stand in for worker-group restarts."""
+
+
+def local_trials(
+    spec, nodes: list[dict[str, float]], search: bool, storage: str | None = None
+) -> bool:
+    """Whether the trials of sweep `spec` (a `SweepSpec`) train in their own process: one CPU
+    worker each on a one-node cluster (`nodes`), `sweep.local_trials` on, not a search (ASHA
+    compares the reports that only a worker group passes on to Tune), and the run folders are
+    the trials' storage (`storage` None: local mode hands Ray no checkpoint to mirror)."""
+    from hlm_ray.train.local_mode import local_mode
+
+    if not spec.local_trials or search or storage is not None:
+        return False
+    return local_mode(spec.workers_per_trial, spec.gpus_per_worker > 0, nodes)
+
+
+def trial_resources(runtime: TrialRuntime) -> dict[str, float]:
+    """What a trial's own process reserves: a token (its TorchTrainer's workers hold the CPUs),
+    or in local mode the one worker's CPUs, since it trains there."""
+    if not runtime.local:
+        return TRIAL_RESOURCES
+    return {**TRIAL_RESOURCES, "cpu": runtime.cpus_per_worker}
 
 
 def run_name(objective: str, short: str, value: Any, seed: int, trial_id: str) -> str:
@@ -114,6 +139,9 @@ def trial_times(
         "trial/train_s": train,
         "trial/downstream_s": finished - pretrained,
         "trial/overhead_s": finished - started - train,
+        # Neither optimizer steps nor the downstream protocol: Ray Train's start and teardown,
+        # the worker's set-up, evaluation and checkpoints.
+        "trial/pretrain_overhead_s": pretrain - train,
     }
     if worker:  # absent for a trial whose training finished in an earlier attempt
         out["trial/worker_setup_s"] = float(worker["setup"])
@@ -152,6 +180,7 @@ def _pretrain(cfg: Config, runtime: TrialRuntime, out_dir: Path, trial_id: str) 
         "sweep_kind": runtime.kind,
         "trial_id": trial_id,
         "seed": cfg.run.seed,
+        "ray_train": "local" if runtime.local else "workers",  # where the training ran
     }
     return launch(
         cfg,
@@ -164,12 +193,13 @@ def _pretrain(cfg: Config, runtime: TrialRuntime, out_dir: Path, trial_id: str) 
         # waiting until it can be placed again. Tune retries the trial itself (its actor lost,
         # training failing `max_failures` times), which continues from the same checkpoints;
         # a retried trial fails at once when the cluster has too few CPUs left.
-        max_failures=runtime.max_failures,
+        max_failures=0 if runtime.local else runtime.max_failures,
         experiment=runtime.experiment,
         resume=True,  # a fresh folder starts fresh; a retried trial's folder continues
         parent_run_id=runtime.parent_run_id,
         tags=tags,
         callbacks=[TuneReportCallback()] if runtime.report_steps else [],
+        local=runtime.local,
     )
 
 

@@ -1,0 +1,314 @@
+"""The compute sweep (`sweeps/scaling.py`): the fit and the multiplier against known curves, the
+per-arm learning rates as plain functions, the dry run, then the tiny preset end to end."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import yaml
+from sweep_common import ROOT, load_script, summary_rows, sweep_runs, use_mlflow_server
+
+from hlm_ray.errors import HLMError
+from hlm_ray.tune import scaling, scaling_fit
+from hlm_ray.tune.scaling_fit import CANNOT, Point, compare_arms, fit_curve, format_multiplier
+from hlm_ray.tune.spec import get_sweep
+from hlm_ray.tune.stats import HOLDS, REVERSED
+
+SCALING = load_script(ROOT / "sweeps" / "scaling.py")
+BUDGETS = [2e11 * 2**i for i in range(5)]
+
+
+def power_law(c, multiplier=1.0, E=2.0, A=1.5, alpha=0.4):
+    """Bits per byte after `c` FLOPs for an arm that gets `multiplier` times the value of each
+    FLOP: its curve is the baseline's shifted left by that factor."""
+    return E + A * (multiplier * c / 1e12) ** -alpha
+
+
+def points(multiplier, *, seeds=3, noise=0.01, rng_seed=0, budgets=BUDGETS):
+    rng = np.random.default_rng(rng_seed)
+    out = []
+    for seed in range(seeds):
+        for c in budgets:
+            for arm, m in (("vanilla", 1.0), ("headless", multiplier)):
+                out.append(Point(arm, seed, f"{c:.2g}", c, power_law(c, m) + rng.normal(0, noise)))
+    return out
+
+
+# ------------------------------------------------------------------------------ the fit
+
+
+def test_the_fit_recovers_a_saturating_power_law():
+    xs = np.geomspace(1e11, 1e13, 6)
+    curve = fit_curve(xs, power_law(xs))
+    assert curve.kind == "power"
+    e, a, alpha = (curve.params[k] for k in ("E", "A", "alpha"))
+    assert e == pytest.approx(2.0, abs=1e-3) and alpha == pytest.approx(0.4, abs=1e-3)
+    assert a * (1e12 / curve.x0) ** alpha == pytest.approx(1.5, rel=1e-3)  # the same curve
+    assert curve.inverse(float(curve(3e12))) == pytest.approx(3e12, rel=1e-6)
+    assert curve.inverse(1.0) == math.inf  # below E: never reached
+
+
+def test_too_few_budgets_fall_back_to_a_log_linear_fit_and_say_so():
+    xs = np.asarray([1e11, 2e11, 4e11] * 2)
+    curve = fit_curve(xs, power_law(xs))
+    assert curve.kind == "loglinear" and "(log-linear)" in curve.describe()
+    assert curve.params["b"] > 0 and curve.inverse(float(curve(2e11))) == pytest.approx(2e11)
+    with pytest.raises(ValueError, match="two or more"):
+        fit_curve([1e11, 1e11], [3.0, 3.1])
+
+
+# ------------------------------------------------------------------------------ the multiplier
+
+
+def test_a_known_multiplier_is_recovered_within_its_interval():
+    """Headless gets 4× the value of each FLOP: where the vanilla arm's budgets reach its loss
+    (its two smallest budgets: 4× of them stays within vanilla's 16× span), the multiplier reads
+    4 inside its 95% interval and holds; beyond, it is a bound, never an extrapolated number."""
+    c = compare_arms(points(4.0))
+    readable = [r for r in c.rows if 0 < r.estimate < math.inf]
+    assert [r.budget for r in readable] == ["2e+11", "4e+11"]
+    for row in readable:
+        assert row.low <= 4.0 <= row.high and row.estimate == pytest.approx(4.0, rel=0.05)
+        assert row.verdict == HOLDS
+        assert format_multiplier(row).startswith(f"{row.estimate:.3g}× [")
+    for row in c.rows[2:]:
+        assert row.estimate == math.inf and row.verdict == HOLDS
+        assert format_multiplier(row).startswith(f"> {row.bound_high:.3g}×")  # a bound
+    assert c.seeds == {"headless": 3, "vanilla": 3} and c.distinct > 50
+    text = scaling_fit.closing_sentence(c, "FLOPs", "this scale")
+    assert "headless reaches its loss for **less** FLOPs" in text and "cannot" not in text
+
+
+def test_a_pair_with_no_multiplier_reads_cannot_be_told_apart():
+    c = compare_arms(points(1.0))
+    assert all(r.verdict == CANNOT for r in c.rows), [format_multiplier(r) for r in c.rows]
+    for row in c.rows:  # every interval holds 1 (or a bound on the side of 1)
+        assert row.low <= 1.0 <= row.high or (row.low == 0.0 and row.high >= 1.0)
+    text = scaling_fit.closing_sentence(c, "FLOPs", "this scale")
+    assert "**cannot be told apart**" in text and "every interval includes 1" in text
+
+
+def test_a_multiplier_below_one_reads_reversed():
+    c = compare_arms(points(0.25))
+    readable = [r for r in c.rows if 0 < r.estimate < math.inf]
+    assert readable and all(r.verdict == REVERSED for r in readable)
+    assert all(r.estimate == pytest.approx(0.25, rel=0.05) for r in readable)
+    text = scaling_fit.closing_sentence(c, "FLOPs", "here")
+    assert "vanilla reaches headless's loss for **less** FLOPs" in text
+
+
+def test_too_few_seeds_or_seeds_that_do_not_vary_read_cannot_be_told_apart():
+    two = compare_arms(points(4.0, seeds=2))
+    assert all(r.verdict == CANNOT and r.note.startswith("fewer than 3") for r in two.rows)
+    assert "[" not in format_multiplier(two.rows[0])  # no interval printed
+    same = compare_arms(points(4.0, noise=0.0))  # three identical seeds: no spread at all
+    assert all(r.verdict == CANNOT and "do not vary" in r.note for r in same.rows)
+
+
+def test_an_interval_end_at_a_bound_counts_only_as_far_as_the_bound():
+    assert scaling_fit._verdict(math.inf, math.inf, 1.5, 0.5)[0] == HOLDS  # all > 1.5
+    assert scaling_fit._verdict(math.inf, math.inf, 0.9, 0.5)[0] == CANNOT  # all > 0.9
+    assert scaling_fit._verdict(0.0, 0.0, 4.0, 0.8)[0] == REVERSED  # all < 0.8
+    assert scaling_fit._verdict(0.0, 0.0, 4.0, 1.2)[0] == CANNOT  # all < 1.2
+    assert scaling_fit._verdict(0.0, 2.0, 4.0, 0.5)[0] == CANNOT
+
+
+def test_a_trials_compute_counts_the_headless_generator_fine_tune():
+    """Pretraining at the FLOPs per step the run measured, plus the generator fine-tune's
+    tokens at the vanilla arm's FLOPs per token (a new head of the same vocabulary); seconds:
+    the budget's training seconds (across resumes), plus the fine-tune's."""
+    from hlm_ray.budget import flops_per_step, tokens_per_step
+    from hlm_ray.config import apply_overrides
+    from hlm_ray.tune.scaling_report import compare, trial_compute
+
+    cfg = get_sweep(SCALING.PRESETS, "tiny").cell_config("10G", "headless", 0)
+    summary = {"steps": 10, "vocab_size": 1024, "seconds": {"train": 4.0},
+               "budget": {"budget/flops_per_step_measured": 2e9, "budget/train_seconds": 5.0}}  # fmt: skip
+    vanilla = apply_overrides(cfg, {"objective.name": "vanilla", "optim.embedding_update": "dense"})
+    per_token = flops_per_step(vanilla, 1024) / tokens_per_step(cfg)
+    flops, seconds = trial_compute(summary, {"finetune/tokens": 2048, "finetune/seconds": 1.5}, cfg)
+    assert flops == pytest.approx(10 * 2e9 + 2048 * per_token) and seconds == 6.5
+    assert trial_compute(summary, {}, cfg) == (2e10, 5.0)  # a vanilla trial: pretraining alone
+    one_budget = [{"arm": a, "seed": 0, "budget": "1G", "flops": 1e9, "seconds": 1.0, "bpb": 3.0}
+                  for a in ("headless", "vanilla")]  # fmt: skip
+    with pytest.raises(HLMError, match="no report: .* fewer than two budgets"):
+        compare(one_budget, "flops")
+
+
+# ------------------------------------------------------------------------------ learning rates
+
+
+def test_each_arm_gets_its_own_learning_rate_in_every_trial_of_the_grid():
+    """The chosen rates reach every trial's config, as `cell_config` builds it and as Tune
+    resolves the space: a spec that ignored `arm_overrides` would give both arms one rate."""
+    from ray.tune.search.variant_generator import generate_variants
+
+    from hlm_ray.config import Config
+
+    chosen = {"headless": 0.01, "vanilla": 0.003}
+    spec = scaling.with_lrs(get_sweep(SCALING.PRESETS, "tiny"), chosen)
+    resolved = [Config.from_dict(v["config"]) for _, v in generate_variants(spec.param_space())]
+    assert len(resolved) == len(spec.cells()) == 6
+    for cfg in resolved:
+        assert cfg.optim.lr == chosen[cfg.objective.name]
+        lazy = cfg.objective.name == "headless"  # the preset's other per-arm setting
+        assert cfg.optim.embedding_update == ("lazy" if lazy else "dense")
+    for cell in spec.cells():
+        cfg = spec.cell_config(**cell)
+        assert cfg.optim.lr == chosen[cell["objective"]] and cfg.budget.warmup_share == 0.1
+        assert resolved.count(cfg) == 1
+    with pytest.raises(HLMError, match="every arm must set the same keys"):
+        get_sweep(SCALING.PRESETS, "tiny", ["sweep.arm_overrides=[headless:optim.lr=1e-3]"])
+    with pytest.raises(HLMError, match="objective:key=value"):
+        get_sweep(SCALING.PRESETS, "tiny", ["sweep.arm_overrides=[optim.lr=1e-3]"])
+
+
+def test_the_search_grid_the_choice_and_the_shared_rate():
+    spec = get_sweep(SCALING.PRESETS, "cpu")
+    assert scaling.search_lrs(spec) == [0.001, 0.00316, 0.01]
+    search = scaling.search_spec(spec)
+    assert search.values == (0.001, 0.00316, 0.01) and search.num_seeds == 1
+    cfg = search.cell_config(0.00316, "vanilla", 0)
+    assert cfg.optim.lr == 0.00316 and cfg.budget.flops == 3e11  # the smallest budget
+    rows = [
+        {"objective": o, "status": s, "value": lr, "downstream/score": score}
+        for o, lr, s, score in [
+            ("headless", 0.001, "FINISHED", 3.2), ("headless", 0.01, "FINISHED", 3.0),
+            ("vanilla", 0.001, "FINISHED", 3.6), ("vanilla", 0.01, "FINISHED", 3.9),
+            ("vanilla", 0.00316, "FAILED", math.nan),
+        ]
+    ]  # fmt: skip
+    chosen = scaling.choose_lrs(rows)
+    assert chosen == {"headless": 0.01, "vanilla": 0.001}
+    assert scaling.shared_lr(spec) == 0.001  # the preset's optim.lr
+    shared = scaling.shared_spec(spec, chosen)  # only the arm that chose another rate
+    assert shared.objectives == ("headless",)
+    assert shared.cell_config("300G", "headless", 0).optim.lr == 0.001
+    assert scaling.shared_spec(spec, {"headless": 0.001, "vanilla": 0.001}) is None
+    with pytest.raises(HLMError, match="no finished vanilla trial"):
+        scaling.choose_lrs([r for r in rows if r["objective"] == "headless"])
+
+
+def test_the_command_runs_the_search_then_each_arm_at_its_rate_then_the_shared_rate(
+    monkeypatch, tmp_path
+):
+    """`run_parts` with a stand-in `run_sweep` (no Ray): the rates the search chose reach the
+    tuned sweep's trials, the shared rate the third part's, and --storage-path every part."""
+    import hlm_ray.tune.sweep as sweep
+
+    ran = {}
+
+    def run_sweep(spec, *, name, assumptions=None, storage_path=None):
+        ran[name] = (spec, storage_path)
+        rows = [
+            {"objective": arm, "status": "FINISHED", "value": lr, "downstream/score": score}
+            for arm, lr, score in [("headless", 3e-3, 2.9), ("headless", 1e-2, 2.7),
+                                   ("vanilla", 3e-3, 3.1), ("vanilla", 1e-2, 3.4)]
+        ] if name.endswith("-lr") and not name.endswith("shared-lr") else []  # fmt: skip
+        (tmp_path / name).mkdir()
+        return sweep.SweepOutcome(name, tmp_path / name, rows, "", [], None, False, 2.0)
+
+    monkeypatch.setattr(sweep, "run_sweep", run_sweep)
+    args = SCALING.SCRIPT.parser().parse_args(["--preset", "tiny", "--storage-path", "s3://b/x"])
+    spec = get_sweep(SCALING.PRESETS, "tiny")
+    scaling.run_parts(spec, args, "sc")
+    assert list(ran) == ["sc-lr", "sc", "sc-shared-lr"]
+    assert all(storage == "s3://b/x" for _, storage in ran.values())
+    tuned, shared = ran["sc"][0], ran["sc-shared-lr"][0]
+    for cell in tuned.cells():  # each arm at the rate its search chose, every budget and seed
+        lr = {"headless": 1e-2, "vanilla": 3e-3}[cell["objective"]]
+        assert tuned.cell_config(**cell).optim.lr == lr
+    assert shared.objectives == ("headless",)  # vanilla chose the shared rate already
+    assert {shared.cell_config(**c).optim.lr for c in shared.cells()} == {3e-3}
+    assert json.loads((tmp_path / "sc" / scaling.TIMING_FILE).read_text())["shared"] == 2.0
+
+
+def test_budgets_are_flops_with_si_prefixes_and_bad_ones_fail_before_anything_runs():
+    assert [scaling.flops_of(v) for v in ("400G", "1.6T", "64E", 2e11)] == [
+        4e11, 1.6e12, 6.4e19, 2e11,
+    ]  # fmt: skip
+    spec = get_sweep(SCALING.PRESETS, "tiny", ["sweep.values=[5G,1e10]"])
+    assert [spec.cell_config(v, "headless", 0).budget.flops for v in spec.values] == [5e9, 1e10]
+    for bad in ("sweep.values=[10X]", "sweep.values=[-5G]"):
+        with pytest.raises(HLMError, match="positive number of FLOPs"):
+            scaling.check_budgets(get_sweep(SCALING.PRESETS, "tiny", [bad]))
+    assert SCALING.main(["--preset", "tiny", "--search"]) == 2
+
+
+# ------------------------------------------------------------------------------ the dry run
+
+
+def test_the_cpu_dry_run_prints_every_trials_budget_arm_learning_rate_and_seed(capsys):
+    assert SCALING.main(["--preset", "cpu", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "learning rates searched 0.001, 0.00316, 0.01 at the smallest budget, seed 0" in out
+    for lr in ("0.001", "0.00316", "0.01"):  # the search: each arm at each rate
+        for arm in ("headless", "vanilla"):
+            assert f"{arm} scaling-lr={lr} seed 0" in out
+    for budget in ("300G", "600G", "1.2T", "2.4T"):
+        for arm in ("headless", "vanilla"):
+            for seed in range(3):
+                assert out.count(f"{arm} scaling={budget} seed {seed} ") == 2  # tuned, shared
+    assert "54 trials at most" in out
+
+
+def test_the_paper_dry_run_prints_its_cost_plan(capsys):
+    assert SCALING.main(["--preset", "paper", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "plan for scaling-paper: 30 trial(s)" in out and "GPU-hours" in out
+    assert "headless scaling=64E seed 2" in out
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_scaling_tiny_end_to_end(ray_cluster, mlflow_server, tmp_path, monkeypatch, capsys):
+    """`python sweeps/scaling.py --preset tiny`, as the suite runs it: the search, the tuned
+    budgets, the shared-rate budgets, the report; each arm's trials at the rate its search
+    chose, that rate on the parent run; trials trained in their own process (local mode)."""
+    monkeypatch.chdir(tmp_path)
+    use_mlflow_server(mlflow_server, monkeypatch.setenv)
+    assert SCALING.main(["--preset", "tiny", "--name", "sc"]) == 0
+    root = tmp_path / "runs" / "sweeps"
+    text = (root / "sc" / "report.md").read_text()
+    assert text.count("cannot be told apart") >= 3  # one seed: no interval, said so
+    assert "(log-linear)" in text  # 3 budgets: log-linear fits, said so
+    assert "s for the command (the search" in text and "s in optimizer steps" in text
+    for png in ("scaling.png", "scaling_shared_lr.png"):
+        assert (root / "sc" / png).stat().st_size > 1000
+
+    search = [r for r in summary_rows(root / "sc-lr") if r["status"] == "FINISHED"]
+    assert len(search) == 4
+    chosen = {}
+    for arm in ("headless", "vanilla"):
+        mine = [r for r in search if r["objective"] == arm]
+        best = min(mine, key=lambda r: float(r["downstream/score"]))
+        chosen[arm] = float(best["learning_rate"])
+    client, (parent,), children = sweep_runs(mlflow_server, "sc")
+    for arm, lr in chosen.items():
+        assert float(parent.data.params[f"scaling.lr.{arm}"]) == lr
+    rows = summary_rows(root / "sc")
+    assert len(rows) == 6 and all(r["status"] == "FINISHED" for r in rows)
+    by_trial = {c.data.tags["trial_id"]: c for c in children}
+    for row in rows:  # the rate of its arm, in its config and on its MLflow run
+        saved = yaml.safe_load((root / "sc" / "trials" / row["run"] / "config.yaml").read_text())
+        assert saved["optim"]["lr"] == chosen[row["objective"]], row["run"]
+        child = by_trial[row["trial_id"]]
+        assert float(child.data.params["optim.lr"]) == chosen[row["objective"]]
+        assert child.data.tags["ray_train"] == "local"
+        assert child.data.metrics["trial/pretrain_overhead_s"] > 0
+    redo = [arm for arm, lr in chosen.items() if lr != 3e-3]  # the preset's rate
+    shared = root / "sc-shared-lr"
+    assert shared.is_dir() == bool(redo)
+    if redo:
+        again = summary_rows(shared)
+        assert sorted({r["objective"] for r in again}) == sorted(redo)
+        assert len(again) == 3 * len(redo)
+        for row in again:
+            saved = yaml.safe_load((shared / "trials" / row["run"] / "config.yaml").read_text())
+            assert saved["optim"]["lr"] == 3e-3
+    out = capsys.readouterr().out
+    assert "chosen: headless lr" in out and "# Compute multiplier: preset tiny" in out
