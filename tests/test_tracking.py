@@ -195,6 +195,58 @@ def test_a_registered_generator_predicts_the_librarys_text(store, tiny_decoder_d
     assert len(set(want)) == 2 and all(len(w) > len(p) for w, p in zip(want, prompts, strict=True))
 
 
+def test_two_stores_with_one_model_name_and_version_each_load_their_own(store, tmp_path):
+    """`models:/NAME/1` of one store is not `models:/NAME/1` of another (a second project folder,
+    or mlflow.db deleted and made again): each loads its own weights through the one cache."""
+    from hlm_ray.tracking import download_model
+
+    root, uri_a = store
+    mlflow.MlflowClient(uri_a).search_experiments()  # the module's store exists (migrated)
+    (tmp_path / "b").mkdir()
+    shutil.copy(root / "mlflow.db", tmp_path / "b" / "mlflow.db")  # a second, migrated store
+    uri_b = f"sqlite:///{tmp_path / 'b' / 'mlflow.db'}"
+    name = "test-one-name-two-stores"
+
+    def register(uri: str, weights: str) -> str:
+        folder = tmp_path / weights / "model"
+        folder.mkdir(parents=True)
+        (folder / "weights.txt").write_text(weights)
+        client = mlflow.MlflowClient(uri)
+        client.create_registered_model(name)
+        return str(client.create_model_version(name, str(folder)).version)
+
+    def load(uri: str) -> str:
+        return (download_model(f"models:/{name}/1", tracking_uri=uri) / "weights.txt").read_text()
+
+    assert register(uri_a, "first") == register(uri_b, "second") == "1"
+    assert (load(uri_a), load(uri_b), load(uri_a)) == ("first", "second", "first")
+    # The same store made again: its name deleted and registered anew, version 1 once more.
+    mlflow.MlflowClient(uri_a).delete_registered_model(name)
+    assert register(uri_a, "third") == "1"
+    assert load(uri_a) == "third"
+
+
+def test_a_failed_registration_leaves_no_run_running(store, tmp_path):
+    """A wrong folder is refused before any run is opened; a failure after the run holding the
+    model was opened ends that run FAILED, never RUNNING forever."""
+    from hlm_ray.errors import HLMError
+    from hlm_ray.tracking import register_model
+
+    uri, experiment = store[1], "test-failed-registration"
+    with pytest.raises(HLMError, match=r"model folder .*nowhere/model does not exist"):
+        register_model(tmp_path / "nowhere" / "model", "test-bad", tracking_uri=uri,
+                       experiment=experiment)  # fmt: skip
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")  # no model_type: transformers cannot load it
+    with pytest.raises(HLMError, match="registering test-bad .* failed"):
+        register_model(broken, "test-bad", tracking_uri=uri, experiment=experiment)
+    runs = mlflow.MlflowClient(uri).search_runs(
+        [mlflow.MlflowClient(uri).get_experiment_by_name(experiment).experiment_id]
+    )
+    assert [(r.info.run_name, r.info.status) for r in runs] == [("register-test-bad", "FAILED")]
+
+
 def test_resume_continues_the_same_run(client, experiment, caplog):
     params = {"optim": {"lr": 1e-3}, "seed": 0}
     first = MlflowTracker(experiment, run_name="attempt")
