@@ -84,3 +84,39 @@ def test_unknown_preset_and_objective_list_the_choices():
         get_preset("gpt5")
     with pytest.raises(HLMError, match="unknown objective 'x'; choose one of: headless"):
         get_preset("tiny-decoder", objective="x")
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "optim.lr=inf",
+        "optim.lr=.inf",
+        "optim.lr=-inf",
+        "objective.temperature=nan",
+        "optim.max_steps=1e400",
+        "run.checkpoint_every=1e400",
+        "tokenizer.vocab_size=1e400",
+        "optim.max_steps=inf",
+    ],
+)
+def test_non_finite_and_overflowing_numbers_fail_in_one_line(override):
+    """`inf` passed every `> 0` check and `1e400` for an int ended in an OverflowError
+    traceback: every numeric setting is refused at parse time, naming the field."""
+    with pytest.raises(HLMError) as err:
+        load_config("tiny-decoder", overrides=[override])
+    field = override.partition("=")[0]
+    assert str(err.value).startswith(f"{field}=") and "not allowed; expected" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_sweep_setting_that_overflows_fails_in_one_line():
+    import importlib.util
+    from pathlib import Path
+
+    from hlm_ray.tune.spec import get_sweep
+
+    path = Path(__file__).resolve().parents[1] / "sweeps" / "vocab.py"
+    module = importlib.util.module_from_spec(importlib.util.spec_from_file_location("v", path))
+    module.__spec__.loader.exec_module(module)
+    with pytest.raises(HLMError, match=r"^sweep.num_seeds='1e400' is not allowed; expected a fin"):
+        get_sweep(module.PRESETS, "tiny", ["sweep.num_seeds=1e400"])

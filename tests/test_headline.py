@@ -75,6 +75,28 @@ def test_verdicts_follow_the_papers_direction():
     assert stats.verdict(stats.difference([0.9], [0.1]), higher_is_better=True) == stats.NOISE
 
 
+def test_zero_spread_or_too_few_seeds_cannot_be_told_apart_and_says_why():
+    # Two classifiers per arm collapsed to their majority class: identical scores within each
+    # arm are no evidence of a difference, whichever way the means lie.
+    for a, b in [([0.4862, 0.4862], [0.5138, 0.5138]), ([0.6, 0.6, 0.6], [0.5, 0.5, 0.5])]:
+        for paired in (False, True):
+            d = stats.difference(a, b, paired_by_seed=paired)
+            assert stats.verdict(d, higher_is_better=True) == stats.NOISE, (a, b, paired)
+            assert stats.verdict(d, higher_is_better=False) == stats.NOISE, (a, b, paired)
+            assert "zero spread" in d.reason and math.isnan(d.low), (a, b, paired)
+    few = stats.difference([0.9], [0.1, 0.2, 0.15])  # 1 + 3 seeds
+    assert stats.verdict(few, higher_is_better=True) == stats.NOISE
+    assert "needs 2 or more per arm" in few.reason
+    assert stats.difference(A, B).reason == ""  # an interval: no reason needed
+    trials = [report.Trial("enc", arm, s, {"acc": x}) for arm, x in [("headless", 0.4862),
+              ("vanilla", 0.5138)] for s in (0, 1)]  # fmt: skip
+    (row,) = report.compare(trials, [report.Score("acc", "SST-2 acc", "enc", headline=True)])
+    assert row.verdict == stats.NOISE
+    text = report.markdown([row], title="t", scale="x")
+    assert "**cannot be told apart from noise** at x (zero spread" in text
+    assert "| cannot be told apart from noise (zero spread" in text  # the table says why too
+
+
 def test_near_baseline_uses_the_interval_or_the_single_score():
     assert stats.near_baseline(stats.describe([0.5862, 0.5862]), 0.5862)  # collapsed classifier
     assert stats.near_baseline(stats.describe([0.55, 0.62, 0.58]), 0.5862)

@@ -145,6 +145,8 @@ def test_ctrl_c_damaged_checkpoints_and_resume_on_ray(ray_cluster, mlflow_store,
     assert (out / f"damaged-{newest.name}").is_dir() and (out / f"damaged-{half.name}").is_dir()
     assert ckpt.verify(half) is None  # the step was saved again, whole
     assert [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(out)][-1] == end
+    # The checkpoint it fell back to is pruned with the rest: run.keep_checkpoints, not one more.
+    assert len(ckpt.list_checkpoints(out)) == cfg.run.keep_checkpoints
     metric_steps = [r["step"] for r in read_metrics(out) if "train/loss" in r]
     assert metric_steps == list(range(4, end + 1, 4))  # redone steps replaced, not repeated
     history = client.get_metric_history(run.info.run_id, "train/loss")

@@ -7,6 +7,7 @@ and each test uses its own experiment.
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import re
 import shutil
@@ -92,6 +93,28 @@ def test_import_does_not_load_mlflow_or_matplotlib():
         "assert 'mlflow' not in sys.modules and 'matplotlib' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=PROJECT_ROOT)
+
+
+def test_mlflow_telemetry_is_off_in_hlm_processes_unless_the_user_set_it():
+    """MLflow's telemetry thread edits os.environ (`_MLFLOW_TELEMETRY_SESSION_ID`) while the
+    process copies its environment: a KeyError there turned a sweep trial's tracking off. Run
+    outside pytest and CI (MLflow turns telemetry off there by itself)."""
+    quiet = ("PYTEST_CURRENT_TEST", "CI", "GITHUB_ACTIONS", "MLFLOW_DISABLE_TELEMETRY")
+    env = {k: v for k, v in os.environ.items() if k not in quiet}
+
+    def run(code: str, **extra) -> list[str]:
+        out = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, cwd=PROJECT_ROOT,
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        return out.stdout.split()
+
+    with_mlflow = (
+        "import os, hlm_ray.tracking, mlflow; "
+        "from mlflow.telemetry.client import get_telemetry_client as get; "
+        "print(os.environ['MLFLOW_DISABLE_TELEMETRY'], get() is None)"
+    )
+    assert run(with_mlflow) == ["true", "True"]
+    setting = "import os, hlm_ray.tracking; print(os.environ['MLFLOW_DISABLE_TELEMETRY'])"
+    assert run(setting, MLFLOW_DISABLE_TELEMETRY="false") == ["false"]  # the user's choice stands
 
 
 def test_git_commit(tmp_path):
@@ -193,6 +216,58 @@ def test_a_registered_generator_predicts_the_librarys_text(store, tiny_decoder_d
                                                                  temperature=0), strict=True)]  # fmt: skip
     assert got == want
     assert len(set(want)) == 2 and all(len(w) > len(p) for w, p in zip(want, prompts, strict=True))
+
+
+def test_two_stores_with_one_model_name_and_version_each_load_their_own(store, tmp_path):
+    """`models:/NAME/1` of one store is not `models:/NAME/1` of another (a second project folder,
+    or mlflow.db deleted and made again): each loads its own weights through the one cache."""
+    from hlm_ray.tracking import download_model
+
+    root, uri_a = store
+    mlflow.MlflowClient(uri_a).search_experiments()  # the module's store exists (migrated)
+    (tmp_path / "b").mkdir()
+    shutil.copy(root / "mlflow.db", tmp_path / "b" / "mlflow.db")  # a second, migrated store
+    uri_b = f"sqlite:///{tmp_path / 'b' / 'mlflow.db'}"
+    name = "test-one-name-two-stores"
+
+    def register(uri: str, weights: str) -> str:
+        folder = tmp_path / weights / "model"
+        folder.mkdir(parents=True)
+        (folder / "weights.txt").write_text(weights)
+        client = mlflow.MlflowClient(uri)
+        client.create_registered_model(name)
+        return str(client.create_model_version(name, str(folder)).version)
+
+    def load(uri: str) -> str:
+        return (download_model(f"models:/{name}/1", tracking_uri=uri) / "weights.txt").read_text()
+
+    assert register(uri_a, "first") == register(uri_b, "second") == "1"
+    assert (load(uri_a), load(uri_b), load(uri_a)) == ("first", "second", "first")
+    # The same store made again: its name deleted and registered anew, version 1 once more.
+    mlflow.MlflowClient(uri_a).delete_registered_model(name)
+    assert register(uri_a, "third") == "1"
+    assert load(uri_a) == "third"
+
+
+def test_a_failed_registration_leaves_no_run_running(store, tmp_path):
+    """A wrong folder is refused before any run is opened; a failure after the run holding the
+    model was opened ends that run FAILED, never RUNNING forever."""
+    from hlm_ray.errors import HLMError
+    from hlm_ray.tracking import register_model
+
+    uri, experiment = store[1], "test-failed-registration"
+    with pytest.raises(HLMError, match=r"model folder .*nowhere/model does not exist"):
+        register_model(tmp_path / "nowhere" / "model", "test-bad", tracking_uri=uri,
+                       experiment=experiment)  # fmt: skip
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")  # no model_type: transformers cannot load it
+    with pytest.raises(HLMError, match="registering test-bad .* failed"):
+        register_model(broken, "test-bad", tracking_uri=uri, experiment=experiment)
+    runs = mlflow.MlflowClient(uri).search_runs(
+        [mlflow.MlflowClient(uri).get_experiment_by_name(experiment).experiment_id]
+    )
+    assert [(r.info.run_name, r.info.status) for r in runs] == [("register-test-bad", "FAILED")]
 
 
 def test_resume_continues_the_same_run(client, experiment, caplog):
@@ -417,6 +492,80 @@ def test_sync_of_a_folder_that_is_not_a_run_says_so_in_one_line(tmp_path):
     with pytest.raises(HLMError, match=r"no mlflow_run\.json and no metrics\.jsonl: not a run"):
         sync_run(tmp_path)
     assert list(tmp_path.iterdir()) == []  # nothing written into a folder that is not a run
+
+
+def _run_folder_behind_a_dead_server(folder, store_uri: str, experiment: str) -> str:
+    """A run folder whose MLflow run (in `store_uri`) has steps 10 and 20 of metrics.jsonl's
+    10, 20, 30, and whose mlflow_run.json names a sweep's loopback server that is gone."""
+    tracker = MlflowTracker(experiment, "trial", tracking_uri=store_uri)
+    jsonl = JsonlTracker(folder)
+    for step in (10, 20, 30):
+        jsonl.log_metrics({"train/loss": 1.0 / step}, step=step)
+        if step < 30:
+            tracker.log_metrics({"train/loss": 1.0 / step}, step=step)
+    write_run_ref(folder, tracker.run_id, f"http://127.0.0.1:{free_port()}")  # nobody there
+    return tracker.run_id
+
+
+def test_sync_reaches_the_store_the_user_names_not_only_the_recorded_server(
+    store, tmp_path, monkeypatch, capsys
+):
+    """A sweep trial's folder records its sweep's own server on an ephemeral loopback port;
+    `hlm sync` finds the run through --tracking-uri, $MLFLOW_TRACKING_URI or the folder's own
+    store, and otherwise says which option names the store (advice that can succeed)."""
+    from hlm_ray.cli import main
+
+    root, uri = store
+
+    def history(run_id: str) -> list[int]:
+        points = mlflow.MlflowClient(uri).get_metric_history(run_id, "train/loss")
+        return sorted(m.step for m in points)
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("HLM_MLFLOW_DIR", str(tmp_path / "elsewhere"))  # no store there
+    lost = _run_folder_behind_a_dead_server(tmp_path / "a", uri, "test-sync-stores")
+    assert main(["sync", str(tmp_path / "a")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--tracking-uri URI" in err and "127.0.0.1" in err
+    assert main(["sync", str(tmp_path / "a"), "--tracking-uri", uri]) == 0
+    assert history(lost) == [10, 20, 30]
+    assert read_run_ref(tmp_path / "a")["tracking_uri"] == uri  # found there next time
+
+    by_env = _run_folder_behind_a_dead_server(tmp_path / "b", uri, "test-sync-stores")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    assert main(["sync", str(tmp_path / "b")]) == 0
+    assert history(by_env) == [10, 20, 30]
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    monkeypatch.setenv("HLM_MLFLOW_DIR", str(root))  # the project folder's own mlflow.db
+    here = _run_folder_behind_a_dead_server(tmp_path / "c", uri, "test-sync-stores")
+    assert main(["sync", str(tmp_path / "c")]) == 0
+    assert history(here) == [10, 20, 30]
+    assert "1 metric point(s)" in capsys.readouterr().out
+
+
+def test_a_resumed_trial_whose_training_was_complete_replays_what_mlflow_missed(
+    store, tmp_path, monkeypatch
+):
+    """A sweep SIGKILLed after a trial's training ended, while its worker wrote the last steps
+    with the tracking server gone: the re-run skips training (summary.json and model/ are
+    there) and must still send those steps to the new sweep's store."""
+    import json
+
+    from hlm_ray.config import Config, apply_overrides
+    from hlm_ray.tune import trial
+
+    uri = store[1]
+    folder = tmp_path / "headless-t1-s0-abc"
+    run_id = _run_folder_behind_a_dead_server(folder, uri, "test-trial-replay")
+    (folder / "model").mkdir()
+    summary = {"steps": 30, "tokens_per_s": 1000.0, "model_dir": str(folder / "model")}
+    (folder / "summary.json").write_text(json.dumps(summary))
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # the resumed sweep's store
+    cfg = apply_overrides(Config(), {"optim.max_steps": 30})
+    assert trial._pretrain(cfg, runtime=None, out_dir=folder, trial_id="abc") == summary
+    steps = mlflow.MlflowClient(uri).get_metric_history(run_id, "train/loss")
+    assert sorted(m.step for m in steps) == [10, 20, 30]
 
 
 def test_free_port_is_outside_the_ports_the_kernel_hands_out(monkeypatch):

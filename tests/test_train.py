@@ -1,6 +1,7 @@
 """The per-worker training loop, end to end on real text, in one process (no Ray)."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -268,3 +269,31 @@ def test_the_summary_table_names_its_columns_and_groups_large_counts():
         "| headless | gpt_neox | 10 | 123,456 | 12,346 | 512 | 1,234,567 | 1.5000 |",
         "headless model: runs/x/model",
     ]
+
+
+def test_check_finite_loss_names_the_step_and_window():
+    from hlm_ray.train.log_window import check_finite_loss
+
+    check_finite_loss(2.5, done=10, steps=5)  # finite: nothing
+    for bad in (math.nan, math.inf, -math.inf):
+        with pytest.raises(HLMError, match=r"diverged: the loss is .* at step 10 .*steps 6\.\.10"):
+            check_finite_loss(bad, done=10, steps=5)
+
+
+LR_1E30 = {"optim.lr": 1e30}
+
+
+def test_a_diverged_run_stops_at_the_step_and_saves_no_nan_weights(tmp_path):
+    """optim.lr=1e30: the weights are NaN within a few steps. The run stops at the first log or
+    checkpoint step that sees the loss, saves no model, and every checkpoint it kept is finite
+    (checkpoints every 2 steps, logs every 4: the checkpoint steps between logs check too)."""
+    out = tmp_path / "nan"
+    cfg = tiny_run_cfg(out, "tiny-decoder", "headless", steps=12, every=(4, 12, 2), **LR_1E30)
+    with pytest.raises(HLMError, match=r"training diverged: the loss is \w+ at step \d+") as err:
+        train_worker(cfg.to_dict(), progress=False)
+    assert "\n" not in str(err.value)
+    assert not (out / "model").exists() and not (out / "summary.json").exists()
+    stopped = int(str(err.value).split(" at step ")[1].split()[0])
+    assert stopped < 12
+    for folder in ckpt.list_checkpoints(out):
+        assert ckpt.checkpoint_step(folder) < stopped

@@ -39,6 +39,8 @@ def test_scores_sentence_from_the_numbers():
     assert "outside the noise at 1 of 2 sizes (V=32768: holds" in text
     one_seed = scores_sentence([_row("1024", [0.7], [0.6])])
     assert "one seed per point gives no interval" in one_seed
+    collapsed = scores_sentence([_row("1024", [0.51, 0.51], [0.49, 0.49])])
+    assert "cannot be told apart at any size" in collapsed and "zero spread at V=1024" in collapsed
 
 
 def test_at_chance_marks_points_whose_interval_includes_the_baseline():

@@ -43,6 +43,12 @@ def add_parsers(sub) -> None:
 
     sync = add_command(sub, "sync", cmd_sync)
     sync.add_argument("run", help="the run folder (an `hlm train --output`)")
+    sync.add_argument(
+        "--tracking-uri",
+        default=None,
+        help="the MLflow store that holds the run (default: the one the folder recorded, then "
+        "$MLFLOW_TRACKING_URI or the project's mlflow.db)",
+    )
 
     compare = add_command(sub, "compare", cmd_compare)
     config_args(compare)
@@ -135,7 +141,7 @@ def cmd_sync(args) -> int:
     points (never the ones it has), params, final artifacts, status."""
     from hlm_ray.tracking.sync import sync_run
 
-    report = sync_run(args.run)
+    report = sync_run(args.run, tracking_uri=args.tracking_uri)
     print(
         f"synced {args.run} to MLflow run {report['run_id']}: {report['metrics_logged']} metric "
         f"point(s), {report['params_logged']} param(s), "

@@ -12,6 +12,7 @@ tuple); an unknown field or a value of the wrong type raises `HLMError` naming t
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import fields
@@ -99,9 +100,15 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
         if hint is int:
             if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
                 raise ValueError
-            return int(float(value)) if isinstance(value, str) and "e" in value else int(value)
+            number = float(value) if isinstance(value, str) and "e" in value.lower() else value
+            if isinstance(number, float) and not math.isfinite(number):
+                raise HLMError(f"{name}={value!r} is not allowed; expected a finite int")
+            return int(number)
         if hint is float:
-            return float(value)
+            number = float(value)
+            if not math.isfinite(number):  # inf passes every `> 0` check, nan fails them all
+                raise HLMError(f"{name}={value!r} is not allowed; expected a finite float")
+            return number
         if hint is str:
             if not isinstance(value, str | int | float):
                 raise ValueError

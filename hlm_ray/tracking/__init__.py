@@ -13,7 +13,17 @@ importing it stays cheap).
     from hlm_ray.tracking import JsonlTracker, MlflowTracker, MultiTracker, default_tracking_uri
     tracker = MultiTracker(JsonlTracker(out_dir), MlflowTracker("hlm", run_name="tiny"))
     tracker.log_metrics({"train/loss": 2.3}, step=10); tracker.finish("FINISHED")
+
+MLflow's usage telemetry is turned off for hlm's processes (``MLFLOW_DISABLE_TELEMETRY=true``
+unless set) before mlflow can be imported: its background thread, which reaches out to the
+network when mlflow is imported, adds and removes ``_MLFLOW_TELEMETRY_SESSION_ID`` in
+``os.environ`` while the process reads its environment elsewhere, and a copy of the environment
+taken at that moment raised KeyError in a sweep trial and turned its tracking off.
 """
+
+import os
+
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
 from hlm_ray.tracking.base import (
     RUN_REF_FILE,

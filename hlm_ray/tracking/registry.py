@@ -28,7 +28,14 @@ from hlm_ray.errors import HLMError, one_line
 from hlm_ray.model_card import CARD_FILE
 from hlm_ray.tracking import store
 from hlm_ray.tracking.mlflow_tracker import MlflowTracker
-from hlm_ray.tracking.store import MAX_TAG_VALUE, clip, default_tracking_uri, is_number, redact
+from hlm_ray.tracking.store import (
+    MAX_TAG_VALUE,
+    absolute_uri,
+    clip,
+    default_tracking_uri,
+    is_number,
+    redact,
+)
 
 REGISTRY_SCHEME = "models:/"
 FLAVOR_SUBDIR = "model"  # where the transformers flavor keeps the weights (save_pretrained)
@@ -137,9 +144,11 @@ def register_model(
 
     if task not in TASKS:
         raise HLMError(f"task={task!r} cannot be registered; use one of {', '.join(TASKS)}")
+    _check_model_dir(Path(model_dir), extra_files)
     if input_example is None:
         input_example = DEFAULT_EXAMPLE
     uri = tracking_uri or default_tracking_uri()
+    opened: MlflowTracker | None = None  # the run made here to hold the model, if any
     try:
         store.probe(uri)
         import mlflow
@@ -147,7 +156,8 @@ def register_model(
 
         client = MlflowClient(tracking_uri=uri)
         if run_id is None:
-            run_id = MlflowTracker(experiment, f"register-{name}", tracking_uri=uri).run_id
+            opened = MlflowTracker(experiment, f"register-{name}", tracking_uri=uri)
+            run_id = opened.run_id
             if run_id is None:
                 raise HLMError(f"cannot open an MLflow run at {redact(uri)} to register {name}")
         metrics = {k: float(v) for k, v in flatten(results or {}) if is_number(v)}
@@ -169,14 +179,37 @@ def register_model(
             version = mlflow.register_model(info.model_uri, name, tags=version_tags)
         if alias:
             client.set_registered_model_alias(name, alias, version.version)
-    except HLMError:
-        raise
-    except Exception as err:
+    except BaseException as err:
+        if opened is not None:  # a run left RUNNING would say registration is still going on
+            opened.finish("FAILED" if isinstance(err, Exception) else "KILLED")
+        if isinstance(err, HLMError) or not isinstance(err, Exception):
+            raise
         raise HLMError(
             f"registering {name} at {redact(uri)} failed: {type(err).__name__}: "
             f"{one_line(err, limit=300, empty='(no message)')}"
         ) from None
+    if opened is not None:
+        opened.finish("FINISHED")
     return name, int(version.version)
+
+
+def _check_model_dir(model_dir: Path, extra_files: Iterable[str | Path]) -> None:
+    """A model folder (config.json and weights, as `save_pretrained` writes) and extra files
+    that exist, checked before any MLflow run is opened."""
+    if not model_dir.is_dir():
+        what = "is a file" if model_dir.exists() else "does not exist"
+        raise HLMError(
+            f"model folder {model_dir} {what}; pass the model/ folder of a fine-tuned run "
+            "(e.g. runs/<name>/model, as `hlm finetune` prints)"
+        )
+    if not (model_dir / "config.json").is_file():
+        raise HLMError(
+            f"{model_dir} holds no config.json: not a saved model folder; pass the model/ "
+            "folder of a fine-tuned run"
+        )
+    for extra in extra_files:
+        if not Path(extra).is_file():
+            raise HLMError(f"extra file {extra} does not exist")
 
 
 @contextmanager
@@ -200,10 +233,13 @@ def download_model(uri: str, *, tracking_uri: str | None = None) -> Path:
     transformers-flavor version, the whole artifact of one registered as a plain folder.
 
     Versions are immutable, so each is downloaded once into the cache (an alias is resolved to
-    its version first: moving the alias serves the new version)."""
+    its version first: moving the alias serves the new version). The cache is keyed by the
+    store and the version's identity (its run, source and creation time), not by NAME/VERSION
+    alone: another store, or a store made again after its mlflow.db was deleted, has its own
+    version 1 of the same name."""
     from hlm_ray.paths import cache_dir
 
-    tracking_uri = tracking_uri or default_tracking_uri()
+    tracking_uri = absolute_uri(tracking_uri or default_tracking_uri())
     name, version = parse_model_uri(uri)
     try:
         store.probe(tracking_uri)
@@ -214,10 +250,11 @@ def download_model(uri: str, *, tracking_uri: str | None = None) -> Path:
         client = MlflowClient(tracking_uri=tracking_uri)
         if not version.isdigit():
             version = client.get_model_version_by_alias(name, version).version
-        target = cache_dir("registry", name, str(version))
+        found = client.get_model_version(name, str(version))
+        target = cache_dir("registry", name, f"{version}-{version_key(tracking_uri, found)}")
         done = target / ".complete"
         if not done.exists():
-            source = client.get_model_version(name, str(version)).source
+            source = found.source
             tmp = target.with_name(f".tmp-{os.getpid()}-{target.name}")
             download_artifacts(artifact_uri=source, dst_path=str(tmp), tracking_uri=tracking_uri)
             inner = tmp / Path(source).name  # download_artifacts keeps the folder's name
@@ -235,6 +272,23 @@ def download_model(uri: str, *, tracking_uri: str | None = None) -> Path:
             "`mlflow ui` or register one with `hlm finetune --task clm --register NAME`"
         ) from None
     return target / FLAVOR_SUBDIR if (target / "MLmodel").is_file() else target
+
+
+def version_key(tracking_uri: str, version: Any) -> str:
+    """What tells a registered version apart from every other one under the same NAME/VERSION
+    (16 hex digits): the store's URI, and the version's run, source and creation time (a new
+    store, or one made again, gives its version 1 a new run and a new logged-model source)."""
+    import hashlib
+
+    identity = [
+        tracking_uri,
+        version.name,
+        str(version.version),
+        version.run_id or "",
+        version.source or "",
+        str(version.creation_timestamp or ""),
+    ]
+    return hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16]
 
 
 def _complete_flavor_folder(target: Path) -> None:

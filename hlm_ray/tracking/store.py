@@ -74,11 +74,17 @@ def default_tracking_uri() -> str:
     uri = os.environ.get(TRACKING_URI_ENV, "").strip()
     if not uri:
         return f"sqlite:///{mlflow_dir() / 'mlflow.db'}"
+    return absolute_uri(uri)
+
+
+def absolute_uri(uri: str) -> str:
+    """A sqlite URI with its database path made absolute (``sqlite:///mlflow.db`` names another
+    store in every folder); other URIs unchanged."""
     db = sqlite_path(uri)
-    if db is not None and not db.is_absolute():
-        query = uri.partition("?")[2]
-        return f"sqlite:///{db.resolve()}" + (f"?{query}" if query else "")
-    return uri
+    if db is None or db.is_absolute():
+        return uri
+    query = uri.partition("?")[2]
+    return f"sqlite:///{db.resolve()}" + (f"?{query}" if query else "")
 
 
 def log_tags(client, run_id: str, tags: dict[str, Any]) -> None:

@@ -47,8 +47,8 @@ def sync_run(out_dir: str | Path, *, tracking_uri: str | None = None) -> dict[st
     out_dir = Path(out_dir)
     info = read_run_ref(out_dir) or _open_untracked(out_dir, tracking_uri)
     run_id = info["run_id"]
-    uri = tracking_uri or info.get("tracking_uri")
     bound_http_waits()
+    uri = locate_run(out_dir, run_id, info.get("tracking_uri"), tracking_uri)
     try:
         probe(uri)
         from mlflow import MlflowClient
@@ -103,6 +103,39 @@ def sync_run(out_dir: str | Path, *, tracking_uri: str | None = None) -> dict[st
         "artifacts_logged": [a for _, a in artifacts],
         "status": status,
     }
+
+
+def locate_run(out_dir: Path, run_id: str, recorded: str | None, given: str | None) -> str:
+    """The tracking URI that holds `run_id`: `given` (--tracking-uri) if named; else the one
+    the folder recorded, then $MLFLOW_TRACKING_URI or the project's own store. A sweep trial
+    records its sweep's own server on an ephemeral loopback port, gone once the sweep ends: the
+    store behind it is found through the others, and recorded for the next sync."""
+    from hlm_ray.tracking.store import default_tracking_uri, probe, redact, sqlite_path
+
+    named = [given] if given else [recorded, default_tracking_uri()]
+    candidates = list(dict.fromkeys(u for u in named if u))
+    for uri in candidates:
+        db = sqlite_path(uri)
+        if db is not None and not db.is_file():
+            continue  # opening it would create an empty store, which cannot hold the run
+        try:
+            probe(uri)
+            from mlflow import MlflowClient
+
+            MlflowClient(tracking_uri=uri).get_run(run_id)
+        except Exception:
+            continue
+        if uri != recorded:
+            path = out_dir / RUN_ID_FILE
+            ref = json.loads(path.read_text())
+            path.write_text(json.dumps({**ref, "tracking_uri": uri}))
+        return uri
+    tried = ", ".join(redact(u) for u in candidates)
+    raise HLMError(
+        f"cannot sync {out_dir}: its MLflow run {run_id} is not reachable at {tried}; retry "
+        f"with `hlm sync {out_dir}` once the server is back, or name the store that holds it: "
+        f"`hlm sync {out_dir} --tracking-uri URI` (or set MLFLOW_TRACKING_URI)"
+    )
 
 
 def _open_untracked(out_dir: Path, tracking_uri: str | None) -> dict[str, Any]:

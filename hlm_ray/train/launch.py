@@ -459,6 +459,10 @@ def launch(
     fit_s = time.time() - fit_at
     if mirror is not None:  # rank 0's results, from whichever node it ran on
         mirror.pull(out_dir, RESULTS)
+    else:
+        # Ray keeps `num_to_keep` of the checkpoints it reported; the one a resume fell back to
+        # (Ray's snapshot dropped) is not among them and would stay forever.
+        ckpt.prune_checkpoints(out_dir, cfg.run.keep_checkpoints)
     finish(tracker, out_dir, "FINISHED", mirror)
     if tracker.run_id is not None:
         note = sync_quietly(out_dir)  # what the workers could not send (a tracking outage)

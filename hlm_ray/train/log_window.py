@@ -9,10 +9,12 @@ Loss values stay on the device between log steps; the window reads them with one
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 
+from hlm_ray.errors import HLMError
 from hlm_ray.flops import config_step_flops, k_tags, mfu
 from hlm_ray.train.distributed import global_mean
 from hlm_ray.train.lm_objective import LMObjective
@@ -25,6 +27,7 @@ def log_window(run: TrainRun, done: int) -> None:
     steps = run.window_steps
     # The loss and K per micro-batch, averaged over workers and steps (one collective).
     loss_sum, rows_sum = global_mean(torch.stack([run.loss_sum, run.rows_sum])).tolist()
+    check_finite_loss(loss_sum / steps, done, steps)
     rows, before = rows_sum / steps, run.last.get("train/K")
     run.last = {
         "train/loss": loss_sum / steps,
@@ -52,6 +55,26 @@ def log_window(run: TrainRun, done: int) -> None:
     run.loss_sum.zero_()
     run.rows_sum.zero_()
     run.window_steps, run.window_start = 0, time.perf_counter()
+
+
+def check_finite_loss(loss: float, done: int, steps: int) -> None:
+    """Stop a diverged run at the log step that sees it: a NaN or inf loss never recovers, and
+    going on would spend the budget and then save and register NaN weights. Raised before the
+    window is logged or checkpointed, so the newest checkpoint is the last good one."""
+    if not math.isfinite(loss):
+        first = done - steps + 1
+        raise HLMError(
+            f"training diverged: the loss is {loss} at step {done} (first non-finite in steps "
+            f"{first}..{done}); the run stops, its last good checkpoint is kept; lower optim.lr "
+            "or set optim.grad_clip"
+        )
+
+
+def check_before_checkpoint(run: TrainRun, done: int) -> None:
+    """`check_finite_loss` at a checkpoint step that is not a log step (one collective), so a
+    checkpoint never holds the weights of a diverged run."""
+    steps = max(run.window_steps, 1)
+    check_finite_loss(global_mean(run.loss_sum.detach().clone()).item() / steps, done, steps)
 
 
 def measured_unique_columns(

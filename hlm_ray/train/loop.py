@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 from hlm_ray.budget import deadline_passed
 from hlm_ray.config import Config
 from hlm_ray.train.finish import finish_run
-from hlm_ray.train.log_window import log_window
+from hlm_ray.train.log_window import check_before_checkpoint, log_window
 from hlm_ray.train.run_checkpoints import BEST, save_checkpoint
 from hlm_ray.train.run_state import LocalReporter, TrainRun, WorkerEnv
 from hlm_ray.train.setup import quiet_library_progress_bars, setup_run
@@ -77,6 +77,8 @@ def train_worker(
         if done % cfg.run.eval_every == 0 or final:
             _evaluate_now(run, done)
         if done % cfg.run.checkpoint_every == 0 or final:
+            if not (done % cfg.run.log_every == 0 or final):
+                check_before_checkpoint(run, done)
             save_checkpoint(run, done, final)
         if out_of_time:
             break

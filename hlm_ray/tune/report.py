@@ -12,7 +12,8 @@ nothing says a seed that is lucky for one objective is lucky for the other, and 
 need it to be (`paired=True` gives the paired-by-seed interval instead). A row's verdict:
 "holds" when the interval excludes 0 in the paper's direction (headless better: higher accuracy,
 lower perplexity and bits per byte), "reversed" when it excludes 0 the other way, else "cannot be
-told apart from noise". An arm whose 95% interval of the mean includes the score's baseline
+told apart from noise", which is also the verdict, with the reason, when there is no interval (an
+arm with one seed; zero spread, e.g. both arms collapsed to the majority class). An arm whose 95% interval of the mean includes the score's baseline
 (chance, majority class) is marked "≈ chance".
 """
 
@@ -149,10 +150,16 @@ def markdown_rows(rows: Sequence[Row]) -> str:
             arm_cell(row, "headless"),
             diff_cell(row),
             base,
-            row.verdict,
+            verdict_cell(row),
         ]
         lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
     return "\n".join(lines)
+
+
+def verdict_cell(row: Row) -> str:
+    """The verdict, with why there is no interval when there is none (too few seeds, zero
+    spread)."""
+    return f"{row.verdict} ({row.diff.reason})" if row.diff.reason else row.verdict
 
 
 def verdict_sentence(row: Row, scale: str) -> str:
@@ -169,8 +176,8 @@ def verdict_sentence(row: Row, scale: str) -> str:
         what = f"the paper's direction is **reversed** at {scale} (vanilla is better)"
     else:
         what = f"the difference **cannot be told apart from noise** at {scale}"
-        if not math.isfinite(d.low):
-            what += " (one seed per arm gives no interval)"
+        if d.reason:
+            what += f" ({d.reason})"
     chance = [a for a in ARMS if row.near_chance.get(a)]
     tail = (
         f"; {' and '.join(chance)} {'is' if len(chance) == 1 else 'are'} ≈ chance" if chance else ""

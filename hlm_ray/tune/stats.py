@@ -8,9 +8,12 @@ whether a score is distinguishable from its baseline, and a verdict in words.
     verdict(d, higher_is_better=True)        # "holds" | "reversed" | "cannot be told apart ..."
     near_baseline(describe(scores), 0.5)     # True: the 95% interval of the mean includes it
 
-Plain numpy plus the t quantile from scipy (checked against scipy.stats in the tests). With one
-seed there is no spread: sd and every interval are NaN, and a verdict is "cannot be told apart
-from noise" (one run per arm cannot separate a difference from seed noise).
+Plain numpy plus the t quantile from scipy (checked against scipy.stats in the tests). A
+difference has no interval, and its verdict is "cannot be told apart from noise", in two cases,
+and its `reason` says which: an arm with fewer than MIN_SEEDS scores (one run per arm cannot
+separate a difference from seed noise), and zero spread (every seed of both arms, or every
+per-seed gap, alike: two classifiers collapsed to their majority class score exactly alike, and
+that says nothing about how far apart seed noise can put them, so the interval is not zero-width).
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ import numpy as np
 HOLDS = "holds"
 REVERSED = "reversed"
 NOISE = "cannot be told apart from noise"
+MIN_SEEDS = 2
+"""Scores per arm an interval needs: with one, seed noise cannot be estimated."""
+ZERO_SPREAD = "zero spread: each arm's seeds scored exactly alike, which says nothing of seed noise"
+ZERO_SPREAD_PAIRED = "zero spread: every seed's gap is the same, which says nothing of seed noise"
 
 
 @dataclass(frozen=True)
@@ -40,13 +47,15 @@ class Summary:
 
 @dataclass(frozen=True)
 class Difference:
-    """mean(a) - mean(b) with its 95% interval; `method` says how it was computed."""
+    """mean(a) - mean(b) with its 95% interval; `method` says how it was computed; `reason`
+    says why there is no interval (too few seeds, zero spread), empty when there is one."""
 
     estimate: float
     low: float
     high: float
     df: float
     method: str
+    reason: str = ""
 
 
 def t_quantile(df: float, level: float = 0.95) -> float:
@@ -79,14 +88,14 @@ def welch(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> Differ
     """Welch's unequal-variance t interval of mean(a) - mean(b) (Welch-Satterthwaite df)."""
     x, y = _clean(a), _clean(b)
     if len(x) == 0 or len(y) == 0:
-        return Difference(math.nan, math.nan, math.nan, math.nan, "welch")
+        return Difference(math.nan, math.nan, math.nan, math.nan, "welch", "an arm has no score")
     estimate = float(x.mean() - y.mean())
-    if len(x) < 2 or len(y) < 2:
-        return Difference(estimate, math.nan, math.nan, math.nan, "welch")
+    if len(x) < MIN_SEEDS or len(y) < MIN_SEEDS:
+        return _no_interval(estimate, "welch", _too_few(len(x), len(y)))
     va, vb = x.var(ddof=1) / len(x), y.var(ddof=1) / len(y)
     se2 = va + vb
-    if se2 == 0.0:  # identical scores within each arm: the difference is exact
-        return Difference(estimate, estimate, estimate, math.inf, "welch")
+    if se2 == 0.0:
+        return _no_interval(estimate, "welch", ZERO_SPREAD)
     df = se2**2 / (va**2 / (len(x) - 1) + vb**2 / (len(y) - 1))
     half = t_quantile(df, level) * math.sqrt(se2)
     return Difference(estimate, estimate - half, estimate + half, float(df), "welch")
@@ -98,7 +107,25 @@ def paired(a: Sequence[float], b: Sequence[float], level: float = 0.95) -> Diffe
         raise ValueError(f"paired scores need equal lengths, got {len(a)} and {len(b)}")
     gaps = _clean([x - y for x, y in zip(a, b, strict=True) if _finite(x) and _finite(y)])
     s = describe(gaps, level)
-    return Difference(s.mean, s.low, s.high, float(s.n - 1) if s.n else math.nan, "paired")
+    if s.n < MIN_SEEDS:
+        reason = _too_few(s.n, s.n) if s.n else "no seed scored in both arms"
+        return _no_interval(s.mean, "paired", reason)
+    if s.sd == 0.0:
+        return _no_interval(s.mean, "paired", ZERO_SPREAD_PAIRED)
+    return Difference(s.mean, s.low, s.high, float(s.n - 1), "paired")
+
+
+def _too_few(n_headless: int, n_vanilla: int) -> str:
+    if n_headless == n_vanilla == 1:
+        return "one seed per arm gives no interval"
+    return (
+        f"{min(n_headless, n_vanilla)} seed(s) in an arm: an interval needs {MIN_SEEDS} or more "
+        "per arm"
+    )
+
+
+def _no_interval(estimate: float, method: str, reason: str) -> Difference:
+    return Difference(estimate, math.nan, math.nan, math.nan, method, reason)
 
 
 def difference(
@@ -110,8 +137,9 @@ def difference(
 
 def verdict(d: Difference, *, higher_is_better: bool) -> str:
     """ "holds" when the interval of (headless - vanilla) excludes 0 in the direction the paper
-    reports (headless better), "reversed" when it excludes 0 the other way, else noise."""
-    if not (_finite(d.low) and _finite(d.high)):
+    reports (headless better), "reversed" when it excludes 0 the other way, else noise (always
+    when there is no interval: `d.reason` says why)."""
+    if d.reason or not (_finite(d.low) and _finite(d.high)) or d.low == d.high:
         return NOISE
     better = d.low > 0 if higher_is_better else d.high < 0
     worse = d.high < 0 if higher_is_better else d.low > 0

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -169,7 +170,8 @@ def _log_times(runtime: TrialRuntime, out_dir: Path, metrics: dict[str, float]) 
 
 def _pretrain(cfg: Config, runtime: TrialRuntime, out_dir: Path, trial_id: str) -> dict[str, Any]:
     done = _finished_summary(out_dir, cfg.optim.max_steps)
-    if done is not None:  # a retry after a downstream failure: training is complete
+    if done is not None:  # a retry (or a resumed sweep): training is complete
+        _replay_missed(out_dir)
         return done
     from ray.tune.integration.ray_train import TuneReportCallback
 
@@ -201,6 +203,18 @@ def _pretrain(cfg: Config, runtime: TrialRuntime, out_dir: Path, trial_id: str) 
         callbacks=[TuneReportCallback()] if runtime.report_steps else [],
         local=runtime.local,
     )
+
+
+def _replay_missed(out_dir: Path) -> None:
+    """Send MLflow the steps of `metrics.jsonl` it lacks. A worker that outlived a SIGKILLed
+    sweep wrote its last steps with the sweep's tracking server gone; the run that would have
+    replayed them never ended, and a resumed sweep skips the finished training."""
+    from hlm_ray.tracking.sync import sync_quietly
+
+    if read_run_ref(out_dir) is not None:
+        note = sync_quietly(out_dir)
+        if note:
+            print(f"{out_dir.name}: {note}", file=sys.stderr)
 
 
 def _finished_summary(out_dir: Path, max_steps: int) -> dict[str, Any] | None:

@@ -153,7 +153,14 @@ def scores_sentence(rows: list[report.Row]) -> str:
     tail = f" {chance} of the {points} points are at chance." if chance else ""
     if not told:
         seeds = min(r.arms[a].n for r in rows for a in report.ARMS)
-        why = " (one seed per point gives no interval)" if seeds < 2 else ""
+        flat = [r.score.family for r in rows if r.diff.reason.startswith("zero spread")]
+        why = (
+            " (one seed per point gives no interval)"
+            if seeds < stats.MIN_SEEDS
+            else f" (zero spread at V={', '.join(flat)}: each arm's seeds scored exactly alike)"
+            if flat
+            else ""
+        )
         return (
             f"Scores: headless and vanilla cannot be told apart at any size at this scale"
             f"{why}.{tail}"
