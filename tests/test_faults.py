@@ -309,8 +309,10 @@ def _vocab_script():
     return module
 
 
-def test_an_interrupted_sweep_exits_130_with_the_command_to_continue(monkeypatch, capsys):
+def test_an_interrupted_sweep_exits_130_with_the_command_to_continue(monkeypatch, capsys, tmp_path):
     import hlm_ray.tune.sweep as sweep
+
+    monkeypatch.chdir(tmp_path)  # the sweep's log goes to runs/sweeps/<name>/sweep.log
 
     def interrupted(spec, *, name, search, assumptions=None, storage_path=None):
         rows = [{"status": "FINISHED"}, {"status": "KILLED"}, {"status": "KILLED"}]

@@ -353,7 +353,10 @@ def test_a_scripts_report_follows_its_grid_sweep_only(monkeypatch, tmp_path, cap
     def finished(spec, *, name, search, assumptions=None, storage_path=None):
         rows = [{"status": "FINISHED", "trial_id": "t0", "loss": 1.0, "lr": 1e-3}]
         rows[0]["warmup_steps"] = 10
-        return sweep.SweepOutcome(name, tmp_path, rows, "| table |", [], None, False, 1.0)
+        print("a line for the sweep's log")
+        outcome = sweep.SweepOutcome(name, tmp_path, rows, "| table |", [], None, False, 1.0)
+        outcome.link = "MLflow: open this"
+        return outcome
 
     written = []
 
@@ -363,11 +366,17 @@ def test_a_scripts_report_follows_its_grid_sweep_only(monkeypatch, tmp_path, cap
         return [tmp_path / "report.md", tmp_path / "fig.png"]
 
     monkeypatch.setattr(sweep, "run_sweep", finished)
+    monkeypatch.chdir(tmp_path)
     main = SweepScript(VOCAB.AXIS, VOCAB.PRESETS, report=report).main
     assert main(["--set", "sweep.values=[512]", "--num-seeds", "2"]) == 0
     out = capsys.readouterr().out
     assert written == [((512,), 2, "vocab-tiny", "tiny")]  # the spec the sweep ran
     assert out.index("| table |") < out.index("# the report") < out.index("report: ")
+    assert out.rstrip().endswith("MLflow: open this")  # the link comes last
+    assert "a line for the sweep's log" not in out  # it went to the log
+    assert (
+        "a line for the sweep's log" in (tmp_path / "runs/sweeps/vocab-tiny/sweep.log").read_text()
+    )
     assert main(["--search", "--set", "sweep.values=[512]"]) == 0
     assert main(["--dry-run", "--set", "sweep.values=[512]"]) == 0
     assert len(written) == 1 and "# the report" not in capsys.readouterr().out

@@ -96,6 +96,7 @@ class SweepScript:
             return EXIT_INTERRUPTED
         status = _print_outcome(outcome, args.search)
         if self.report is None or args.search:
+            _print_link(outcome)
             return status
         try:
             files = self.report(spec, name, args.preset)
@@ -104,6 +105,7 @@ class SweepScript:
             return 2
         print("\n" + files[0].read_text())
         print("report: " + ", ".join(str(p) for p in files))
+        _print_link(outcome)
         return status
 
 
@@ -151,6 +153,12 @@ def build_parser(
         action="store_true",
         help="random search over lr and warm-up with ASHA early stopping (for one grid cell) "
         "instead of the grid",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="Ray's and Tune's output (trial tables, workers' logs) on the console; by default "
+        "it goes to runs/sweeps/<name>/sweep.log and the console shows one line per trial",
     )
     from hlm_ray.plan import add_arguments
 
@@ -209,22 +217,40 @@ def _run(spec: SweepSpec, args: argparse.Namespace, name: str):
             "not comparable across objectives or vocabularies); pick the cell with "
             "--set sweep.objectives=[...] --set sweep.values=[...]"
         )
+    from hlm_ray.console import console_to_log
+    from hlm_ray.paths import resolve_output
+    from hlm_ray.tune.sweep import SWEEPS_DIR
+
     assumptions = assumptions_from(args)
-    return run_sweep(
-        spec,
-        name=name,
-        search=args.search,
-        assumptions=assumptions,
-        storage_path=args.storage_path,
-    )
+    if args.verbose:  # Ray's and Tune's output on the console too
+        return run_sweep(spec, name=name, search=args.search, assumptions=assumptions,
+                         storage_path=args.storage_path, verbose=2)  # fmt: skip
+    log = resolve_output(SWEEPS_DIR) / name / "sweep.log"
+    print(f"sweep {name}: Ray's and Tune's output go to {log}", flush=True)
+    with console_to_log(log):
+        return run_sweep(
+            spec,
+            name=name,
+            search=args.search,
+            assumptions=assumptions,
+            storage_path=args.storage_path,
+        )
 
 
 def _print_table(outcome) -> None:
     print(f"\n== sweep {outcome.name}: {len(outcome.rows)} trial(s) in {outcome.seconds:.0f} s")
     print(outcome.table)
-    print("\nfiles (also on the parent MLflow run):")
-    for path in outcome.files:
-        print(f"  {path}")
+    if outcome.files:
+        names = ", ".join(Path(p).name for p in outcome.files)
+        print(
+            f"\nfiles in {Path(outcome.files[0]).parent} (also on the parent MLflow run): {names}"
+        )
+
+
+def _print_link(outcome) -> None:
+    """The last lines: how to open the sweep's parent run in MLflow's browser."""
+    if getattr(outcome, "link", None):
+        print("\n" + outcome.link)
 
 
 def _print_outcome(outcome, search: bool) -> int:

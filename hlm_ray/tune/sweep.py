@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from hlm_ray.config import Config
+from hlm_ray.console import say
 from hlm_ray.errors import HLMError, one_line
 from hlm_ray.paths import CACHE_ENV, resolve_output
 from hlm_ray.tracking import TRACKING_URI_ENV, browse_hint, default_tracking_uri
@@ -58,6 +59,8 @@ class SweepOutcome:
     real_vocab: dict[int, int] = field(default_factory=dict)
     interrupted: bool = False
     """Ctrl-C ended the sweep: unfinished trials are KILLED (their runs too), as is the parent."""
+    link: str | None = None
+    """How to open the parent run in MLflow's browser (`browse_hint`)."""
 
     @property
     def failed(self) -> list[dict[str, Any]]:
@@ -134,7 +137,7 @@ def run_sweep(
     name: str,
     search: bool = False,
     root: str | Path = SWEEPS_DIR,
-    verbose: int = 1,
+    verbose: int = 0,
     assumptions=None,
     storage_path: str | None = None,
 ) -> SweepOutcome:
@@ -223,7 +226,7 @@ def run_sweep(
                 local=ready["local"],  # not under ASHA: its reports need a worker group
             )
             resumed = store.tuner_exists()
-            print(
+            say(
                 f"sweep {name}: {'resuming' if resumed else 'starting'} {num_trials} trial(s), "
                 f"{concurrency} at a time, in {folder}"
             )
@@ -231,7 +234,9 @@ def run_sweep(
 
             phases["before_trials"] = time.perf_counter() - started
             with tune_interrupt() as stop:
-                results = _tuner(spec, store, runtime, search, concurrency, verbose).fit()
+                results = _tuner(
+                    spec, store, runtime, search, concurrency, verbose, num_trials
+                ).fit()
             phases["trials"] = time.perf_counter() - started - phases["before_trials"]
             rows = _rows(results, spec, runtime, search, interrupted=stop.interrupted)
             store.pull_trials([r["run"] for r in rows])  # what the report reads, from each trial
@@ -257,8 +262,9 @@ def run_sweep(
         stopping = time.perf_counter()
     phases["mlflow_stop"] = time.perf_counter() - stopping
     print("sweep time (s): " + ", ".join(f"{k} {v:.1f}" for k, v in phases.items()))
+    link = None
     if parent.run_id is not None:  # the store, not the server that just exited
-        print(browse_hint(default_tracking_uri(), parent.experiment_id, parent.run_id))
+        link = browse_hint(default_tracking_uri(), parent.experiment_id, parent.run_id)
     table = summary_mod.markdown_table(rows, spec.axis)
     return SweepOutcome(
         name=name,
@@ -271,6 +277,7 @@ def run_sweep(
         seconds=time.perf_counter() - started,
         real_vocab=real_vocab,
         interrupted=stop.interrupted,
+        link=link,
     )
 
 
@@ -339,8 +346,10 @@ def _trial_env(uri: str) -> dict[str, str]:
     return env
 
 
-def _tuner(spec, store: SweepStorage, runtime, search, concurrency, verbose):
+def _tuner(spec, store: SweepStorage, runtime, search, concurrency, verbose, num_trials):
     from ray import tune
+
+    from hlm_ray.tune.progress import TrialProgress
 
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, runtime=runtime), trial_resources(runtime)
@@ -391,6 +400,8 @@ def _tuner(spec, store: SweepStorage, runtime, search, concurrency, verbose):
             name=TUNE_DIR,
             storage_path=store.tune_path,
             failure_config=tune.FailureConfig(max_failures=spec.max_failures),
+            # One line per trial start and end on the console; Tune's own tables only with verbose.
+            callbacks=[TrialProgress(num_trials, spec.axis.name)],
             verbose=verbose,
         ),
     )
