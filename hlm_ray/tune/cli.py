@@ -19,6 +19,7 @@ parent marked KILLED, the command that continues the sweep printed).
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 from collections.abc import Callable
@@ -222,7 +223,9 @@ def _run(spec: SweepSpec, args: argparse.Namespace, name: str):
     from hlm_ray.tune.sweep import SWEEPS_DIR
 
     assumptions = assumptions_from(args)
-    if args.verbose:  # Ray's and Tune's output on the console too
+    # Under `ray job submit` the console is the job's log, which Ray keeps and `ray job logs`
+    # shows; a sweep.log would be written into the job's temporary copy of the working dir.
+    if args.verbose or os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
         return run_sweep(spec, name=name, search=args.search, assumptions=assumptions,
                          storage_path=args.storage_path, verbose=2)  # fmt: skip
     log = resolve_output(SWEEPS_DIR) / name / "sweep.log"
