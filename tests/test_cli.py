@@ -74,7 +74,8 @@ def test_hlm_sweep_help_lists_the_scripts_flags(kind, capsys):
 
 @pytest.mark.parametrize("kind", SWEEPS)
 def test_hlm_sweep_dry_run_prints_the_scripts_plan(kind, capsys):
-    values = {"vocab": ["--set", "sweep.values=[512,768]"], "headline": []}  # families: as is
+    # families (headline) and FLOP budgets (scaling): as the preset has them
+    values = {"vocab": ["--set", "sweep.values=[512,768]"], "headline": [], "scaling": []}
     argv = ["--preset", "tiny", "--dry-run", *values.get(kind, ["--set", "sweep.values=[8,16]"])]
     assert _script(kind).main(argv) == 0
     expected = capsys.readouterr().out
