@@ -295,11 +295,12 @@ def vocab_size_of(cfg: Config) -> int:
 
 @cache
 def _file_vocab_size(path: str | None, fallback: int) -> int:
-    """A tokenizer file's size, loaded once per path (a plan prices every trial)."""
+    """A tokenizer file's size, loaded once per path (a plan prices every trial); a hub name
+    only from the local cache: a plan is made offline, without the hub's retries."""
     try:
         from hlm_ray.tokenizer import load_tokenizer
 
-        return len(load_tokenizer(path, None))
+        return len(load_tokenizer(path, None, offline=True))
     except Exception:  # no data folder here (a laptop): the config's figure
         return fallback
 

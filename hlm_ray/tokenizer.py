@@ -257,9 +257,9 @@ def _from_path(path: Path) -> PreTrainedTokenizerFast:
     )
 
 
-def _from_hub(name: str, local: Path | None) -> PreTrainedTokenizerFast:
+def _from_hub(name: str, local: Path | None, offline: bool = False) -> PreTrainedTokenizerFast:
     try:
-        tok = AutoTokenizer.from_pretrained(name)
+        tok = AutoTokenizer.from_pretrained(name, local_files_only=offline)
     except Exception as err:
         where = f"not in the data folder ({local}) and " if local else ""
         raise HLMError(
@@ -271,12 +271,13 @@ def _from_hub(name: str, local: Path | None) -> PreTrainedTokenizerFast:
 
 
 def load_tokenizer(
-    source: str | Path, special_tokens: dict[str, str] | None = None
+    source: str | Path, special_tokens: dict[str, str] | None = None, *, offline: bool = False
 ) -> PreTrainedTokenizerFast:
     """Load a tokenizer from a path, a path inside the data folder, or a hub name.
 
     `special_tokens` roles the tokenizer lacks are added (new ids at the end); roles it already
-    has keep their token (GPT-2's eos stays <|endoftext|>).
+    has keep their token (GPT-2's eos stays <|endoftext|>). `offline`: a hub name is read from
+    Hugging Face's local cache only (no request, no retries), else it is an HLMError.
     """
     path = Path(source).expanduser()
     if path.exists():
@@ -289,7 +290,7 @@ def load_tokenizer(
         name = str(source)
         hub = HUB_FALLBACKS.get(name)
         local = data_dir() / name if isinstance(hub, str) else None
-        tok = _from_hub(hub if isinstance(hub, str) else name, local)
+        tok = _from_hub(hub if isinstance(hub, str) else name, local, offline)
     if special_tokens:
         _add_missing_specials(tok, special_tokens)
     return tok

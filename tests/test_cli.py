@@ -74,7 +74,8 @@ def test_hlm_sweep_help_lists_the_scripts_flags(kind, capsys):
 
 @pytest.mark.parametrize("kind", SWEEPS)
 def test_hlm_sweep_dry_run_prints_the_scripts_plan(kind, capsys):
-    values = {"vocab": ["--set", "sweep.values=[512,768]"], "headline": []}  # families: as is
+    # families (headline) and FLOP budgets (scaling): as the preset has them
+    values = {"vocab": ["--set", "sweep.values=[512,768]"], "headline": [], "scaling": []}
     argv = ["--preset", "tiny", "--dry-run", *values.get(kind, ["--set", "sweep.values=[8,16]"])]
     assert _script(kind).main(argv) == 0
     expected = capsys.readouterr().out
@@ -165,3 +166,16 @@ def test_a_module_run_as_a_command_prints_bad_input_as_one_line(capsys):
 
     assert exit_status(bad) == 2 and exit_status(lambda: 7) == 7
     assert capsys.readouterr().err == "error: what was wrong; what to do\n"
+
+
+def test_a_harness_task_without_the_eval_extra_is_one_line_naming_it(monkeypatch, capsys):
+    """Without lm-evaluation-harness, `hlm eval --task harness:...` names the extra before it
+    looks for the model (here one that does not exist), not a ModuleNotFoundError traceback."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "lm_eval" else real(name, *a)
+    )
+    code = main(["eval", "--model", "runs/nowhere", "--task", "lambada,harness:lambada_openai"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert "pip install -e '.[eval]'" in err

@@ -211,6 +211,29 @@ def test_the_report_table_verdicts_and_figure(tmp_path, saved_figures):
     assert row.verdict == stats.NOISE and "one seed per arm" in report.verdict_sentence(row, "x")
 
 
+def test_the_headline_figure_is_a_forest_plot_of_the_differences(tmp_path, saved_figures):
+    """One line per family and score: headless − vanilla at the point, its 95% interval as the
+    bar, the zero line, the verdict beside it; no interval (one seed) is a hollow point."""
+    rows = report.compare(_trials(), SCORES)
+    report.plot_forest(rows, tmp_path / "f.png", title="t")
+    [fig] = saved_figures
+    assert len(fig.axes) == len(rows)
+    for ax, row in zip(fig.axes, rows, strict=True):
+        [label] = [t.get_text() for t in ax.get_yticklabels()]
+        assert label.startswith(f"{row.score.family}: {row.score.label}")
+        assert any(list(line.get_xdata()) == [0.0, 0.0] for line in ax.lines)  # the zero line
+        [bar] = [c for c in ax.containers if type(c).__name__ == "ErrorbarContainer"]
+        point, _caps, (segments,) = bar.lines
+        assert point.get_xdata()[0] == pytest.approx(row.diff.estimate)
+        [[(low, _), (high, _)]] = segments.get_segments()
+        assert (low, high) == pytest.approx((row.diff.low, row.diff.high))
+        assert row.verdict in [t.get_text() for t in ax.texts]
+    one_seed = [t for t in _trials() if t.seed == 0]
+    report.plot_forest(report.compare(one_seed, SCORES[:1]), tmp_path / "g.png", title="t")
+    ax = saved_figures[-1].axes[0]
+    assert not ax.containers and [t.get_text() for t in ax.texts] == ["no interval"]
+
+
 # ------------------------------------------------------------------------------ the sweep
 
 

@@ -92,3 +92,23 @@ def test_hlm_train_dry_run(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert "A100 bf16" in out and "30% MFU" in out and "nothing started" in out
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_plan_reads_a_hub_tokenizer_from_the_local_cache_only(monkeypatch):
+    """`--dry-run` offline: a tokenizer named by the hub (the paper preset's multilingual one)
+    is looked up in Hugging Face's cache only, never requested (5 retries each, minutes), and
+    the config's vocabulary size stands in when it is not there."""
+    import transformers
+
+    from hlm_ray import plan
+
+    asked = []
+
+    def from_pretrained(name, **kwargs):
+        asked.append(kwargs.get("local_files_only"))
+        raise OSError(f"{name} is not in the cache")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    plan._file_vocab_size.cache_clear()
+    assert plan._file_vocab_size("someone/not-cached-model", 119_547) == 119_547
+    assert asked == [True]

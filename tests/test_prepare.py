@@ -245,4 +245,5 @@ def test_ray_data_tokens_equal_one_process_for_1_and_2_workers(ray_cluster, corp
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "z.txt is not valid UTF-8" in proc.stderr.strip().splitlines()[-1]
+    assert "deprecated" not in proc.stderr  # Ray Data's `concurrency=` warned at every prepare
     assert not out.exists() or not os.listdir(out)

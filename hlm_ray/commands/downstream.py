@@ -173,10 +173,11 @@ def cmd_eval(args) -> int:
     --output, a table printed, and metrics logged to the model's MLflow run (eval/...)."""
     from hlm_ray import downstream
     from hlm_ray.evaluate import format_results
-    from hlm_ray.evaluate.harness import split_tasks
+    from hlm_ray.evaluate.harness import require_harness, split_tasks
     from hlm_ray.pretrained import resolve_model_dir
 
     tasks = split_tasks(args.task)
+    require_harness(tasks)
     output = args.output or str(Path(resolve_model_dir(args.model)).parent / "eval")
     if args.model.startswith("models:/"):
         output = args.output or default_output(args.model, "eval")

@@ -84,6 +84,18 @@ def split_tasks(text: str) -> list[str]:
     return items
 
 
+def require_harness(tasks: list[str]) -> None:
+    """One line naming the extra when `tasks` (`split_tasks`'s) ask for the harness and it is
+    not installed, before a model is resolved or a run opened."""
+    import importlib.util
+
+    if any(t.startswith(PREFIX) for t in tasks) and importlib.util.find_spec("lm_eval") is None:
+        raise HLMError(
+            "harness: tasks need lm-evaluation-harness, which is not installed: "
+            "pip install -e '.[eval]' (or pip install 'hlm_ray[eval]')"
+        )
+
+
 def harness_names(item: str) -> list[str]:
     """The harness task names of one ``harness:a,b`` item."""
     names = [n.strip() for n in item.removeprefix(PREFIX).split(",") if n.strip()]

@@ -106,7 +106,7 @@ def tokenized(pieces, fn_args: dict, workers: int | None) -> Iterator[tuple[int,
         fn_constructor_kwargs={**fn_args, "threads": 1},
         batch_size=1,
         batch_format="numpy",
-        concurrency=workers,
+        compute=ray.data.ActorPoolStrategy(size=workers),  # `concurrency=` is deprecated
         num_cpus=1,
     )
     failure = None

@@ -184,8 +184,9 @@ def reached_notes(spec: SweepSpec, folder) -> list[str]:
 
 
 def write_report(spec: SweepSpec, name: str, preset: str, scores: list) -> list:
-    """report.md and headline.png in runs/sweeps/<name> (`scores`: `report_scores(spec)`),
-    logged on the parent run."""
+    """report.md, headline.png (the forest plot of the differences) and headline_arms.png (each
+    arm's scores) in runs/sweeps/<name> (`scores`: `report_scores(spec)`), logged on the parent
+    run."""
     from hlm_ray.paths import resolve_output
     from hlm_ray.tune import report
     from hlm_ray.tune.sweep import SWEEPS_DIR
@@ -195,7 +196,8 @@ def write_report(spec: SweepSpec, name: str, preset: str, scores: list) -> list:
     rows = report.compare(trials, scores)
     seeds = f"{spec.num_seeds} seed{'s' if spec.num_seeds > 1 else ''}"
     title = f"Headless vs vanilla at equal budget: preset {preset}, {seeds} per arm"
-    png = report.plot_arms(rows, folder / "headline.png", title=title)
+    png = report.plot_forest(rows, folder / "headline.png", title=title)
+    arms_png = report.plot_arms(rows, folder / "headline_arms.png", title=title)
     text = report.markdown(
         rows,
         title=title,
@@ -205,8 +207,8 @@ def write_report(spec: SweepSpec, name: str, preset: str, scores: list) -> list:
     )
     md = folder / "report.md"
     md.write_text(text)
-    report.log_to_parent(folder, [md, png], text, spec.experiment)
-    return [md, png]
+    report.log_to_parent(folder, [md, png, arms_png], text, spec.experiment)
+    return [md, png, arms_png]
 
 
 CURVE_FAMILIES = {"tiny": ("tiny-encoder-curve",), "cpu": ("bert-cpu-curve",)}

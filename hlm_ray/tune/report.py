@@ -205,6 +205,51 @@ def markdown(
     return "\n".join(parts) + "\n"
 
 
+VERDICT_COLORS = {stats.HOLDS: "tab:green", stats.REVERSED: "tab:red"}  # else gray: noise
+
+
+def plot_forest(rows: Sequence[Row], out_png: Path, *, title: str) -> Path:
+    """The headline as a forest plot: one line per family and score, headless − vanilla (the
+    point) with its 95% interval (the bar), the zero line, the verdict at the right (green
+    holds, red reversed, gray cannot be told apart). Scores differ in unit and scale (accuracy,
+    perplexity, bits per byte), so each line has its own x-axis; the arrow says which side is
+    better. A difference without an interval (too few seeds, zero spread) is a hollow point."""
+    from matplotlib.figure import Figure
+
+    n = max(1, len(rows))
+    fig = Figure(figsize=(7.5, 0.55 * n + 1.1), layout="constrained")
+    fig.suptitle(title, fontsize=10)
+    axes = fig.subplots(n, 1, squeeze=False)[:, 0]
+    for ax, row in zip(axes, rows, strict=False):
+        d = row.diff
+        color = VERDICT_COLORS.get(row.verdict, "gray")
+        has_interval = not d.reason and math.isfinite(d.low) and math.isfinite(d.high)
+        if has_interval:
+            ax.errorbar(
+                [d.estimate], [0], xerr=[[d.estimate - d.low], [d.high - d.estimate]],
+                fmt="o", color=color, capsize=3, ms=5,
+            )  # fmt: skip
+            lo, hi = min(d.low, 0.0), max(d.high, 0.0)
+        else:
+            ax.plot([d.estimate], [0], "o", mfc="white", color=color, ms=5)
+            lo, hi = min(d.estimate, 0.0), max(d.estimate, 0.0)
+        pad = 0.15 * (hi - lo) or 0.1 * max(abs(d.estimate), 1e-3)
+        ax.set_xlim(lo - pad, hi + pad)
+        ax.axvline(0.0, color="k", lw=0.8)
+        ax.set_yticks([0], [f"{row.score.family}: {row.score.label} "
+                            f"{'↑' if row.score.higher_is_better else '↓'}"])  # fmt: skip
+        ax.tick_params(axis="x", labelsize=7)
+        ax.tick_params(axis="y", labelsize=8)
+        ax.set_ylim(-1, 1)
+        said = row.verdict if has_interval else "no interval"
+        ax.text(1.01, 0.5, said, transform=ax.transAxes, color=color, va="center", fontsize=8)
+        ax.grid(alpha=0.3, axis="x")
+    axes[-1].set_xlabel("headless − vanilla (95% interval over seeds), in each score's unit")
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=100)
+    return out_png
+
+
 def plot_arms(rows: Sequence[Row], out_png: Path, *, title: str) -> Path:
     """One panel per score: a bar per arm (mean), error bars of ±1 sd across seeds, each seed a
     dot, the baseline as a dashed line."""
