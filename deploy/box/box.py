@@ -452,11 +452,10 @@ class Box:
                         env={"RAY_ADDRESS": f"{HEAD_IP}:{PORTS['gcs']}"})  # fmt: skip
         if done.returncode != 0:
             return []
-        for line in reversed(done.stdout.strip().splitlines()):  # Ray may print after it
-            if line.startswith("["):
-                with contextlib.suppress(ValueError):
-                    return json.loads(line)
-        return []
+        try:
+            return last_json(done.stdout, list)
+        except AssertionError:  # no list printed: none known alive
+            return []
 
     def wait_nodes(self, count: int, timeout_s: float = START_TIMEOUT_S) -> list[dict]:
         deadline = time.monotonic() + timeout_s
@@ -552,6 +551,19 @@ def teardown(prefix: str = PREFIX) -> None:
     deadline = time.monotonic() + 30
     while any(running(pid) for pid in killed) and time.monotonic() < deadline:
         time.sleep(0.2)
+
+
+def last_json(text: str, kind: type = object):
+    """The last line of `text` that is JSON of type `kind` (Ray or a library may print after
+    it); AssertionError when there is none."""
+    for line in reversed(text.strip().splitlines()):
+        try:
+            value = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(value, kind):
+            return value
+    raise AssertionError(f"no JSON line in: {text[-1000:]!r}")
 
 
 def running(pid: int) -> bool:

@@ -39,6 +39,7 @@ from box import (  # noqa: E402
     SHARED,
     WORKERS,
     Box,
+    last_json,
     missing,
 )
 
@@ -121,16 +122,6 @@ def view(box: Box, *args: str, timeout: float = 300):
     done = box.client(["python", "deploy/box/view.py", *args], timeout=timeout)
     assert done.returncode == 0, done.stderr[-2000:]
     return last_json(done.stdout)
-
-
-def last_json(text: str):
-    """The last line of `text` that is JSON (a library may print after it)."""
-    for line in reversed(text.strip().splitlines()):
-        try:
-            return json.loads(line)
-        except ValueError:
-            continue
-    raise AssertionError(f"no JSON line in: {text[-1000:]!r}")
 
 
 def one_run(box: Box, name: str) -> dict:
