@@ -19,6 +19,10 @@ API_KEY_ENV = "HLM_TEST_API_KEY"
 HEALTH_CHECK_PERIOD_S = 1.0
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 BODY_TIMEOUT_S = 8.0  # the proxy's guard: a body not received within this is answered 408
+# The connection guard: unfinished headers answered 408 after HEADER_TIMEOUT_S; one address
+# holds PER_CLIENT connections at most (above the stalled-clients test's 516).
+HEADER_TIMEOUT_S = 4.0
+PER_CLIENT = 600
 
 
 def post(server: str, body, path: str = "/v1/completions", **kwargs) -> requests.Response:
@@ -57,7 +61,9 @@ def serve_app(ray_cluster, serve_model_uri):
     port = free_port()
     serve.start(
         http_options={"host": "127.0.0.1", "port": port},
-        controller_options=guard_controller_options(body_timeout_s=BODY_TIMEOUT_S),
+        controller_options=guard_controller_options(
+            body_timeout_s=BODY_TIMEOUT_S, header_timeout_s=HEADER_TIMEOUT_S, per_client=PER_CLIENT
+        ),
     )
     args = AppArgs(
         model=serve_model_uri,

@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 import requests
-from serve_common import API_KEY, AUTH, BODY_TIMEOUT_S, free_port, post
+from serve_common import (
+    API_KEY,
+    AUTH,
+    BODY_TIMEOUT_S,
+    HEADER_TIMEOUT_S,
+    PER_CLIENT,
+    free_port,
+    post,
+)
 
 from hlm_ray.bench.serve import nice_of, processes
 from hlm_ray.errors import HLMError
@@ -109,6 +117,10 @@ def test_cli_parser_and_early_errors(model_dir, monkeypatch):
         run(missing)
     with pytest.raises(HLMError, match="--batch-wait-timeout-s"):
         run(parser.parse_args(["serve", "--model", model_dir, "--batch-wait-timeout-s", "-1"]))
+    for flag, value in (("--header-timeout-s", "inf"), ("--header-timeout-s", "0"),
+                        ("--max-connections", "0"), ("--max-connections-per-client", "-1")):  # fmt: skip
+        with pytest.raises(HLMError, match=f"{flag}={value}"):
+            run(parser.parse_args(["serve", "--model", model_dir, flag, value]))
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
@@ -597,6 +609,38 @@ def test_stalled_clients_hold_no_capacity_and_get_408(server):
             sock.close()
 
 
+@pytest.mark.ray
+def test_a_header_flood_from_one_address_leaves_keyed_requests_answered(server):
+    """Issue 44's flood at the session's proxy, bounded: 700 connections from 127.0.0.2 that
+    never finish their headers. The proxy holds PER_CLIENT of them and answers the rest 503 at
+    once; keyed requests from 127.0.0.1 meanwhile are all answered; the held ones are answered
+    408 once HEADER_TIMEOUT_S has passed."""
+    port = int(server.rsplit(":", 1)[1])
+    body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+    flood = []
+    for _ in range(700):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30,
+                                        source_address=("127.0.0.2", 0))  # fmt: skip
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        flood.append(sock)
+    started = time.monotonic()
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(lambda _: _post(server, body).status_code, range(16)))
+        assert codes == [200] * 16, codes
+        answers = []
+        for sock in flood:
+            sock.settimeout(HEADER_TIMEOUT_S + 20)
+            answers.append(sock.recv(4096).split(b"\r\n", 1)[0])
+        refused = answers.count(b"HTTP/1.1 503 Service Unavailable")
+        timed_out = answers.count(b"HTTP/1.1 408 Request Timeout")
+        assert (refused, timed_out) == (700 - PER_CLIENT, PER_CLIENT), set(answers)
+        assert time.monotonic() - started >= HEADER_TIMEOUT_S - 0.5
+    finally:
+        for sock in flood:
+            sock.close()
+
+
 def _fuzz_bodies(seed: int, count: int) -> list[bytes]:
     """Random and hand-made request bodies: wrong types, out-of-range and huge numbers,
     unicode edge cases, huge bodies, deep nesting."""
@@ -752,7 +796,8 @@ def test_hlm_serve_with_no_options_answers_on_its_port_past_the_proxy(model_dir,
     """`hlm serve --model M --port P` and nothing else, in a Ray of its own (a subprocess:
     Serve's throughput settings are read as Ray starts): the replica answers P itself (direct
     ingress) and decodes in a child process, Serve's proxy answers P + 1, both with the text
-    the library gives; the guard runs on P too (a half-sent body is answered 408 and closed);
+    the library gives; the guard runs on P too (a half-sent body is answered 408 and closed),
+    and the connection guard on both (unfinished headers: 408 after --header-timeout-s);
     Ctrl-C stops it cleanly."""
     import signal
     import subprocess
@@ -766,7 +811,7 @@ def test_hlm_serve_with_no_options_answers_on_its_port_past_the_proxy(model_dir,
     env["HLM_SERVE_BODY_TIMEOUT_S"] = "2"
     log = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "hlm_ray.cli", "serve", "--model", model_dir, "--port", str(port),
-           "--body-timeout-s", "2"]  # fmt: skip
+           "--body-timeout-s", "2", "--header-timeout-s", "2"]  # fmt: skip
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
@@ -791,6 +836,14 @@ def test_hlm_serve_with_no_options_answers_on_its_port_past_the_proxy(model_dir,
             while chunk := half.recv(4096):
                 answer += chunk
         assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
+        # The connection guard too: headers not finished within --header-timeout-s.
+        for where in (port, port + 1):
+            with socket.create_connection(("127.0.0.1", where), timeout=30) as slow:
+                slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+                answer = b""
+                while chunk := slow.recv(4096):
+                    answer += chunk
+            assert answer.startswith(b"HTTP/1.1 408") and b"request headers" in answer, where
         # The replica and its decode process at niceness 0, not Ray's 15 for workers.
         served = {p: title for p, title in _descendants(proc.pid).items()
                   if "ServeReplica" in title or "spawn_main" in title}  # fmt: skip

@@ -109,6 +109,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a request body not received within this is answered 408 (default 10)",
     )
     p.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=10.0,
+        help="request headers not complete within this are answered 408 and the connection "
+        "closed (default 10)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=4096,
+        help="open connections each HTTP server holds; more are answered 503 and closed "
+        "(default 4096, at most the open-file limit less 256)",
+    )
+    p.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=1024,
+        help="open connections from one address; more are answered 503 and closed (default "
+        "1024; 0: no limit, behind a load balancer where every client has its address)",
+    )
+    p.add_argument(
         "--keep-alive-timeout-s",
         type=int,
         default=5,
@@ -165,6 +186,24 @@ def app_args(args: argparse.Namespace):
         raise HLMError(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
 
 
+def connection_limits(args: argparse.Namespace) -> dict[str, Any]:
+    """The connection guard's limits (`connections.Limits` fields); a bad one names its flag."""
+    if not 0 < args.header_timeout_s < float("inf"):
+        raise HLMError(f"--header-timeout-s={args.header_timeout_s:g} must be a number > 0")
+    if args.max_connections < 1:
+        raise HLMError(f"--max-connections={args.max_connections} must be >= 1")
+    if args.max_connections_per_client < 0:
+        raise HLMError(
+            f"--max-connections-per-client={args.max_connections_per_client} must be >= 0 "
+            "(0: no per-client limit)"
+        )
+    return {
+        "header_timeout_s": args.header_timeout_s,
+        "max_connections": args.max_connections,
+        "per_client": args.max_connections_per_client,
+    }
+
+
 def plan_ports(args: argparse.Namespace):
     """Where the server will answer (`launch.Ports`): direct ingress unless turned off or on a
     cluster; every port checked free before Ray starts."""
@@ -195,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
     from hlm_ray.serve.launch import start
 
     config = app_args(args)
+    limits = connection_limits(args)
     app = make_app(  # checks the model first: a wrong one is the likelier mistake
         config,
         num_replicas=args.replicas,
@@ -209,7 +249,8 @@ def run(args: argparse.Namespace) -> int:
     from ray import serve
 
     try:
-        guard = {"body_timeout_s": args.body_timeout_s, "max_body_bytes": config.max_body_bytes}
+        guard = {"body_timeout_s": args.body_timeout_s, "max_body_bytes": config.max_body_bytes,
+                 **limits}  # fmt: skip
         ray_options = {"address": args.address}
         # A stop that comes while Serve starts (the app may already answer) shuts down too:
         # `start` keeps these handlers across ray.init, which installs Ray's.

@@ -15,7 +15,8 @@ only then passes the request on. A client that goes away while sending is logged
 It also gives every error the proxy itself answers (503 over the queue limit, 404 for a route no
 application serves, 500) OpenAI's error shape, `{"error": {"message", "type", "param",
 "code"}}`, instead of Serve's plain text. Idle keep-alive connections are closed by uvicorn
-after `http_options.keep_alive_timeout_s`; headers are bounded by h11 (16 KiB).
+after `http_options.keep_alive_timeout_s`; headers are bounded in size by h11 (16 KiB) and in
+time, with the number of connections, by `hlm_ray.serve.connections`.
 """
 
 from __future__ import annotations
@@ -195,20 +196,32 @@ async def _answer(send, status: int, message: str, *, close: bool = False) -> No
 
 
 def proxy_middlewares() -> list:
-    """What `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` names: the proxy's middlewares."""
+    """What `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` names: the proxy's middlewares. Serve
+    calls it just before it starts an HTTP server, so the connection guard
+    (`hlm_ray.serve.connections`: header deadline, connection limits) is installed here too."""
     from starlette.middleware import Middleware
 
+    from hlm_ray.serve import connections
+
+    connections.install()
     return [Middleware(BodyGuard)]
 
 
 def guard_env(
-    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    **limits,
 ) -> dict[str, str]:
-    """Environment that installs the guard in the proxies Serve starts."""
+    """Environment that installs the guard in the proxies Serve starts; `limits` are the
+    connection guard's (`connections.Limits` fields: header_timeout_s, max_connections,
+    per_client)."""
+    from hlm_ray.serve.connections import Limits
+
     return {
         CALLBACK_ENV: CALLBACK,
         BODY_TIMEOUT_ENV: f"{body_timeout_s:g}",
         MAX_BODY_ENV: str(max_body_bytes),
+        **Limits(**limits).env(),
     }
 
 
