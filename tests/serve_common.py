@@ -62,7 +62,10 @@ def serve_app(ray_cluster, serve_model_uri):
     serve.start(
         http_options={"host": "127.0.0.1", "port": port},
         controller_options=guard_controller_options(
-            body_timeout_s=BODY_TIMEOUT_S, header_timeout_s=HEADER_TIMEOUT_S, per_client=PER_CLIENT
+            body_timeout_s=BODY_TIMEOUT_S,
+            header_timeout_s=HEADER_TIMEOUT_S,
+            per_client=PER_CLIENT,
+            api_key=API_KEY,  # the proxy's /-/routes
         ),
     )
     args = AppArgs(

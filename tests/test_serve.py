@@ -549,6 +549,13 @@ def test_api_key_is_required_and_checked(server):
         assert requests.get(f"{server}/v1/models", headers=headers, timeout=30).status_code == 401
     assert _post(server, body).status_code == 200
     assert requests.get(f"{server}/healthz", timeout=30).status_code == 200  # probes need no key
+    assert requests.get(f"{server}/-/healthz", timeout=30).status_code == 200
+    # Every other route needs it: FastAPI's docs, Serve's route table, paths that do not exist.
+    for path in ("/docs", "/openapi.json", "/redoc", "/-/routes", "/v1/models/x", "/nothing"):
+        r = requests.get(f"{server}{path}", timeout=30)
+        assert r.status_code == 401, (path, r.status_code, r.text[:200])
+        assert r.json()["error"]["code"] == "invalid_api_key", path
+        assert requests.get(f"{server}{path}", headers=AUTH, timeout=30).status_code in (200, 404)
 
 
 @pytest.mark.ray
@@ -807,11 +814,11 @@ def test_hlm_serve_with_no_options_answers_on_its_port_past_the_proxy(model_dir,
 
     port = free_port()
     Ports.plan("127.0.0.1", port, replicas=1, direct=True)  # P + 1 free as well
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "HLM_API_KEY")}
     env["HLM_SERVE_BODY_TIMEOUT_S"] = "2"
     log = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "hlm_ray.cli", "serve", "--model", model_dir, "--port", str(port),
-           "--body-timeout-s", "2", "--header-timeout-s", "2"]  # fmt: skip
+           "--body-timeout-s", "2", "--header-timeout-s", "2", "--api-key", API_KEY]  # fmt: skip
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
@@ -822,13 +829,19 @@ def test_hlm_serve_with_no_options_answers_on_its_port_past_the_proxy(model_dir,
         startup = log.read_text()
         assert f"at http://127.0.0.1:{port}/v1, answered by the replica itself" in startup
         assert f"proxy, which spreads requests over the replicas, at http://127.0.0.1:{port + 1}/v1" in startup  # fmt: skip
-        assert "; a child process decodes; no API key; POST /v1/completions" in startup
+        assert "; a child process decodes; API key required; POST /v1/completions" in startup
         body = {"prompt": "The cat", "max_tokens": 8, "temperature": 0}
         want = Generator.load(model_dir).generate(["The cat"], max_new_tokens=8, temperature=0)
         for where in (port, port + 1):
-            r = requests.post(f"http://127.0.0.1:{where}/v1/completions", json=body, timeout=60)
+            url = f"http://127.0.0.1:{where}"
+            r = requests.post(f"{url}/v1/completions", json=body, headers=AUTH, timeout=60)
             assert r.status_code == 200, r.text
             assert r.json()["choices"][0]["text"] == want[0].text
+            # The key on every route but the probes', on both ports (--api-key, not $HLM_API_KEY).
+            for path in ("/docs", "/openapi.json", "/-/routes", "/v1/models"):
+                assert requests.get(f"{url}{path}", timeout=30).status_code == 401, (where, path)
+                assert requests.get(f"{url}{path}", headers=AUTH, timeout=30).status_code == 200
+            assert requests.get(f"{url}/healthz", timeout=30).status_code == 200
         with socket.create_connection(("127.0.0.1", port), timeout=30) as half:
             half.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n"
                          b"Content-Type: application/json\r\n\r\n0123456789")  # fmt: skip

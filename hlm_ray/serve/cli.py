@@ -231,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
     """Deploy, print where, block until Ctrl-C, shut down. Bad options raise HLMError before
     Ray starts."""
     from hlm_ray.serve.app import make_app, model_name
+    from hlm_ray.serve.guard import API_KEY_ENV
     from hlm_ray.serve.launch import start
 
     config = app_args(args)
@@ -255,6 +256,8 @@ def run(args: argparse.Namespace) -> int:
         # A stop that comes while Serve starts (the app may already answer) shuts down too:
         # `start` keeps these handlers across ray.init, which installs Ray's.
         _interrupt_on_signals()
+        if config.api_key:  # inherited by the Ray started here: the guard's /-/ routes need it
+            os.environ[API_KEY_ENV] = config.api_key.get_secret_value()
         start(app, ports, guard=guard, ray=ray_options, keep_alive_s=args.keep_alive_timeout_s)
         decoding = "a child process decodes" if config.decode_process else "a thread decodes"
         key = "API key required" if config.api_key else "no API key"

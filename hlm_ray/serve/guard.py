@@ -22,6 +22,7 @@ time, with the number of connections, by `hlm_ray.serve.connections`.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK = "hlm_ray.serve.guard:proxy_middlewares"
 BODY_TIMEOUT_ENV = "HLM_SERVE_BODY_TIMEOUT_S"
 MAX_BODY_ENV = "HLM_SERVE_MAX_BODY_BYTES"
+API_KEY_ENV = "HLM_API_KEY"  # Serve's own /-/ routes need it too, where it is set
 DEFAULT_BODY_TIMEOUT_S = 10.0
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
@@ -81,6 +83,9 @@ class BodyGuard:
             await self.app(scope, receive, send)
             return
         path = scope.get("path", "")
+        if path.startswith("/-/") and path != "/-/healthz" and not self._key_ok(scope):
+            await _answer(send, 401, "missing or wrong API key: send 'Authorization: Bearer KEY'")
+            return
         declared = _header(scope, b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             await _answer(send, 413, f"request body is {declared} bytes; the limit is "
@@ -106,6 +111,16 @@ class BodyGuard:
             await _answer(send, 413, str(err), close=True)
             return
         await self.app(scope, _replay(body, receive), _openai_errors(send))
+
+    def _key_ok(self, scope) -> bool:
+        """Serve's own routes (`/-/routes`, which lists the applications) need the key the
+        replicas need, when this process has one in `$HLM_API_KEY` (`hlm serve` and the
+        RayService put it there); `/-/healthz` stays open for probes."""
+        key = os.environ.get(API_KEY_ENV, "")
+        if not key:
+            return True
+        scheme, _, given = (_header(scope, b"authorization") or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip(), key)
 
     async def _read(self, receive) -> bytes:
         chunks, size = [], 0
@@ -210,19 +225,22 @@ def proxy_middlewares() -> list:
 def guard_env(
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    api_key: str | None = None,
     **limits,
 ) -> dict[str, str]:
     """Environment that installs the guard in the proxies Serve starts; `limits` are the
     connection guard's (`connections.Limits` fields: header_timeout_s, max_connections,
-    per_client)."""
+    per_client); `api_key` guards Serve's /-/ routes (`hlm serve` passes it through the
+    environment Ray inherits instead: runtime-env variables show in Ray's dashboard)."""
     from hlm_ray.serve.connections import Limits
 
-    return {
+    env = {
         CALLBACK_ENV: CALLBACK,
         BODY_TIMEOUT_ENV: f"{body_timeout_s:g}",
         MAX_BODY_ENV: str(max_body_bytes),
         **Limits(**limits).env(),
     }
+    return env | ({API_KEY_ENV: api_key} if api_key else {})
 
 
 def guard_controller_options(**kwargs) -> dict[str, Any]:

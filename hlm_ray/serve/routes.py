@@ -63,15 +63,17 @@ class CompletionRoutes:
     same methods; errors other than the API's own still reach FastAPI's 500 handler."""
 
     ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
+    OPEN = frozenset({"/healthz"})  # probes need no key
 
     def __init__(self, app) -> None:
         self.app = app
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            route = self.ROUTES.get(route_path(scope))
-            if route is not None:
-                server = serve.get_replica_context().servable_object
+        if scope["type"] == "http":
+            path = route_path(scope)
+            server = serve.get_replica_context().servable_object
+            route = self.ROUTES.get(path) if scope["method"] == "POST" else None
+            if route is not None:  # the route checks the key itself, with its request id
                 server.access_log.started()
                 try:
                     response = await getattr(server, route)(Request(scope, receive))
@@ -79,6 +81,13 @@ class CompletionRoutes:
                 finally:
                     server.access_log.finished()
                 return
+            # Every other route but the probe's needs the key too: /v1/models, FastAPI's
+            # /docs and /openapi.json, and paths that do not exist (401 before 404).
+            if path not in self.OPEN:
+                denied = check_key(server._api_key, Request(scope))
+                if denied is not None:
+                    await JSONResponse(denied.body(), denied.status)(scope, receive, send)
+                    return
         await self.app(scope, receive, send)
 
 

@@ -188,16 +188,13 @@ class CompletionServer:
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
-        if (denied := check_key(self._api_key, request)) is not None:
-            return self._json(denied.body(), denied.status)
+        # The key is checked before any route but these two (routes.CompletionRoutes).
         return self._json(ModelList(data=[self._card()]).model_dump())
 
     @api.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, request: Request) -> JSONResponse:
         """One model's card (ids hold a slash: `NAME/VERSION`); 404 `model_not_found`."""
         try:
-            if (denied := check_key(self._api_key, request)) is not None:
-                raise denied
             check_model_id(ModelQuery(model=model_id), self.name)
         except ApiError as err:
             return self._json(err.body(), err.status)
