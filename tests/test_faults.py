@@ -162,6 +162,8 @@ def test_resume_keeps_the_runs_launch_settings_unless_given_again(tmp_path):
             ["--local", "--set", "data.sources=[BINARY]"],
             "binary.txt looks binary (it holds NUL bytes)",
         ),
+        # Opening a named pipe waited for a writer: 240 s without a line.
+        (["--local", "--set", "data.sources=[FIFO]"], "fifo.txt is not a regular file"),
     ],
 )
 def test_bad_input_gives_one_line_and_no_running_run(args, message, tmp_path, capsys, mlflow_store):
@@ -170,6 +172,7 @@ def test_bad_input_gives_one_line_and_no_running_run(args, message, tmp_path, ca
     (tmp_path / "file").write_text("not a folder")
     (tmp_path / "latin.txt").write_bytes("Ce café était fermé.\n".encode("latin-1") * 200)
     (tmp_path / "binary.txt").write_bytes(bytes(range(256)) * 40)
+    os.mkfifo(tmp_path / "fifo.txt")
     unwritable = tmp_path / "ro"
     unwritable.mkdir()
     unwritable.chmod(0o500)
@@ -180,9 +183,11 @@ def test_bad_input_gives_one_line_and_no_running_run(args, message, tmp_path, ca
         "UNWRITABLE": str(unwritable),
         "LATIN": str(tmp_path / "latin.txt"),
         "BINARY": str(tmp_path / "binary.txt"),
+        "FIFO": str(tmp_path / "fifo.txt"),
     }
     args = [a.replace("FILE", swap["FILE"]).replace("UNWRITABLE", swap["UNWRITABLE"]) for a in args]
     args = [a.replace("LATIN", swap["LATIN"]).replace("BINARY", swap["BINARY"]) for a in args]
+    args = [a.replace("FIFO", swap["FIFO"]) for a in args]
     if "--output" not in args:
         args += ["--output", str(tmp_path / "out")]
     experiment = f"bad-input-{abs(hash(message)) % 10**8}"
@@ -238,6 +243,29 @@ def test_ctrl_c_on_a_local_run_marks_it_killed_and_prints_the_command(
     statuses = sorted(r.info.status for r in runs)
     assert statuses == (["KILLED"] if checkpointed else ["FINISHED", "KILLED"])
     assert json.loads((out / "launch.json").read_text())["local"] is True
+
+
+def test_ctrl_c_before_the_mlflow_run_says_nothing_was_started(
+    tmp_path, capsys, monkeypatch, mlflow_store
+):
+    """A Ctrl-C while the corpus is prepared (before any MLflow run) said the run was "marked
+    KILLED": now it says no run was opened, and opens none."""
+    from mlflow import MlflowClient
+
+    import hlm_ray.train.launch as launch_mod
+
+    def ctrl_c(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch_mod, "build_corpus", ctrl_c)
+    experiment = "ctrl-c-preparing"
+    argv = ["train", "--local", "--output", str(tmp_path / "run"), "--experiment", experiment]
+    assert main([*argv, "--set", f"data.sources=[{SHAKESPEARE}]"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted: the run had not started (no MLflow run was opened" in err, err
+    assert "KILLED" not in err
+    exp = MlflowClient(mlflow_store).get_experiment_by_name(experiment)
+    assert exp is None or not MlflowClient(mlflow_store).search_runs([exp.experiment_id])
 
 
 @pytest.mark.parametrize("where", ["writing the run reference", "building the trainer"])

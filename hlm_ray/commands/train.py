@@ -108,11 +108,19 @@ def cmd_train(args, argv: list[str]) -> int:
     print(f"training {cfg.preset} ({cfg.model.arch}, {cfg.objective.name}) on {where} -> {output}")
     try:
         summary = run_training(cfg, args, resume=resume, resume_from=resume_from)
-    except KeyboardInterrupt:
-        from hlm_ray.train.interrupt import EXIT_INTERRUPTED, continue_message
+    except KeyboardInterrupt as err:
+        from hlm_ray.train.interrupt import (
+            EXIT_INTERRUPTED,
+            RunInterrupted,
+            continue_message,
+            not_started_message,
+        )
 
-        run_dir = Path(cfg.run.output_dir)
-        said = continue_message(run_dir, str(output), argv, args.config, args.set)
+        if isinstance(err, RunInterrupted):  # an MLflow run was opened and is marked KILLED
+            run_dir = Path(cfg.run.output_dir)
+            said = continue_message(run_dir, str(output), argv, args.config, args.set)
+        else:  # preparing the tokenizer or corpus: no MLflow run was opened
+            said = not_started_message(argv)
         print(f"\ninterrupted: {said}", file=sys.stderr)
         return EXIT_INTERRUPTED
     print(format_summary([summary]))

@@ -94,6 +94,11 @@ def _resolve(source: str, text_field: str) -> SourceFiles:
 
 
 def _files_of(path: Path) -> list[str]:
+    if not path.is_dir() and not path.is_file():  # opening a named pipe waits for a writer
+        raise HLMError(
+            f"{path} is not a regular file (a named pipe, socket or device); the corpus is read "
+            "more than once: write it to a file and pass that"
+        )
     if path.is_dir():
         files = sorted(str(p) for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
         if not files:

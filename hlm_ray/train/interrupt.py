@@ -49,6 +49,17 @@ def continue_message(
     )
 
 
+def not_started_message(argv: list[str]) -> str:
+    """What `hlm train` says after a Ctrl-C that came before its MLflow run was opened (while
+    the tokenizer or corpus was prepared): there is no run to mark or resume."""
+    import shlex
+
+    return (
+        "the run had not started (no MLflow run was opened, no checkpoint written); "
+        f"start it again with: {shlex.join(['hlm', *argv])}"
+    )
+
+
 def trainer_class():
     from ray.train.torch import TorchTrainer
 

@@ -264,6 +264,10 @@ def open_mlflow_run(
             tracker.set_tags({"launcher": "ray_train"})
     except BaseException as err:  # a Ctrl-C here must not leave the run RUNNING
         finish(tracker, out_dir, "KILLED" if isinstance(err, KeyboardInterrupt) else "FAILED")
+        if isinstance(err, KeyboardInterrupt):
+            from hlm_ray.train.interrupt import RunInterrupted
+
+            raise RunInterrupted() from None  # the run exists and is KILLED
         raise
     return tracker, {"experiment": experiment, "uri": uri, "run_id": tracker.run_id}
 
