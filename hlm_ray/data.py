@@ -33,10 +33,12 @@ from transformers import PreTrainedTokenizerFast
 
 from hlm_ray.errors import HLMError, one_line
 from hlm_ray.paths import (
+    DATA_ENV,
     HUB_FALLBACKS,
     HubDataset,
     cache_dir,
     data_dir,
+    data_dir_said,
     has_shared,
     hub_specs,
     load_hub,
@@ -204,8 +206,9 @@ def _load_source(source: str, text_field: str, sample_by: str) -> list[str]:
         raise
     except Exception as err:
         raise HLMError(
-            f"no file or folder {local}, and the hub dataset {names} could not be loaded "
-            f"({one_line(err)}); set HLM_DATA_DIR or pass a local path"
+            f"no file or folder {source} here or in the data folder {data_dir_said()}, and the "
+            f"hub dataset {names} could not be loaded ({one_line(err)}); point {DATA_ENV} at "
+            f"the folder that holds {source}, or pass a local path"
         ) from err
 
 

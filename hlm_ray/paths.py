@@ -173,6 +173,21 @@ def has_shared(relative: str) -> bool:
     return (data_dir() / relative).exists()
 
 
+def data_dir_said() -> str:
+    """Where the data folder is and why, for an error about a file missing from it:
+    "/x (HLM_DATA_DIR, an empty folder)", "../shared/data beside the project (HLM_DATA_DIR
+    unset), which does not exist"."""
+    folder = data_dir()
+    why = f"{DATA_ENV}" if os.environ.get(DATA_ENV) else f"{DATA_ENV} unset: the default"
+    if not folder.is_dir():
+        state = "which does not exist"
+    elif not any(folder.iterdir()):
+        state = "an empty folder"
+    else:
+        state = "which does not hold it"
+    return f"{folder} ({why}), {state}"
+
+
 def cache_dir(*parts: str) -> Path:
     """A folder under ``HLM_CACHE_DIR`` (created)."""
     root = Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "hlm_ray").expanduser()

@@ -139,8 +139,14 @@ def load_config(
     cfg = get_preset(preset, objective=objective)
     if yaml_file is not None:
         path = Path(yaml_file)
-        if not path.is_file():
+        if path.is_dir():
+            yamls = sorted(p.name for p in path.glob("*.y*ml"))[:3]
+            hint = f" (it holds {', '.join(yamls)})" if yamls else ""
+            raise HLMError(f"--config {path} is a folder{hint}; pass one YAML file")
+        if not path.exists():
             raise HLMError(f"config file {path} not found")
+        if not path.is_file():
+            raise HLMError(f"--config {path} is not a regular file; pass one YAML file")
         try:
             loaded = yaml.safe_load(path.read_text()) or {}
         except yaml.YAMLError as err:

@@ -179,3 +179,25 @@ def test_a_harness_task_without_the_eval_extra_is_one_line_naming_it(monkeypatch
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "pip install -e '.[eval]'" in err
+
+
+def test_a_failed_evaluation_leaves_no_empty_folder(
+    tiny_decoder_dir, tmp_path, monkeypatch, capsys
+):
+    """A task that fails after the output folder was made left it empty: now it is removed
+    (one line, exit 2); a folder that was there before stays."""
+    import hlm_ray.evaluate as evaluate
+    from hlm_ray.errors import HLMError
+
+    def failing(pre, *, output_dir, **kwargs):
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        raise HLMError("the task failed")
+
+    monkeypatch.setattr(evaluate, "get_task", lambda name: failing)
+    out = tmp_path / "ev"
+    assert main(["eval", "--model", tiny_decoder_dir, "--task", "bpb", "--output", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == "error: the task failed"
+    assert not out.exists()
+    out.mkdir()
+    assert main(["eval", "--model", tiny_decoder_dir, "--task", "bpb", "--output", str(out)]) == 2
+    assert out.is_dir()

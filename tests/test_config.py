@@ -43,6 +43,15 @@ def test_overrides_yaml_then_command_line(tmp_path):
     assert cfg.optim.grad_clip is None and cfg.run.fail_at_step == 3
 
 
+def test_a_config_that_is_not_a_file_says_what_it_is(tmp_path):
+    """`--config <a folder>` said "not found" for a path that exists."""
+    (tmp_path / "a.yaml").write_text("optim:\n  lr: 0.01\n")
+    with pytest.raises(HLMError, match=r"is a folder \(it holds a.yaml\); pass one YAML file"):
+        load_config("tiny-decoder", yaml_file=tmp_path)
+    with pytest.raises(HLMError, match="not found"):
+        load_config("tiny-decoder", yaml_file=tmp_path / "missing.yaml")
+
+
 def test_grad_accumulation_is_derived_and_checked():
     cfg = load_config(
         "tiny-decoder", overrides=["optim.global_batch_size=64", "optim.micro_batch_size=8"]

@@ -188,7 +188,8 @@ def test_bad_input_gives_one_line_and_no_running_run(args, message, tmp_path, ca
     args = [a.replace("FILE", swap["FILE"]).replace("UNWRITABLE", swap["UNWRITABLE"]) for a in args]
     args = [a.replace("LATIN", swap["LATIN"]).replace("BINARY", swap["BINARY"]) for a in args]
     args = [a.replace("FIFO", swap["FIFO"]) for a in args]
-    if "--output" not in args:
+    own_output = "--output" not in args
+    if own_output:
         args += ["--output", str(tmp_path / "out")]
     experiment = f"bad-input-{abs(hash(message)) % 10**8}"
     code = main(["train", "--experiment", experiment, *args])
@@ -200,6 +201,8 @@ def test_bad_input_gives_one_line_and_no_running_run(args, message, tmp_path, ca
     exp = MlflowClient(mlflow_store).get_experiment_by_name(experiment)
     runs = MlflowClient(mlflow_store).search_runs([exp.experiment_id]) if exp else []
     assert not [r for r in runs if r.info.status == "RUNNING"]
+    if own_output:  # nothing left behind: no lone launch.json
+        assert not (tmp_path / "out").exists()
     unwritable_dir = tmp_path / "ro"
     unwritable_dir.chmod(0o700)
 

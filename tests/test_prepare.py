@@ -3,6 +3,7 @@ document-level split, resume, memory-mapped batches, and one clear error per bad
 
 import json
 import os
+import re
 import time
 from dataclasses import replace
 
@@ -190,6 +191,17 @@ def test_bad_inputs_fail_with_one_clear_error(corpus, tmp_path, monkeypatch):
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # nothing listens: refused at once
     assert _fails(_request("someone/some-dataset"), tmp_path / "o5", "cannot be reached") < 5
+    # An HLM_DATA_DIR without the corpus: the error says where it looked and what it found
+    # there (it said "set HLM_DATA_DIR", which was set).
+    nothing = tmp_path / "nothing"
+    nothing.mkdir()
+    monkeypatch.setenv("HLM_DATA_DIR", str(nothing))
+    said = f"no file or folder corpus/en here or in the data folder {nothing} (HLM_DATA_DIR), an empty folder"
+    _fails(_request("corpus/en"), tmp_path / "o6", re.escape(said))
+    monkeypatch.setenv("HLM_DATA_DIR", str(tmp_path / "absent"))
+    _fails(
+        _request("corpus/en"), tmp_path / "o7", "absent \\(HLM_DATA_DIR\\), which does not exist"
+    )
 
 
 def test_a_task_s_hlm_error_reaches_the_user_as_its_one_line():

@@ -78,7 +78,11 @@ def add_parsers(sub) -> None:
     ev.add_argument("--limit", type=int, help="examples per task (default: all)")
     ev.add_argument("--batch-size", type=int, default=32, help="sequences per forward pass (32)")
     device_arg(ev)
-    ev.add_argument("--output", help="folder for the JSON results (default <model>/eval)")
+    ev.add_argument(
+        "--output",
+        help="folder for the JSON results (default: eval/ in the model's run folder; "
+        "runs/NAME-VERSION-eval for models:/NAME/VERSION)",
+    )
     ev.add_argument("--experiment", default="hlm_ray", help="MLflow experiment name")
 
 
@@ -181,17 +185,25 @@ def cmd_eval(args) -> int:
     output = args.output or str(Path(resolve_model_dir(args.model)).parent / "eval")
     if args.model.startswith("models:/"):
         output = args.output or default_output(args.model, "eval")
+    out_dir = resolve_output(output)
+    existed = Path(out_dir).exists()
     tracker = downstream.run_tracker(args.model, args.experiment)
-    results = downstream.evaluate(
-        args.model,
-        tasks,
-        output_dir=resolve_output(output),
-        limit=args.limit,
-        batch_size=args.batch_size,
-        device=args.device,
-        tracker=tracker,
-    )
-    tracker.finish("FINISHED")
+    try:
+        results = downstream.evaluate(
+            args.model,
+            tasks,
+            output_dir=out_dir,
+            limit=args.limit,
+            batch_size=args.batch_size,
+            device=args.device,
+            tracker=tracker,
+        )
+    finally:
+        # The model's own run, reopened to log eval/ metrics, was finished before: a failed
+        # evaluation does not fail it (nor leave it RUNNING).
+        tracker.finish("FINISHED")
+        if not existed and Path(out_dir).is_dir() and not any(Path(out_dir).iterdir()):
+            Path(out_dir).rmdir()  # a task that failed first leaves no empty folder
     print(format_results(results))
     print(f"results: {output}")
     return 0

@@ -22,6 +22,7 @@ from hlm_ray.commands.common import (
     load_args_config,
     run_training,
 )
+from hlm_ray.errors import HLMError
 from hlm_ray.paths import resolve_input, resolve_output
 
 
@@ -68,7 +69,7 @@ def cmd_train(args, argv: list[str]) -> int:
     continues a run; --dry-run prints its cost plan (--overhead-s: a fixed cost added to it)."""
     from hlm_ray.train.checkpoint import refuse_existing, resolve_resume
     from hlm_ray.train.launch import check_output, check_workers
-    from hlm_ray.train.resume import resumed_config, save_launch
+    from hlm_ray.train.resume import discard_launch, resumed_config, save_launch
     from hlm_ray.train.summary import format_summary
 
     resume = resume_from = None
@@ -108,6 +109,10 @@ def cmd_train(args, argv: list[str]) -> int:
     print(f"training {cfg.preset} ({cfg.model.arch}, {cfg.objective.name}) on {where} -> {output}")
     try:
         summary = run_training(cfg, args, resume=resume, resume_from=resume_from)
+    except HLMError:
+        if resume is None:
+            discard_launch(cfg.run.output_dir)  # bad input: leave no lone launch.json
+        raise
     except KeyboardInterrupt as err:
         from hlm_ray.train.interrupt import (
             EXIT_INTERRUPTED,
@@ -121,6 +126,8 @@ def cmd_train(args, argv: list[str]) -> int:
             said = continue_message(run_dir, str(output), argv, args.config, args.set)
         else:  # preparing the tokenizer or corpus: no MLflow run was opened
             said = not_started_message(argv)
+            if resume is None:
+                discard_launch(cfg.run.output_dir)
         print(f"\ninterrupted: {said}", file=sys.stderr)
         return EXIT_INTERRUPTED
     print(format_summary([summary]))

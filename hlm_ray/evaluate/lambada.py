@@ -34,7 +34,7 @@ from hlm_ray.errors import HLMError, one_line
 from hlm_ray.evaluate.common import eval_mode
 from hlm_ray.jsonl import json_objects
 from hlm_ray.models import max_input_positions
-from hlm_ray.paths import DATA_ENV, data_dir, has_shared, load_hub, shared_file
+from hlm_ray.paths import DATA_ENV, data_dir, data_dir_said, has_shared, load_hub, shared_file
 
 LAMBADA_FILE = "eval/lambada_openai.jsonl"
 # What lm-eval's lambada_openai.yaml loads (the "en" config holds the same 5,153 passages).
@@ -91,7 +91,7 @@ def _from_hub(limit: int | None) -> list[dict]:
     except Exception as err:  # offline: ConnectionError, DatasetNotFoundError, OSError, ...
         first = one_line(err)
         raise HLMError(
-            f"LAMBADA: {LAMBADA_FILE} is not in the data folder {data_dir()} and the hub dataset "
+            f"LAMBADA: {LAMBADA_FILE} is not in the data folder {data_dir_said()}, and the hub dataset "
             f"{name} could not be loaded ({first}); set {DATA_ENV} to the folder that holds it "
             "or pass a JSON-lines file"
         ) from None

@@ -27,7 +27,16 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 from hlm_ray.errors import HLMError
-from hlm_ray.paths import HubDataset, cache_dir, data_dir, has_shared, hub_specs, load_hub
+from hlm_ray.paths import (
+    DATA_ENV,
+    HubDataset,
+    cache_dir,
+    data_dir,
+    data_dir_said,
+    has_shared,
+    hub_specs,
+    load_hub,
+)
 
 SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
 _BLANK = re.compile(rb"\n[ \t\r\f\v]*\n")
@@ -126,8 +135,9 @@ def _check_hub_reachable(source: str) -> None:
     """Fail in seconds, not after the hub client's retries, when the hub cannot be reached."""
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
         raise HLMError(
-            f"hub dataset {source!r} cannot be reached: HF_HUB_OFFLINE is set and it is not "
-            "staged in the cache; pass local files or go online"
+            f"no file or folder {source} here or in the data folder {data_dir_said()}, and the "
+            "hub cannot be reached (HF_HUB_OFFLINE is set) where it is not staged in the cache; "
+            f"point {DATA_ENV} at the folder that holds {source}, or pass a local path"
         )
     url = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co"))
     port = url.port or (443 if url.scheme == "https" else 80)
@@ -135,8 +145,9 @@ def _check_hub_reachable(source: str) -> None:
         socket.create_connection((url.hostname, port), timeout=HUB_TIMEOUT_S).close()
     except OSError as err:
         raise HLMError(
-            f"no file or folder {source}, and the hub ({url.hostname}) cannot be reached within "
-            f"{HUB_TIMEOUT_S:.0f} s ({err}); pass a local path or set HLM_DATA_DIR"
+            f"no file or folder {source} here or in the data folder {data_dir_said()}, and the "
+            f"hub ({url.hostname}) cannot be reached within {HUB_TIMEOUT_S:.0f} s ({err}); "
+            f"point {DATA_ENV} at the folder that holds {source}, or pass a local path"
         ) from None
 
 

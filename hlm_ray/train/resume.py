@@ -38,6 +38,15 @@ def save_launch(out_dir: str | Path, settings: dict[str, Any]) -> None:
     (out / LAUNCH_FILE).write_text(json.dumps({k: settings[k] for k in LAUNCH_DEFAULTS}, indent=1))
 
 
+def discard_launch(out_dir: str | Path) -> None:
+    """Undo `save_launch` for a run that failed before it wrote anything else (bad input found
+    while preparing): no lone launch.json, and no folder if that was all it held."""
+    out = Path(out_dir)
+    if out.is_dir() and [p.name for p in out.iterdir()] == [LAUNCH_FILE]:
+        (out / LAUNCH_FILE).unlink()
+        out.rmdir()
+
+
 def launch_settings(out_dir: str | Path | None, given: dict[str, Any]) -> dict[str, Any]:
     """The run's saved launch settings (none without `out_dir`), overridden by the flags given
     now (those not None)."""
