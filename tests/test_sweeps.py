@@ -249,6 +249,23 @@ def test_final_metrics_carry_k_v_head_share_and_bits_per_byte():
     assert math.isnan(out["downstream/score"])
 
 
+def test_trial_times_of_a_trial_trained_in_an_earlier_attempt_are_not_negative():
+    """A resumed sweep's trial whose training had finished before the kill: its summary holds
+    the earlier attempt's 40 s of steps, this attempt ran 5 s of downstream. The summary
+    showed `trial s 0`, `overhead s -4`; now this attempt's overhead is its wall time."""
+    from hlm_ray.tune.trial import trial_times
+
+    summary = {"seconds": {"train": 40.0, "setup": 2.0, "checkpoint": 1.0, "worker": 45.0}}
+    now = trial_times(summary, 100.0, 101.0, 105.0, trained_now=True)
+    assert now["trial/train_s"] == 40.0 and now["trial/overhead_s"] == -35.0  # the old sum
+    again = trial_times(summary, 100.0, 101.0, 105.0, trained_now=False)
+    assert again["trial/train_s"] == 0.0
+    assert again["trial/overhead_s"] == again["trial/wall_s"] == 5.0
+    assert "trial/worker_setup_s" not in again
+    fresh = trial_times(summary, 0.0, 50.0, 55.0)
+    assert fresh["trial/overhead_s"] == 15.0 and fresh["trial/trainer_s"] == 5.0
+
+
 def test_a_fit_without_ray_datasets_starts_no_dataset_manager():
     """hlm's workers read their own data: Ray's DatasetsCallback (a DatasetManager actor per
     fit) is left out unless the trainer is given Ray datasets."""

@@ -563,7 +563,7 @@ def test_a_resumed_trial_whose_training_was_complete_replays_what_mlflow_missed(
     (folder / "summary.json").write_text(json.dumps(summary))
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # the resumed sweep's store
     cfg = apply_overrides(Config(), {"optim.max_steps": 30})
-    assert trial._pretrain(cfg, runtime=None, out_dir=folder, trial_id="abc") == summary
+    assert trial._pretrain(cfg, runtime=None, out_dir=folder, trial_id="abc") == (summary, False)
     steps = mlflow.MlflowClient(uri).get_metric_history(run_id, "train/loss")
     assert sorted(m.step for m in steps) == [10, 20, 30]
 

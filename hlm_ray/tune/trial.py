@@ -115,23 +115,30 @@ def run_trial(params: dict[str, Any], runtime: TrialRuntime) -> None:
     mirror = RunMirror(f"{runtime.storage}/{name}") if runtime.storage else None
     if mirror is not None:  # an earlier attempt's stages, perhaps done on another node
         mirror.pull(out_dir, (*DONE_FILES, "model"))
-    summary = _pretrain(cfg, runtime, out_dir, trial_id)
+    summary, trained_now = _pretrain(cfg, runtime, out_dir, trial_id)
     pretrained = time.perf_counter()
     scores = _downstream(runtime, out_dir, Path(summary["model_dir"]), mirror)
     finished = time.perf_counter()
     metrics = final_metrics(cfg, summary, scores, runtime.workers)
-    metrics.update(trial_times(summary, started, pretrained, finished))
+    metrics.update(trial_times(summary, started, pretrained, finished, trained_now=trained_now))
     _log_times(runtime, out_dir, metrics)
     ray.tune.report(metrics)
 
 
 def trial_times(
-    summary: dict[str, Any], started: float, pretrained: float, finished: float
+    summary: dict[str, Any],
+    started: float,
+    pretrained: float,
+    finished: float,
+    *,
+    trained_now: bool = True,
 ) -> dict[str, float]:
-    """Where a trial's wall time went (seconds). `trial/overhead_s` is all but the optimizer
-    steps: Ray Train start-up and teardown (`trainer`), the worker's model and data set-up,
-    checkpoints with their reports, and the downstream step."""
-    worker = summary.get("seconds") or {}
+    """Where this attempt's wall time went (seconds). `trial/overhead_s` is all but the
+    optimizer steps: Ray Train start-up and teardown (`trainer`), the worker's model and data
+    set-up, checkpoints with their reports, and the downstream step. A trial whose training
+    finished in an earlier attempt (a resumed sweep) ran no step now: its summary's seconds are
+    that attempt's, so this attempt's overhead is all of its wall time (it was negative)."""
+    worker = (summary.get("seconds") or {}) if trained_now else {}
     train = float(worker.get("train", 0.0))
     pretrain = pretrained - started
     out = {
@@ -144,7 +151,7 @@ def trial_times(
         # the worker's set-up, evaluation and checkpoints.
         "trial/pretrain_overhead_s": pretrain - train,
     }
-    if worker:  # absent for a trial whose training finished in an earlier attempt
+    if worker:  # this attempt trained
         out["trial/worker_setup_s"] = float(worker["setup"])
         out["trial/checkpoint_s"] = float(worker["checkpoint"])
         out["trial/trainer_s"] = pretrain - float(worker["worker"])
@@ -168,11 +175,14 @@ def _log_times(runtime: TrialRuntime, out_dir: Path, metrics: dict[str, float]) 
     tracker.finish("FINISHED")
 
 
-def _pretrain(cfg: Config, runtime: TrialRuntime, out_dir: Path, trial_id: str) -> dict[str, Any]:
+def _pretrain(
+    cfg: Config, runtime: TrialRuntime, out_dir: Path, trial_id: str
+) -> tuple[dict[str, Any], bool]:
+    """The run's summary, and whether this attempt trained (False: an earlier one finished)."""
     done = _finished_summary(out_dir, cfg.optim.max_steps)
     if done is not None:  # a retry (or a resumed sweep): training is complete
         _replay_missed(out_dir)
-        return done
+        return done, False
     from ray.tune.integration.ray_train import TuneReportCallback
 
     from hlm_ray.train.launch import launch
@@ -184,7 +194,7 @@ def _pretrain(cfg: Config, runtime: TrialRuntime, out_dir: Path, trial_id: str) 
         "seed": cfg.run.seed,
         "ray_train": "local" if runtime.local else "workers",  # where the training ran
     }
-    return launch(
+    summary = launch(
         cfg,
         storage_path=runtime.storage,
         num_workers=runtime.workers,
@@ -203,6 +213,7 @@ def _pretrain(cfg: Config, runtime: TrialRuntime, out_dir: Path, trial_id: str) 
         callbacks=[TuneReportCallback()] if runtime.report_steps else [],
         local=runtime.local,
     )
+    return summary, True
 
 
 def _replay_missed(out_dir: Path) -> None:
