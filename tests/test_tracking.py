@@ -441,6 +441,31 @@ def test_plot_loss_curve(tmp_path):
     assert empty.read_bytes().startswith(b"\x89PNG")
 
 
+def test_compare_figure_never_puts_two_objectives_on_one_axis(tmp_path, monkeypatch):
+    """`hlm compare`'s compare.png drew the CWT and cross-entropy losses on one axis, which
+    are not on one scale: one panel per run now, and the speed bars."""
+    import json
+
+    from matplotlib.figure import Figure
+
+    from hlm_ray.train.summary import plot_runs
+
+    runs = []
+    for name, loss in (("headless", 0.5), ("vanilla", 6.0)):
+        run = tmp_path / name
+        run.mkdir()
+        rows = [{"step": s, "train/loss": loss / s} for s in (1, 2, 3)]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        (run / "summary.json").write_text(json.dumps({"tokens_per_s": 100.0}))
+        runs.append(run)
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: saved.append(fig))
+    plot_runs(runs, tmp_path / "compare.png")
+    [fig] = saved
+    curves = [[line.get_ydata()[0] for line in ax.get_lines()] for ax in fig.axes]
+    assert curves == [[0.5], [6.0], []]  # one run's loss per axis; the bars last
+
+
 def test_loss_curve_as_an_artifact(client, experiment, tmp_path):
     jsonl = JsonlTracker(tmp_path)
     for step in (1, 2, 3):

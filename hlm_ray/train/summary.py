@@ -46,35 +46,33 @@ def format_summary(summaries: list[dict[str, Any]]) -> str:
 
 
 def plot_runs(run_dirs: list[Path], out_path: Path) -> Path:
-    """Training loss by step (each run's own objective: CWT and cross-entropy values show the
-    curves' shapes, their levels are not comparable) and training tokens/s (the runs'
-    summary.json figure, as in the table), for runs that wrote metrics.jsonl."""
-    import matplotlib
+    """Training loss by step, one panel per run (each its own objective: a CWT loss and a
+    cross-entropy are not on one scale, so they never share an axis), and training tokens/s
+    (the runs' summary.json figure, as in the table), for runs that wrote metrics.jsonl."""
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    names, speeds = [], []
+    runs = []
     for run in run_dirs:
         rows = [r for r in read_metrics(run) if "train/loss" in r]
-        if not rows:
-            continue
-        name = Path(run).name
-        axes[0].plot([r["step"] for r in rows], [r["train/loss"] for r in rows], label=name)
-        names.append(name)
-        speeds.append(json.loads((Path(run) / "summary.json").read_text())["tokens_per_s"])
-    axes[0].set_xlabel("step")
-    axes[0].set_ylabel("training loss (own objective)")
-    axes[0].set_yscale("log")
-    axes[0].legend()
-    axes[1].bar(names, speeds, color=["tab:blue", "tab:orange", "tab:green"][: len(names)])
-    axes[1].set_ylabel("tokens / s (training only)")
-    fig.tight_layout()
+        if rows:
+            speed = json.loads((Path(run) / "summary.json").read_text())["tokens_per_s"]
+            runs.append((Path(run).name, rows, speed))
+    colors = ["tab:blue", "tab:orange", "tab:green", "tab:red"]
+    fig = Figure(figsize=(3.6 * (len(runs) + 1), 3.8), layout="constrained")
+    axes = fig.subplots(1, len(runs) + 1, squeeze=False)[0]
+    for ax, (name, rows, _), color in zip(axes, runs, colors, strict=False):
+        ax.plot([r["step"] for r in rows], [r["train/loss"] for r in rows], color=color)
+        ax.set_title(f"{name}: its own training loss", fontsize=9)
+        ax.set_xlabel("step")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("training loss (log)")
+    names = [name for name, _, _ in runs]
+    axes[-1].bar(names, [speed for _, _, speed in runs], color=colors[: len(runs)])
+    axes[-1].set_ylabel("tokens / s (training only)")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, dpi=120)
-    plt.close(fig)
     return out_path
 
 
