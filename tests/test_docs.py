@@ -1,6 +1,8 @@
 """The user-facing pages (README.md, docs/*.md, deploy/README.md) checked as a reader uses them:
-every command they show parses, every relative link resolves, and no page carries the project's
-work history. Plain text and argparse only: no Ray, no MLflow, nothing run.
+every command they show parses, followed in order in a fresh folder each reads only what an
+earlier one made (and no sweep name is reused with other settings), every relative link
+resolves, and no page carries the project's work history. Plain text and argparse only: no Ray,
+no MLflow, nothing run (tests/test_walkthrough.py and test_readme.py run their pages' commands).
 
     PYTHONPATH=. python -m pytest -q tests/test_docs.py
 
@@ -20,6 +22,7 @@ import contextlib
 import io
 import re
 import shlex
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -204,6 +207,115 @@ def test_the_command_check_can_fail():
     checked = [check_command(words) for words in commands(good)]
     assert [error for _, error in checked] == [None] * 10, checked
     assert [ours for ours, _ in checked] == [True] * 6 + [False] + [True] * 2 + [False]  # tee, curl
+
+
+# ----------------------------------------------------------------------------- in order
+
+# Pages that continue another (their text says so): what that page made is there.
+FOLLOWS = {"README.md": ["docs/walkthrough.md"], "deploy/README.md": ["docs/finetune.md"]}
+# Sweep names that `make demo` (the README's first command) and the walkthrough have used.
+DEMO_SWEEPS = {"demo": "python sweeps/vocab.py --preset tiny"}
+PLACEHOLDER_RE = re.compile(r"[<$A-Z]|^/|^~")  # RUN, <run>, $RUN, absolute paths: the reader's
+
+
+def _flag(words: list[str], name: str) -> str | None:
+    for i, word in enumerate(words):
+        if word == name and i + 1 < len(words):
+            return words[i + 1]
+        if word.startswith(name + "="):
+            return word.split("=", 1)[1]
+    return None
+
+
+def _inner(words: list[str]) -> list[str]:
+    """The command a `ray job submit ... --` wraps, else `words`."""
+    if words[:3] == ["ray", "job", "submit"] and "--" in words:
+        return words[words.index("--") + 1 :]
+    return words
+
+
+def flow_errors(pages: list[str]) -> list[str]:
+    """Commands that would fail when `pages` are followed top to bottom in a fresh folder:
+    a run, checkpoint or model read (`--model`, `--resume`, `data.prepared=`) that no earlier
+    command made (`--output`, `--register NAME [--alias A]`, a sweep's `--name`), and a sweep
+    name used again with other settings (a sweep refuses that: it needs its own `--name`)."""
+    made: set[str] = set()
+    sweeps = dict(DEMO_SWEEPS)
+    errors = []
+    for page in pages:
+        for block in bash_blocks((ROOT / page).read_text()):
+            for words in map(_inner, commands(block)):
+                ours, _ = check_command(words)
+                if not ours or "--help" in words or "--dry-run" in words:
+                    continue
+                text = shlex.join(words)
+                script = SWEEP_SCRIPT_RE.search(words[1]) if len(words) > 1 else None
+                if script:
+                    name = _flag(words, "--name") or default_sweep_name(script[1], words)
+                    settings = shlex.join(w for w in words if w != name)
+                    settings = re.sub(r" --name\b", "", settings)
+                    earlier = sweeps.setdefault(name, settings)
+                    if earlier != settings:
+                        errors.append(f"{page}: {text}\n    -> sweep name {name!r} already used "
+                                      f"by `{earlier}`; give it its own --name")  # fmt: skip
+                    made.add(f"runs/sweeps/{name}")
+                reads = [_flag(words, "--model"), _flag(words, "--resume")]
+                reads += [w.split("=", 1)[1] for w in words if w.startswith("data.prepared=")]
+                for path in filter(None, reads):
+                    if PLACEHOLDER_RE.search(path) or _is_made(path, made):
+                        continue
+                    errors.append(f"{page}: {text}\n    -> reads {path}, which no earlier "
+                                  "command on the page makes")  # fmt: skip
+                if (out := _flag(words, "--output")) is not None:
+                    made.add(out.rstrip("/"))
+                if (name := _flag(words, "--register")) is not None:
+                    made.add(f"models:/{name}/1")
+                    if (alias := _flag(words, "--alias")) is not None:
+                        made.add(f"models:/{name}@{alias}")
+    return errors
+
+
+def default_sweep_name(script: str, words: list[str]) -> str:
+    """A sweep's folder name without --name (`hlm_ray.tune.cli.default_name`, the headline's
+    `curve_args`)."""
+    name = f"{script}-{_flag(words, '--preset') or 'tiny'}"
+    return (
+        name + ("-search" if "--search" in words else "") + ("-curve" if "--curve" in words else "")
+    )
+
+
+def _is_made(path: str, made: set[str]) -> bool:
+    path = path.rstrip("/")
+    return any(path == m or path.startswith(m + "/") for m in made)
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_each_page_followed_in_order_in_a_fresh_folder_makes_what_it_reads(page):
+    """What a reader meets following the page top to bottom in a fresh folder, checked from the
+    commands (the walkthrough's and the README's own tests run theirs): nothing is read before
+    a command makes it, and no sweep name is used twice with other settings."""
+    errors = flow_errors([*FOLLOWS.get(page, []), page])
+    assert not errors, "\n".join(errors)
+
+
+def test_the_in_order_check_can_fail(tmp_path, monkeypatch):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```bash\n"
+        "hlm finetune --task clm --model runs/never-made --output runs/gen\n"
+        "hlm eval --model runs/gen/model --task bpb\n"  # made just above: fine
+        "hlm serve --model models:/hlm-x@candidate\n"
+        "python sweeps/vocab.py --preset tiny --set optim.max_steps=20 --name demo\n"
+        "python sweeps/vocab.py --preset tiny --set optim.max_steps=20 --name mine\n"
+        "python sweeps/vocab.py --preset tiny --set optim.max_steps=30 --name mine\n"
+        "hlm eval --model RUN --task bpb\n"  # a placeholder: the reader's own
+        "```\n"
+    )
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    errors = flow_errors(["page.md"])
+    assert len(errors) == 4, errors
+    assert "reads runs/never-made" in errors[0] and "reads models:/hlm-x@candidate" in errors[1]
+    assert "'demo' already used" in errors[2] and "'mine' already used" in errors[3]
 
 
 def test_bash_blocks_and_continuations_are_read_as_bash_reads_them():
