@@ -94,6 +94,9 @@ def test_results_are_one_metric_per_score_and_arm_over_the_values():
             "ablation/downstream_score/vanilla": 0.5,
             "ablation/tokens_per_s/headless": 200.0,
             "ablation/tokens_per_s/vanilla": 50.0,
+            # One chart that compares the arms (MLflow scales each chart alone).
+            "ablation/downstream_score/headless_minus_vanilla": pytest.approx(0.2),
+            "ablation/tokens_per_s/headless_minus_vanilla": 150.0,
         },
         1024: {"ablation/downstream_score/headless": 0.7, "ablation/tokens_per_s/headless": 90.0},
     }

@@ -128,14 +128,25 @@ def result_key(column: str, objective: str) -> str:
 
 
 def result_metrics(rows: list[dict[str, Any]], axis: Axis) -> dict[int, dict[str, float]]:
-    """{step: {result_key: mean over the finished seeds}}, for the sweep's parent run."""
+    """{step: {result_key: mean over the finished seeds}}, for the sweep's parent run. MLflow
+    draws each metric on its own chart, scaled alone, so the two arms' charts never share a
+    y-range: `.../headless_minus_vanilla` (where both arms have a mean) is the one chart that
+    compares them (0: a tie)."""
     values = list(dict.fromkeys(r["value"] for r in rows))
     steps = result_steps(values)
     out: dict[int, dict[str, float]] = {}
     for column, _ in result_scores(axis):
-        for (objective, value), mean in _means(rows, column).items():
+        means = _means(rows, column)
+        for (objective, value), mean in means.items():
             out.setdefault(steps[value], {})[result_key(column, objective)] = mean
+        for value in values:
+            if ("headless", value) in means and ("vanilla", value) in means:
+                delta = means["headless", value] - means["vanilla", value]
+                out[steps[value]][result_key(column, DELTA)] = delta
     return out
+
+
+DELTA = "headless_minus_vanilla"  # the arms' difference, on the parent run
 
 
 def results_note(
