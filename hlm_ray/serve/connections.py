@@ -31,7 +31,7 @@ import resource
 from collections import Counter
 from dataclasses import dataclass
 
-from hlm_ray.serve.guard import error_body
+from hlm_ray.serve.error_shape import error_body
 
 HEADER_TIMEOUT_ENV = "HLM_SERVE_HEADER_TIMEOUT_S"
 MAX_CONNECTIONS_ENV = "HLM_SERVE_MAX_CONNECTIONS"

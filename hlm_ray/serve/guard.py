@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import os
 from typing import Any
+
+from hlm_ray.serve import connections
+from hlm_ray.serve.error_shape import error_body
 
 CALLBACK_ENV = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"
 CALLBACK = "hlm_ray.serve.guard:proxy_middlewares"
@@ -37,33 +39,6 @@ DEFAULT_BODY_TIMEOUT_S = 10.0
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 
 log = logging.getLogger("ray.serve")
-
-
-# The `code` of an error with no more specific one (OpenAI's where it has one).
-ERROR_CODES = {
-    400: "invalid_request",
-    401: "invalid_api_key",
-    404: "unknown_url",
-    405: "method_not_allowed",
-    408: "request_timeout",
-    413: "request_too_large",
-    422: "invalid_value",
-    500: "internal_error",
-    503: "server_overloaded",
-    504: "timeout",
-}
-
-
-def error_body(
-    status: int, message: str, param: str | None = None, code: str | None = None
-) -> bytes:
-    """OpenAI's error shape: `{"error": {"message", "type", "param", "code"}}`."""
-    kind = "invalid_request_error" if status < 500 else "server_error"
-    if status == 401:
-        kind = "authentication_error"
-    code = code or ERROR_CODES.get(status, f"http_{status}")
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return json.dumps(body).encode()
 
 
 class BodyGuard:
@@ -216,8 +191,6 @@ def proxy_middlewares() -> list:
     (`hlm_ray.serve.connections`: header deadline, connection limits) is installed here too."""
     from starlette.middleware import Middleware
 
-    from hlm_ray.serve import connections
-
     connections.install()
     return [Middleware(BodyGuard)]
 
@@ -232,13 +205,11 @@ def guard_env(
     connection guard's (`connections.Limits` fields: header_timeout_s, max_connections,
     per_client); `api_key` guards Serve's /-/ routes (`hlm serve` passes it through the
     environment Ray inherits instead: runtime-env variables show in Ray's dashboard)."""
-    from hlm_ray.serve.connections import Limits
-
     env = {
         CALLBACK_ENV: CALLBACK,
         BODY_TIMEOUT_ENV: f"{body_timeout_s:g}",
         MAX_BODY_ENV: str(max_body_bytes),
-        **Limits(**limits).env(),
+        **connections.Limits(**limits).env(),
     }
     return env | ({API_KEY_ENV: api_key} if api_key else {})
 

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ValidationError
 
 from hlm_ray.errors import HLMError
 from hlm_ray.generate import Generator, Row, SamplingParams, row_seed
-from hlm_ray.serve.guard import error_body
+from hlm_ray.serve.error_shape import error_body
 from hlm_ray.serve.schemas import (
     AppArgs,
     ChatMessage,

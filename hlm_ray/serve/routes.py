@@ -24,7 +24,7 @@ from ray import serve
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from hlm_ray.serve.guard import error_body
+from hlm_ray.serve.error_shape import error_body
 from hlm_ray.serve.protocol import ApiError
 
 api = FastAPI(title="hlm_ray completions", version="1")  # completions and chat
