@@ -117,6 +117,16 @@ def test_cli_parser_and_early_errors(model_dir, monkeypatch):
         run(missing)
     with pytest.raises(HLMError, match="--batch-wait-timeout-s"):
         run(parser.parse_args(["serve", "--model", model_dir, "--batch-wait-timeout-s", "-1"]))
+    from hlm_ray.serve.cli import connection_limits
+    from hlm_ray.serve.guard import guard_env
+
+    limits = connection_limits(parser.parse_args(
+        ["serve", "--model", "m", "--header-timeout-s", "3", "--max-connections", "7",
+         "--max-connections-per-client", "0"]))  # fmt: skip
+    assert limits == {"header_timeout_s": 3.0, "max_connections": 7, "per_client": 0}
+    env = guard_env(**limits)  # what the proxies and replicas read
+    assert (env["HLM_SERVE_HEADER_TIMEOUT_S"], env["HLM_SERVE_MAX_CONNECTIONS"],
+            env["HLM_SERVE_MAX_CONNECTIONS_PER_CLIENT"]) == ("3", "7", "0")  # fmt: skip
     for flag, value in (("--header-timeout-s", "inf"), ("--header-timeout-s", "0"),
                         ("--max-connections", "0"), ("--max-connections-per-client", "-1")):  # fmt: skip
         with pytest.raises(HLMError, match=f"{flag}={value}"):
@@ -852,11 +862,15 @@ def test_hlm_serve_with_no_options_answers_on_its_port_past_the_proxy(model_dir,
         # The connection guard too: headers not finished within --header-timeout-s.
         for where in (port, port + 1):
             with socket.create_connection(("127.0.0.1", where), timeout=30) as slow:
+                sent = time.monotonic()
                 slow.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
                 answer = b""
                 while chunk := slow.recv(4096):
                     answer += chunk
             assert answer.startswith(b"HTTP/1.1 408") and b"request headers" in answer, where
+            assert b"within 2 s" in answer and time.monotonic() - sent < 8, (
+                where
+            )  # not the 10 s default
         # The replica and its decode process at niceness 0, not Ray's 15 for workers.
         served = {p: title for p, title in _descendants(proc.pid).items()
                   if "ServeReplica" in title or "spawn_main" in title}  # fmt: skip
