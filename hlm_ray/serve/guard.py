@@ -92,10 +92,7 @@ class BodyGuard:
         replicas need, when this process has one in `$HLM_API_KEY` (`hlm serve` and the
         RayService put it there); `/-/healthz` stays open for probes."""
         key = os.environ.get(API_KEY_ENV, "")
-        if not key:
-            return True
-        scheme, _, given = (_header(scope, b"authorization") or "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip(), key)
+        return not key or bearer_matches(_header(scope, b"authorization") or "", key.encode())
 
     async def _read(self, receive) -> bytes:
         chunks, size = [], 0
@@ -118,6 +115,13 @@ class _Disconnected(Exception):
 
 class _TooLarge(Exception):
     pass
+
+
+def bearer_matches(authorization: str, key: bytes) -> bool:
+    """Whether an `Authorization` header value is `Bearer <key>`, compared in constant time
+    (the replica's routes and this guard's /-/ routes check the key the same way)."""
+    scheme, _, given = authorization.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key)
 
 
 def _header(scope, name: bytes) -> str | None:

@@ -13,7 +13,6 @@ missing or wrong key, 408 for a body not received in time, 413 for one over the 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 from typing import Any
 
@@ -25,6 +24,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from hlm_ray.serve.error_shape import error_body
+from hlm_ray.serve.guard import bearer_matches
 from hlm_ray.serve.protocol import ApiError
 
 api = FastAPI(title="hlm_ray completions", version="1")  # completions and chat
@@ -102,10 +102,7 @@ api.add_middleware(CompletionRoutes)
 
 def check_key(api_key: bytes | None, request: Request) -> ApiError | None:
     """401 unless the request carries `api_key` (when one is set), compared in constant time."""
-    if api_key is None:
-        return None
-    scheme, _, given = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), api_key):
+    if api_key is None or bearer_matches(request.headers.get("authorization", ""), api_key):
         return None
     return ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'")
 
