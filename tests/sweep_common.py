@@ -74,7 +74,8 @@ def check_trials_carry_their_values(
     """Every cell of `spec` ran as one trial whose summary row, config.yaml and MLflow run
     (params) carry its own value of the axis: each config field that tells the cells apart (the
     axis's field, and what its value also sets), as `spec.cell_config` builds it. The parent
-    run lists them all (each child's `mlflow.parentRunId`). Returns the summary rows."""
+    run lists them all (each child's `mlflow.parentRunId`), and each child's MLflow history
+    holds every step of the trial's metrics.jsonl. Returns the summary rows."""
     rows = summary_rows(folder)
     column = spec.axis.column[1]
     cells = sorted((c["objective"], str(c["value"]), str(c["seed"])) for c in spec.cells())
@@ -104,7 +105,30 @@ def check_trials_carry_their_values(
         for key in keys:
             assert _plain(saved[key]) == _plain(want[key]), (row["run"], key)
             assert child.data.params[key] == str(want[key]), (row["run"], key)
+        check_every_logged_step_in_mlflow(folder / "trials" / row["run"], uri, child.info.run_id)
     return rows
+
+
+def check_every_logged_step_in_mlflow(run_folder: Path, uri: str, run_id: str) -> None:
+    """Every (metric, step) of the folder's metrics.jsonl is in run `run_id`'s history."""
+    from mlflow import MlflowClient
+
+    from hlm_ray.tracking import read_metrics
+    from hlm_ray.tracking.store import is_number
+
+    logged = {
+        (key, int(row["step"]))
+        for row in read_metrics(run_folder)
+        for key, value in row.items()
+        if key != "step" and is_number(value)
+    }
+    client = MlflowClient(uri)
+    have = {
+        (key, m.step)
+        for key in {k for k, _ in logged}
+        for m in client.get_metric_history(run_id, key)
+    }
+    assert logged and logged <= have, (run_folder.name, sorted(logged - have)[:5])
 
 
 # ------------------------------------------------------------ processes a sweep subprocess starts

@@ -24,7 +24,7 @@ from sweep_common import (
 from hlm_ray.errors import HLMError
 from hlm_ray.flops import config_step_flops
 from hlm_ray.paths import data_dir
-from hlm_ray.tracking import read_run_ref
+from hlm_ray.tracking import JsonlTracker, read_run_ref
 from hlm_ray.tune import spec as spec_mod
 from hlm_ray.tune.placement import plan_concurrency
 from hlm_ray.tune.spec import SweepSpec
@@ -528,11 +528,17 @@ def test_vocab_sweep_end_to_end_then_resumes_without_retraining(
     # The store the server wrote is the sqlite file `mlflow ui` reads.
     assert len(_runs(mlflow_store, "vocab-e2e")[2]) == 4
 
-    # Same name again: Tune restores the finished trials; nothing is trained again.
+    # Same name again: Tune restores the finished trials; nothing is trained again. One trial's
+    # folder has a step MLflow never got, as a worker that outlived a SIGKILLed sweep writes it
+    # with the sweep's tracking server gone: the resumed sweep sends it, though it runs no trial.
     models = sorted((folder / "trials").glob("*/model/model.safetensors"))
     stamps = [p.stat().st_mtime_ns for p in models]
     assert len(models) == 4
+    JsonlTracker(models[0].parents[1]).log_metrics({"train/loss": 9.5}, step=9)
+    capsys.readouterr()
     assert main(argv) == 0
+    assert "MLflow lacked 1 metric point(s) of trial" in capsys.readouterr().out
+    check_trials_carry_their_values(folder, spec, sweep_server, "vocab-e2e")
     assert [p.stat().st_mtime_ns for p in models] == stamps
     assert len(_runs(sweep_server, "vocab-e2e")[2]) == 4
     assert [r["trial_id"] for r in _summary(folder)] == [r["trial_id"] for r in rows]

@@ -674,3 +674,51 @@ def test_a_failed_start_of_ray_lets_a_new_store_finish_migrating(fresh, monkeypa
     ):
         pass
     assert calls == ["spawn", "ray", *(["ready"] if fresh else []), "stop"]
+
+
+def test_the_end_of_a_sweep_sends_every_trials_logged_steps_wherever_it_was_killed(
+    store, tmp_path, capsys
+):
+    """A sweep killed at any point and resumed leaves each trial in one of these states; at the
+    end of the resumed sweep every step of every trial's metrics.jsonl is in MLflow: steps a
+    worker wrote after the tracking server died, mid-training or after its training ended (a
+    stage the resumed sweep skips), and in a trial Tune had finished (which it never reruns)."""
+    import dataclasses
+    import json
+
+    from hlm_ray.tune.sweep import replay_trials
+    from hlm_ray.tune.trial import TrialRuntime
+
+    uri = store[1]
+    trials = tmp_path / "trials"
+    behind = ["mid-training", "trained", "reported"]  # steps 10, 20 in MLflow; 30 only on disk
+    for name in behind:
+        _run_folder_behind_a_dead_server(trials / name, uri, "test-replay-trials")
+    for name in ("trained", "reported"):
+        (trials / name / "summary.json").write_text(json.dumps({"steps": 30}))
+    whole = MlflowTracker("test-replay-trials", "whole", tracking_uri=uri)  # nothing missed
+    JsonlTracker(trials / "whole").log_metrics({"train/loss": 0.5}, step=10)
+    whole.log_metrics({"train/loss": 0.5}, step=10)
+    write_run_ref(trials / "whole", whole.run_id, uri)
+    (trials / "opened").mkdir()  # killed before its MLflow run was opened: nothing to send
+    JsonlTracker(trials / "opened").log_metrics({"train/loss": 1.0}, step=10)
+    rows = [{"run": n} for n in (*behind, "whole", "opened", "never-ran")]
+    runtime = TrialRuntime(
+        sweep="s", kind="vocab", experiment="test-replay-trials", parent_run_id=None,
+        trials_dir=str(trials), recipe="none", workers=1, cpus_per_worker=1,
+        gpus_per_worker=0, env={"MLFLOW_TRACKING_URI": uri},
+    )  # fmt: skip
+
+    assert replay_trials(rows, runtime) == len(behind)
+    client = mlflow.MlflowClient(uri)
+    for name in (*behind, "whole"):
+        run_id = read_run_ref(trials / name)["run_id"]
+        logged = {(r["step"], r["train/loss"]) for r in read_metrics(trials / name)}
+        history = client.get_metric_history(run_id, "train/loss")
+        assert {(m.step, m.value) for m in history} == logged, name
+    out = capsys.readouterr().out
+    assert out.count("MLflow lacked 1 metric point(s)") == len(behind), out
+    assert replay_trials(rows, runtime) == 0  # nothing twice
+    dead = dataclasses.replace(runtime, env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"})
+    assert replay_trials(rows[:1], dead) == 0  # a store out of reach: one line, no exception
+    assert capsys.readouterr().out.count("warning: cannot sync") == 1
