@@ -75,6 +75,8 @@ def test_grad_accumulation_is_derived_and_checked():
         (["optim.lr"], "must look like section.field=value"),
         (["tokenizer.kind=file"], "tokenizer.path=None is not allowed; required when kind=file"),
         (["objective.num_negatives=0"], "objective.num_negatives=0 is not allowed; must be >= 1"),
+        (["optim.on_nonfinite=ignore"], "optim.on_nonfinite='ignore' is not allowed; choose"),
+        (["optim.max_skipped_steps=0"], "optim.max_skipped_steps=0 is not allowed; must be >= 1"),
         (
             ["objective.num_negatives=8", "objective.cross_worker_negatives=true"],
             "objective.num_negatives=8 is not allowed; samples the worker's own targets",

@@ -683,11 +683,9 @@ def test_the_end_of_a_sweep_sends_every_trials_logged_steps_wherever_it_was_kill
     end of the resumed sweep every step of every trial's metrics.jsonl is in MLflow: steps a
     worker wrote after the tracking server died, mid-training or after its training ended (a
     stage the resumed sweep skips), and in a trial Tune had finished (which it never reruns)."""
-    import dataclasses
     import json
 
-    from hlm_ray.tune.sweep import replay_trials
-    from hlm_ray.tune.trial import TrialRuntime
+    from hlm_ray.tune.replay import replay_trials
 
     uri = store[1]
     trials = tmp_path / "trials"
@@ -702,14 +700,8 @@ def test_the_end_of_a_sweep_sends_every_trials_logged_steps_wherever_it_was_kill
     write_run_ref(trials / "whole", whole.run_id, uri)
     (trials / "opened").mkdir()  # killed before its MLflow run was opened: nothing to send
     JsonlTracker(trials / "opened").log_metrics({"train/loss": 1.0}, step=10)
-    rows = [{"run": n} for n in (*behind, "whole", "opened", "never-ran")]
-    runtime = TrialRuntime(
-        sweep="s", kind="vocab", experiment="test-replay-trials", parent_run_id=None,
-        trials_dir=str(trials), recipe="none", workers=1, cpus_per_worker=1,
-        gpus_per_worker=0, env={"MLFLOW_TRACKING_URI": uri},
-    )  # fmt: skip
-
-    assert replay_trials(rows, runtime) == len(behind)
+    runs = [*behind, "whole", "opened", "never-ran"]
+    assert replay_trials(runs, trials, uri) == len(behind)
     client = mlflow.MlflowClient(uri)
     for name in (*behind, "whole"):
         run_id = read_run_ref(trials / name)["run_id"]
@@ -718,7 +710,7 @@ def test_the_end_of_a_sweep_sends_every_trials_logged_steps_wherever_it_was_kill
         assert {(m.step, m.value) for m in history} == logged, name
     out = capsys.readouterr().out
     assert out.count("MLflow lacked 1 metric point(s)") == len(behind), out
-    assert replay_trials(rows, runtime) == 0  # nothing twice
-    dead = dataclasses.replace(runtime, env={"MLFLOW_TRACKING_URI": "http://127.0.0.1:9"})
-    assert replay_trials(rows[:1], dead) == 0  # a store out of reach: one line, no exception
+    assert replay_trials(runs, trials, uri) == 0  # nothing twice
+    dead = "http://127.0.0.1:9"  # a store out of reach: one line, no exception
+    assert replay_trials(runs[:1], trials, dead) == 0
     assert capsys.readouterr().out.count("warning: cannot sync") == 1

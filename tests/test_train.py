@@ -283,6 +283,52 @@ def test_check_finite_loss_names_the_step_and_window():
 LR_1E30 = {"optim.lr": 1e30}
 
 
+def _nan_gradients_at(monkeypatch, steps: set[int]) -> None:
+    """Make the gradient NaN at these (1-based) optimizer steps, as an overflow would: each
+    parameter's gradient is filled with NaN before it is clipped."""
+    from hlm_ray.train import step as step_mod
+
+    real, calls = step_mod.clip_grad_norm, iter(range(1, 10_000))
+
+    def clip(parameters, max_norm):
+        parameters = list(parameters)
+        if next(calls) in steps:
+            for p in parameters:
+                if p.grad is not None:
+                    p.grad.fill_(math.nan)
+        return real(parameters, max_norm)
+
+    monkeypatch.setattr(step_mod, "clip_grad_norm", clip)
+
+
+def test_skip_mode_drops_a_non_finite_step_and_trains_on(tmp_path, monkeypatch, capsys):
+    """optim.on_nonfinite=skip: a NaN gradient at step 3 leaves the weights and the optimizer's
+    moments as they were (else AdamW's moments would be NaN and so every later weight); the run
+    ends with finite weights, says which step it skipped, and logs the count."""
+    _nan_gradients_at(monkeypatch, {3})
+    out = tmp_path / "skip"
+    cfg = tiny_run_cfg(out, steps=8, every=(4, 8, 8), **{"optim.on_nonfinite": "skip"})
+    train_worker(cfg.to_dict(), progress=False)
+    err = capsys.readouterr().err
+    assert "step 3: the gradient is nan; its update is skipped" in err
+    weights = AutoModel.from_pretrained(out / "model").state_dict()
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    rows = [r for r in read_metrics(out) if "train/skipped_steps" in r]
+    assert [(r["step"], r["train/skipped_steps"]) for r in rows] == [(4, 1.0), (8, 1.0)]
+    assert all(math.isfinite(r["train/loss"]) for r in rows)
+
+
+def test_skip_mode_stops_after_too_many_skipped_steps_in_a_row(tmp_path, monkeypatch):
+    _nan_gradients_at(monkeypatch, set(range(3, 100)))
+    out = tmp_path / "skips"
+    overrides = {"optim.on_nonfinite": "skip", "optim.max_skipped_steps": 2}
+    cfg = tiny_run_cfg(out, steps=12, every=(4, 12, 2), **overrides)
+    with pytest.raises(HLMError, match=r"3 steps in a row \(steps 3\.\.5\), more than .*=2"):
+        train_worker(cfg.to_dict(), progress=False)
+    assert not (out / "model").exists()
+    assert max(ckpt.checkpoint_step(f) for f in ckpt.list_checkpoints(out)) == 4
+
+
 def test_a_diverged_run_stops_at_the_step_and_saves_no_nan_weights(tmp_path):
     """optim.lr=1e30: the weights are NaN within a few steps. The run stops at the first log or
     checkpoint step that sees the loss, saves no model, and every checkpoint it kept is finite

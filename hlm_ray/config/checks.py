@@ -68,6 +68,7 @@ def validate(cfg: C) -> C:
     _check(p.warmup_steps >= 0, "optim.warmup_steps", p.warmup_steps, "must be >= 0")
     _check(p.micro_batch_size > 0, "optim.micro_batch_size", p.micro_batch_size, "must be > 0")
     p.grad_accum_steps(world_size=1)
+    _check(p.max_skipped_steps >= 1, "optim.max_skipped_steps", p.max_skipped_steps, "must be >= 1")
     _check(
         p.embedding_update == "dense" or o.name == "headless" or m.arch == "gpt_neox",
         "optim.embedding_update",

@@ -155,6 +155,13 @@ class OptimConfig:
     vocabulary head reads: headless models, or vanilla gpt_neox (untied head)."""
     compile: bool = False
     """torch.compile the training step's model + loss forward (either objective)."""
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    """A step whose loss or gradient is NaN or inf. stop: the run stops at the log step that sees
+    it (FAILED, its last good checkpoint kept, nothing registered). skip: the step's update is
+    dropped (one host sync per step to decide) and the run stops only after
+    `max_skipped_steps` skipped steps in a row."""
+    max_skipped_steps: int = 10
+    """With on_nonfinite=skip: how many steps in a row may be skipped before the run stops."""
 
     def grad_accum_steps(self, world_size: int) -> int:
         per_step = self.micro_batch_size * world_size

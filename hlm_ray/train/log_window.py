@@ -27,10 +27,11 @@ def log_window(run: TrainRun, done: int) -> None:
     steps = run.window_steps
     # The loss and K per micro-batch, averaged over workers and steps (one collective).
     loss_sum, rows_sum = global_mean(torch.stack([run.loss_sum, run.rows_sum])).tolist()
-    check_finite_loss(loss_sum / steps, done, steps)
+    kept = steps - run.window_skipped  # skipped steps (on_nonfinite=skip) add no loss
+    if kept:
+        check_finite_loss(loss_sum / kept, done, steps)
     rows, before = rows_sum / steps, run.last.get("train/K")
     run.last = {
-        "train/loss": loss_sum / steps,
         "train/lr": run.scheduler.get_last_lr()[0],
         "train/grad_norm": float(run.grad_norm),
         "train/step_time_s": elapsed / steps,
@@ -38,6 +39,10 @@ def log_window(run: TrainRun, done: int) -> None:
         "train/K": rows,  # a masked LM's K varies by micro-batch (~15% of positions): the mean
         **peak_memory(run.env.device),
     }
+    if kept:  # a window of skipped steps only has no loss
+        run.last["train/loss"] = loss_sum / kept
+    if run.cfg.optim.on_nonfinite == "skip":
+        run.last["train/skipped_steps"] = float(run.skipped)
     # Measured U: distinct ids among the last micro-batch's negatives (all workers' with
     # cross-worker negatives); the FLOP model and MFU use it, not the bound min(W·K, V).
     U = measured_unique_columns(*run.last_batch)
@@ -54,7 +59,7 @@ def log_window(run: TrainRun, done: int) -> None:
         run.tracker.set_tags(k_tags(rows, len(run.tokenizer)))
     run.loss_sum.zero_()
     run.rows_sum.zero_()
-    run.window_steps, run.window_start = 0, time.perf_counter()
+    run.window_steps, run.window_skipped, run.window_start = 0, 0, time.perf_counter()
 
 
 def check_finite_loss(loss: float, done: int, steps: int) -> None:
@@ -73,8 +78,10 @@ def check_finite_loss(loss: float, done: int, steps: int) -> None:
 def check_before_checkpoint(run: TrainRun, done: int) -> None:
     """`check_finite_loss` at a checkpoint step that is not a log step (one collective), so a
     checkpoint never holds the weights of a diverged run."""
-    steps = max(run.window_steps, 1)
-    check_finite_loss(global_mean(run.loss_sum.detach().clone()).item() / steps, done, steps)
+    kept = run.window_steps - run.window_skipped
+    if kept:  # a skipped step's loss is not in the sum, and left the weights as they were
+        loss = global_mean(run.loss_sum.detach().clone()).item() / kept
+        check_finite_loss(loss, done, run.window_steps)
 
 
 def measured_unique_columns(

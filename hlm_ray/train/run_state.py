@@ -84,6 +84,10 @@ class TrainRun:
     train_time: float = 0.0
     window_start: float = field(default_factory=time.perf_counter)
     window_steps: int = 0
+    window_skipped: int = 0
+    """Steps of the window whose update `optim.on_nonfinite=skip` dropped (not in `loss_sum`)."""
+    skipped: int = 0  # this attempt's skipped steps, all told
+    skipped_in_a_row: int = 0
     loss_sum: torch.Tensor | None = None
     grad_norm: float = math.nan
     rows_sum: torch.Tensor | None = None  # loss rows (K) per micro-batch, summed over the window

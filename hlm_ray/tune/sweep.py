@@ -38,6 +38,7 @@ from hlm_ray.tracking import TRACKING_URI_ENV, browse_hint, default_tracking_uri
 from hlm_ray.tracking.server import QUIET_LINKS
 from hlm_ray.tune import summary as summary_mod
 from hlm_ray.tune.placement import plan_concurrency
+from hlm_ray.tune.replay import replay_trials
 from hlm_ray.tune.spec import SweepSpec
 from hlm_ray.tune.storage import STATE_FILE, TUNE_DIR, SweepStorage
 from hlm_ray.tune.trial import TrialRuntime, local_trials, run_name, run_trial, trial_resources
@@ -241,7 +242,9 @@ def run_sweep(
             rows = _rows(results, spec, runtime, search, interrupted=stop.interrupted)
             store.pull_trials([r["run"] for r in rows])  # what the report reads, from each trial
             _close_orphans(rows, spec, runtime)
-            replay_trials(rows, runtime)
+            replay_trials(
+                [r["run"] for r in rows], runtime.trials_dir, runtime.env[TRACKING_URI_ENV]
+            )
             files = summary_mod.write_summary(rows, folder, axis=spec.axis, figures=not search)
             for path in files:
                 parent.log_artifact(path)
@@ -448,36 +451,6 @@ def _rows(
         rows,
         key=lambda r: (r["objective"], order.get(r["value"], len(order)), r["seed"], r["trial_id"]),
     )
-
-
-def replay_trials(rows: list[dict], runtime: TrialRuntime) -> int:
-    """Send each trial's MLflow run the steps of its `metrics.jsonl` it lacks; returns how
-    many points were sent. A run replays them itself when it ends, but a sweep killed at the
-    wrong moment leaves a worker that wrote its last steps after the sweep's tracking server
-    died, and the resumed sweep may not run that stage (training complete) or that trial (Tune
-    had it finished) again. Done at the end of every sweep, after `SweepStorage.pull_trials`
-    brought each trial's records here: wherever an earlier attempt was killed, every logged
-    step reaches MLflow, or a line says whose did not."""
-    from hlm_ray.tracking.base import read_run_ref
-    from hlm_ray.tracking.sync import sync_run
-
-    sent = 0
-    for row in rows:
-        folder = Path(runtime.trials_dir) / row["run"]
-        if read_run_ref(folder) is None:  # killed before its MLflow run was opened
-            continue
-        try:
-            report = sync_run(folder, tracking_uri=runtime.env[TRACKING_URI_ENV])
-        except HLMError as err:
-            say(f"warning: {err}")
-            continue
-        if report["metrics_logged"]:
-            say(
-                f"sweep: MLflow lacked {report['metrics_logged']} metric point(s) of trial "
-                f"{row['run']} (written while its tracking server was gone); sent them now"
-            )
-        sent += report["metrics_logged"]
-    return sent
 
 
 KILL_SETTLE_S = 5.0
