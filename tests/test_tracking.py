@@ -711,6 +711,12 @@ def test_the_end_of_a_sweep_sends_every_trials_logged_steps_wherever_it_was_kill
     out = capsys.readouterr().out
     assert out.count("MLflow lacked 1 metric point(s)") == len(behind), out
     assert replay_trials(runs, trials, uri) == 0  # nothing twice
+    # A row written after the last sync (a worker that outlived the kill) is sent too.
+    JsonlTracker(trials / "whole").log_metrics({"train/loss": 0.25}, step=20)
+    assert replay_trials(runs, trials, uri) == 1
+    history = client.get_metric_history(whole.run_id, "train/loss")
+    assert sorted(m.step for m in history) == [10, 20]
     dead = "http://127.0.0.1:9"  # a store out of reach: one line, no exception
+    JsonlTracker(trials / runs[0]).log_metrics({"train/loss": 0.5}, step=40)
     assert replay_trials(runs[:1], trials, dead) == 0
     assert capsys.readouterr().out.count("warning: cannot sync") == 1

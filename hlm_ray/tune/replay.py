@@ -16,7 +16,7 @@ from pathlib import Path
 from hlm_ray.console import say
 from hlm_ray.errors import HLMError
 from hlm_ray.tracking.base import read_run_ref
-from hlm_ray.tracking.sync import sync_run
+from hlm_ray.tracking.sync import maybe_unsynced, sync_run
 
 
 def replay_trials(runs: list[str], trials_dir: str | Path, tracking_uri: str) -> int:
@@ -27,6 +27,8 @@ def replay_trials(runs: list[str], trials_dir: str | Path, tracking_uri: str) ->
     for run in runs:
         folder = Path(trials_dir) / run
         if read_run_ref(folder) is None:  # killed before its MLflow run was opened
+            continue
+        if not maybe_unsynced(folder):  # its run's own end-of-run sync saw every row
             continue
         try:
             report = sync_run(folder, tracking_uri=tracking_uri)
