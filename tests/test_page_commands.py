@@ -27,6 +27,7 @@ reader's offline machine: ``HF_HUB_OFFLINE=1``, the shipped data (``HLM_DATA_DIR
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shlex
@@ -76,11 +77,15 @@ def command_words(program: str, args: list[str]) -> list[str]:
         return []
     parser, words = hlm_parser(), []
     for arg in args:
-        choices = next((a.choices for a in parser._actions if a.choices and a.nargs == "A..."), {})
-        if arg not in choices:
+        if arg not in _subcommands(parser):
             break
-        parser, words = choices[arg], [*words, arg]
+        parser, words = _subcommands(parser)[arg], [*words, arg]
     return words
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    found = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return found[0].choices if found else {}
 
 
 @cache
@@ -97,7 +102,7 @@ def has_dry_run(program: str, args: list[str]) -> bool:
         return False
     parser = hlm_parser()
     for word in command_words(program, args):
-        parser = next(a.choices for a in parser._actions if a.nargs == "A...")[word]
+        parser = _subcommands(parser)[word]
     return "--dry-run" in parser._option_string_actions
 
 
