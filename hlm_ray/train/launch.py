@@ -43,8 +43,6 @@ RAY_TRAIN_ENV = {
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
 }
-
-
 _own_cluster = False  # whether `connect` started the local cluster this process is on
 
 
@@ -90,10 +88,7 @@ LOCAL_START_ATTEMPTS = 2
 
 
 def stop_own_cluster() -> None:
-    """Shut down the local cluster `connect` started in this process, as its exit would, now:
-    Ray forwards its workers' output to this process until then (a sweep does it while its
-    console still goes to the log, so no worker line follows the summary). A cluster it joined
-    (RAY_ADDRESS, `ray start`, a test's) is left as it is."""
+    """Shut down the local cluster `connect` started, now, as exit would; a joined one stays."""
     global _own_cluster
     if _own_cluster:
         import ray
