@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv == ["--version"]:  # a newcomer's first command: without the parser, which imports
+        print(f"hlm {_version()}")  # torch and transformers (seconds on a small machine)
+        raise SystemExit(0)
     args = build_parser().parse_args(argv)
 
     def command() -> int:

@@ -47,6 +47,21 @@ def test_version_is_the_installed_package_version(capsys):
     assert capsys.readouterr().out.strip() == f"hlm {version('hlm_ray')}"
 
 
+def test_version_answers_without_importing_torch():
+    """`hlm --version` (training.md's first command) took 17 s on a busy 2-core machine, all of
+    it building the parser, which imports torch and transformers."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom hlm_ray.cli import main\ntry:\n    main(['--version'])\n"
+        "except SystemExit as done:\n    assert done.code == 0\n"
+        "print('torch' in sys.modules, 'transformers' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.splitlines() == [f"hlm {version('hlm_ray')}", "False False"]
+
+
 def _script(kind: str):
     spec = importlib.util.spec_from_file_location(
         f"test_cli_{kind}", ROOT / "sweeps" / f"{kind}.py"

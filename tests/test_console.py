@@ -4,6 +4,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from hlm_ray.tune.progress import outcome_label, trial_label
 
 
@@ -36,3 +38,40 @@ def test_trial_progress_labels():
     assert outcome_label(result) == ", score 0.5123, 8,120 tokens/s"
     assert outcome_label({"downstream/score": float("nan")}) == ""
     assert outcome_label(None) == ""
+
+
+@pytest.mark.parametrize("own", [True, False])
+def test_a_sweep_stops_the_cluster_it_started_before_its_console_comes_back(
+    own, monkeypatch, tmp_path, capsys
+):
+    """Ray forwards a worker's output to the driver late (a line a worker flushes at its exit
+    came after the demo's link): a sweep on the local cluster it started shuts that cluster down
+    while its console still goes to the log, then prints the summary and the link, last. A
+    cluster it joined (RAY_ADDRESS, a test's) is left running. `ray.shutdown` is recorded, not
+    run: the sweep is a stand-in that returns at once."""
+    import ray
+
+    import hlm_ray.console as console
+    import hlm_ray.train.launch as launch
+    import hlm_ray.tune.sweep as sweep
+    from hlm_ray.tune.cli import SweepScript
+    from hlm_ray.tune.scripts import load_script
+
+    def finished(spec, *, name, search, assumptions=None, storage_path=None):
+        launch._own_cluster = own  # as `connect` leaves it
+        rows = [{"status": "FINISHED", "trial_id": "t0", "loss": 1.0}]
+        outcome = sweep.SweepOutcome(name, tmp_path, rows, "| table |", [], None, False, 1.0)
+        outcome.link = "MLflow: open this"
+        return outcome
+
+    stopped = []  # whether the console still went to the log at each shutdown
+    monkeypatch.setattr(ray, "shutdown", lambda: stopped.append(console._current is not None))
+    monkeypatch.setattr(launch, "_own_cluster", False)
+    monkeypatch.setattr(sweep, "run_sweep", finished)
+    monkeypatch.chdir(tmp_path)
+    vocab = load_script("vocab")
+    main = SweepScript(vocab.AXIS, vocab.PRESETS).main  # no report: it would read the trials
+    assert main(["--set", "sweep.values=[512]"]) == 0
+    assert stopped == ([True] if own else [])
+    assert not launch._own_cluster
+    assert capsys.readouterr().out.rstrip().endswith("MLflow: open this")

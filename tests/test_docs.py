@@ -2,7 +2,8 @@
 every command they show parses, followed in order in a fresh folder each reads only what an
 earlier one made (and no sweep name is reused with other settings), every relative link
 resolves, and no page carries the project's work history. Plain text and argparse only: no Ray,
-no MLflow, nothing run (tests/test_walkthrough.py and test_readme.py run their pages' commands).
+no MLflow, nothing run (tests/test_walkthrough.py and test_readme.py run their pages' commands;
+tests/test_page_commands.py runs every page's commands that cost seconds, their dry runs and helps).
 
     PYTHONPATH=. python -m pytest -q tests/test_docs.py
 

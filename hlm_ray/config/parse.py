@@ -16,6 +16,7 @@ import math
 import types
 import typing
 from dataclasses import fields
+from functools import cache
 from typing import Any, Literal, TypeVar, get_args, get_origin, get_type_hints
 
 import yaml
@@ -39,7 +40,7 @@ def build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     or a value of the wrong type raises `HLMError` naming `prefix` + the field."""
     if not isinstance(data, dict):
         raise HLMError(f"{prefix.rstrip('.') or 'config'}: expected a mapping, got {data!r}")
-    hints = get_type_hints(cls)
+    hints = _type_hints(cls)
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(data) - known)
     if unknown:
@@ -56,6 +57,13 @@ def build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
         else:
             kwargs[name] = _coerce(value, hint, f"{prefix}{name}")
     return cls(**kwargs)
+
+
+@cache
+def _type_hints(cls: type) -> dict[str, Any]:
+    """The class's field types, evaluated once: `get_type_hints` compiles every string
+    annotation on each call, and a sweep's plan builds thousands of configs."""
+    return get_type_hints(cls)
 
 
 def _coerce(value: Any, hint: Any, name: str) -> Any:

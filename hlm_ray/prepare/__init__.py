@@ -34,7 +34,7 @@ def ensure_prepared(
         progress = sys.stderr.isatty()
     if cfg.data.prepared:
         return open_prepared(cfg.data.prepared)
-    # In process: this runs inside drivers and Ray workers alike, where an actor pool could wait
+    # In process: this runs inside drivers and Ray workers alike, where Ray Data tasks could wait
     # for CPUs the trainer holds. Large corpora are prepared by `hlm data prepare` on Ray Data.
     return prepare(
         PrepareRequest.from_config(cfg),

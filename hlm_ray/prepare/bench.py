@@ -4,7 +4,7 @@
 
 On a synthetic corpus (the shared corpus/en paragraphs shuffled and repeated into files of
 8 MB under --workdir; never committed) it measures, in one run:
-  - tokenization throughput of `prepare` with 1 and with 2 Ray Data actors (target ratio ≥ 1.7);
+  - tokenization throughput of `prepare` with 1 and with 2 Ray Data workers (target ratio ≥ 1.7);
   - the same against raw `tokenizers` `encode_batch` of one process over the same documents
     with every CPU (target ≥ 0.7: Ray Data's overhead stays small);
   - peak RSS of `hlm train --local` reading a prepared folder of the full corpus against one
@@ -151,11 +151,11 @@ def _markdown(r: dict) -> str:
     rows = [
         "| measure | value | target |",
         "|---|---|---|",
-        f"| prepare, 1 Ray Data actor | {r['workers_1']['mb_per_s']:.2f} MB/s | |",
-        f"| prepare, 2 Ray Data actors | {r['workers_2']['mb_per_s']:.2f} MB/s | |",
+        f"| prepare, 1 Ray Data worker | {r['workers_1']['mb_per_s']:.2f} MB/s | |",
+        f"| prepare, 2 Ray Data workers | {r['workers_2']['mb_per_s']:.2f} MB/s | |",
         f"| raw encode_batch, one process, all CPUs | {r['raw_encode_batch']['mb_per_s']:.2f} MB/s | |",
-        f"| 2 actors / 1 actor | {r['ratio_2_vs_1']:.2f}× | ≥ 1.7× |",
-        f"| 2 actors / raw encode_batch | {r['ratio_vs_raw']:.2f}× | ≥ 0.7× |",
+        f"| 2 workers / 1 worker | {r['ratio_2_vs_1']:.2f}× | ≥ 1.7× |",
+        f"| 2 workers / raw encode_batch | {r['ratio_vs_raw']:.2f}× | ≥ 0.7× |",
     ]
     if "ratio_rss" in r:
         rows += [

@@ -33,7 +33,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=None,
-        help="Ray Data tokenizer actors (default: every CPU of the Ray cluster; 0: in process)",
+        help="Ray Data tokenizing tasks at a time, one CPU each (default: every CPU of the Ray "
+        "cluster; 0: in process)",
     )
     prep.add_argument(
         "--piece-mb", type=float, default=8.0, help="MB of text per unit of work (default 8)"

@@ -3,12 +3,13 @@
     from hlm_ray.prepare import PrepareRequest, prepare
     request = PrepareRequest.from_config(cfg)            # sources, tokenizer, split settings
     prepared = prepare(request)                          # cache folder, reused when it matches
-    prepared = prepare(request, "/data/owt2", workers=8) # Ray Data, 8 tokenizer actors
+    prepared = prepare(request, "/data/owt2", workers=8) # Ray Data, 8 tokenizing tasks at a time
     tok = prepared.tokenizer()
 
 Steps (each with progress): find the files and cut them into pieces; build the tokenizer
-(`corpus_tokenizer.py`); tokenize every piece (`tokenize.py`: in `map_batches`, one tokenizer per actor;
-in process when Ray is not running and `workers` is not given: the same code); write fixed-size
+(`corpus_tokenizer.py`); tokenize every piece (`tokenize.py`: in `map_batches` tasks, one
+tokenizer per worker process; in process when Ray is not running and `workers` is not given:
+the same code); write fixed-size
 shards under temporary names, renamed when whole, recording after each one what is committed
 (`state.json`), so an interrupted run resumes; write `manifest.json` last. Documents are split
 between train and validation by a seeded hash of their text (`split.py`).
@@ -63,8 +64,8 @@ def prepare(
 
     A folder whose manifest has the same key is reused as is; one with an unfinished run of
     the same key is resumed; anything else already there is refused. `workers`: None runs in
-    process unless Ray is already running (then on Ray Data with one actor per CPU); 0 in
-    process; N on Ray Data with N tokenizer actors."""
+    process unless Ray is already running (then on Ray Data with one task per CPU); 0 in
+    process; N on Ray Data with N tokenizing tasks at a time."""
     started = time.perf_counter()
     check_vocab_size(request)  # before reading anything
     files = resolve_sources(request.sources, text_field=request.text_field)
@@ -191,7 +192,7 @@ def _run(
     first = min(w.cursor[0] for w in writers.values())
     tok_dir = store.local_path / TOKENIZER_DIR if store.local_path else None
     with tempfile.TemporaryDirectory() as tmp:
-        if tok_dir is None:  # a remote store: the actors load a local copy
+        if tok_dir is None:  # a remote store: the Ray tasks load a local copy
             tok_dir = Path(tmp)
             import pyarrow.fs as pafs
 

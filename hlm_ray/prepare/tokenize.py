@@ -6,13 +6,15 @@ runs it in this process or on Ray Data (`tokenized`), in piece order.
         ...
 
 Each piece's documents are split (`split.py`), tokenized in batches of `ENCODE_BATCH` and followed
-by EOS. On Ray Data there is one tokenizer per actor, each on one thread (the actors are the
-parallelism); a worker's HLMError (bad UTF-8, an unreadable file) surfaces as that one error.
+by EOS. On Ray Data, `workers` tasks at a time, each on one thread (the tasks are the
+parallelism), one tokenizer per worker process; a worker's HLMError (bad UTF-8, an unreadable
+file) surfaces as that one error.
 """
 
 from __future__ import annotations
 
 import gc
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,12 +30,12 @@ ENCODE_BATCH = 1024  # documents per encode_batch call
 
 class TokenizePieces:
     """The `map_batches` function: read pieces, split their documents, tokenize, EOS after
-    each document. Built once per Ray Data actor (or once in process): loads the tokenizer."""
+    each document. Built once per Ray worker process (or once in process): loads the tokenizer."""
 
     def __init__(
         self, tokenizer_dir: str, request: dict, eos_id: int, dtype: str, threads: int = 0
     ):
-        if threads:  # an actor: one thread, the actors are the parallelism (before any encode)
+        if threads:  # a Ray task: one thread, the tasks are the parallelism (before any encode)
             import os
 
             os.environ["RAYON_NUM_THREADS"] = str(threads)
@@ -76,6 +78,19 @@ class TokenizePieces:
         return pa.table({k: pa.array(v, cols[k]) for k, v in self.rows(batch).items()})
 
 
+_loaded: dict[str, TokenizePieces] = {}  # a Ray worker process's tokenizer, by its arguments
+
+
+def tokenize_pieces(batch: dict, **fn_args):
+    """The Ray Data task: `TokenizePieces` over `batch`, built once per worker process (Ray
+    runs a process's next task in it: the tokenizer is loaded once, not per piece)."""
+    key = json.dumps(fn_args, sort_keys=True)
+    if key not in _loaded:
+        _loaded.clear()  # one request at a time
+        _loaded[key] = TokenizePieces(**fn_args)
+    return _loaded[key](batch)
+
+
 def _plain(value):
     return value.item() if hasattr(value, "item") else value
 
@@ -101,12 +116,15 @@ def tokenized(pieces, fn_args: dict, workers: int | None) -> Iterator[tuple[int,
     ctx.execution_options.preserve_order = True  # shards must follow piece order
     ctx.enable_progress_bars = False
     ds = ray.data.from_items([p.to_row() for p in pieces], override_num_blocks=len(pieces))
+    # Tasks, not an actor pool: Ray Data's actors get their arguments from the object store
+    # and restart from them by default, which Ray reports at every start with an error-level
+    # line (its issue 53727); a lost task is retried from its piece. One CPU each.
     ds = ds.map_batches(
-        TokenizePieces,
-        fn_constructor_kwargs={**fn_args, "threads": 1},
+        tokenize_pieces,
+        fn_kwargs={**fn_args, "threads": 1},
         batch_size=1,
         batch_format="numpy",
-        compute=ray.data.ActorPoolStrategy(size=workers),  # `concurrency=` is deprecated
+        compute=ray.data.TaskPoolStrategy(size=workers),  # `concurrency=` is deprecated
         num_cpus=1,
     )
     failure = None
@@ -115,8 +133,8 @@ def tokenized(pieces, fn_args: dict, workers: int | None) -> Iterator[tuple[int,
             yield from _rows(table.to_pydict(), fn_args["dtype"])
     except Exception as err:
         failure = as_hlm_error(err)
-    if failure is not None:  # actors' handles sit in Ray's error, `ds` and reference cycles: a
-        del ds  # kept error kept the actors and their CPUs (a 2-worker run then waited forever)
+    if failure is not None:  # what Ray's error holds (`ds`, reference cycles) is let go at once:
+        del ds  # a kept error kept the pool's CPUs (a 2-worker run then waited forever)
         gc.collect()
         raise failure
 

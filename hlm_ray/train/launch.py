@@ -43,11 +43,13 @@ RAY_TRAIN_ENV = {
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
 }
+_own_cluster = False  # whether `connect` started the local cluster this process is on
 
 
 def connect() -> None:
     """Join the cluster named by RAY_ADDRESS (set by `ray job submit` too) or started on this
     machine by `ray start`, else start a local one of this process (`local_cluster_options`)."""
+    global _own_cluster
     import ray
 
     if ray.is_initialized():
@@ -61,6 +63,7 @@ def connect() -> None:
         try:
             options = local_cluster_options() if local else {}  # a fresh dashboard port each try
             ray.init(address=address or None, log_to_driver=True, **options)
+            _own_cluster = local
             return
         except (ConnectionError, TimeoutError, RuntimeError, ValueError) as err:
             first = one_line(err)
@@ -82,6 +85,16 @@ def connect() -> None:
 
 
 LOCAL_START_ATTEMPTS = 2
+
+
+def stop_own_cluster() -> None:
+    """Shut down the local cluster `connect` started, now, as exit would; a joined one stays."""
+    global _own_cluster
+    if _own_cluster:
+        import ray
+
+        _own_cluster = False
+        ray.shutdown()
 
 
 def _port_taken(message: str) -> bool:

@@ -60,7 +60,10 @@ def ray_worker(loop_config: dict[str, Any]) -> None:
         nodes=worker_nodes(ctx.get_world_size()),
     )
     if env.is_main:  # where the group landed, in the job's log (and the run's tags)
-        print("workers on nodes: " + ", ".join(f"rank {r} {ip}" for r, ip in enumerate(env.nodes)))
+        # Flushed: a worker's stdout is a file (block-buffered), which Ray forwards only once
+        # written, at the worker's exit at the latest (after a sweep's summary, once).
+        nodes = ", ".join(f"rank {r} {ip}" for r, ip in enumerate(env.nodes))
+        print("workers on nodes: " + nodes, flush=True)
     out_dir = Path(loop_config["config"]["run"]["output_dir"])
     mirror = RunMirror(loop_config["mirror"]) if loop_config.get("mirror") else None
     reporter = RayReporter(out_dir, mirror if env.is_main else None)

@@ -230,14 +230,21 @@ def _run(spec: SweepSpec, args: argparse.Namespace, name: str):
                          storage_path=args.storage_path, verbose=2)  # fmt: skip
     log = resolve_output(SWEEPS_DIR) / name / "sweep.log"
     print(f"sweep {name}: Ray's and Tune's output go to {log}", flush=True)
+    from hlm_ray.train.launch import stop_own_cluster
+
     with console_to_log(log):
-        return run_sweep(
-            spec,
-            name=name,
-            search=args.search,
-            assumptions=assumptions,
-            storage_path=args.storage_path,
-        )
+        try:
+            return run_sweep(
+                spec,
+                name=name,
+                search=args.search,
+                assumptions=assumptions,
+                storage_path=args.storage_path,
+            )
+        finally:
+            # Ray forwards a worker's output late (a line its process flushes at exit): stopped
+            # here, the cluster's last lines go to the log, not after the summary and link.
+            stop_own_cluster()
 
 
 def _print_table(outcome) -> None:
