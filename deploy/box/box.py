@@ -66,13 +66,14 @@ S3_ENV = {
 }
 # How fast the head declares a silent node dead. Each check waits `timeout` for the raylet's
 # answer, the next starts `period` later, and `threshold` misses in a row make the node dead:
-# Ray's defaults (3 s, 10 s, 5) take about 65 s; the box's, 10 s of silence. Five misses in a row
-# keep a raylet slowed by a busy 2-core machine (it answers in milliseconds) from being declared
-# dead by mistake.
+# Ray's defaults (3 s, 10 s, 5) take about 65 s; the box's, 15 s. A raylet on a busy 2-core
+# machine can be slow to answer, above all while it starts: 2 s to answer, five misses in a row,
+# and no check in a node's first 30 s keep a slow node from being declared dead by mistake.
 HEALTH_ENV = {
     "RAY_health_check_period_ms": "1000",
-    "RAY_health_check_timeout_ms": "1000",
+    "RAY_health_check_timeout_ms": "2000",
     "RAY_health_check_failure_threshold": "5",
+    "RAY_health_check_initial_delay_ms": "30000",
 }
 NODE_CPUS = 1  # per worker node: two 1-CPU Train workers must land on two nodes
 START_TIMEOUT_S = 180.0
