@@ -64,12 +64,16 @@ S3_ENV = {
     "AWS_DEFAULT_REGION": "us-east-1",
     "AWS_EC2_METADATA_DISABLED": "true",
 }
-# How fast the head declares a silent node dead (Ray's defaults: a check every 3 s, 5 missed
-# in a row, 10 s each: about 60 s); a box on 2 cores needs some slack against false alarms.
+# How fast the head declares a silent node dead. Each check waits `timeout` for the raylet's
+# answer, the next starts `period` later, and `threshold` misses in a row make the node dead:
+# Ray's defaults (3 s, 10 s, 5) take about 65 s; the box's, 15 s. A raylet on a busy 2-core
+# machine can be slow to answer, above all while it starts: 2 s to answer, five misses in a row,
+# and no check in a node's first 30 s keep a slow node from being declared dead by mistake.
 HEALTH_ENV = {
-    "RAY_health_check_period_ms": "2000",
+    "RAY_health_check_period_ms": "1000",
     "RAY_health_check_timeout_ms": "2000",
     "RAY_health_check_failure_threshold": "5",
+    "RAY_health_check_initial_delay_ms": "30000",
 }
 NODE_CPUS = 1  # per worker node: two 1-CPU Train workers must land on two nodes
 START_TIMEOUT_S = 180.0
@@ -248,16 +252,18 @@ class Box:
         declared the node dead, and end; `rejoin` starts it as a new node."""
         _ip("link", "set", self.nodes[name].veth, "up")
 
-    def rejoin(self, name: str, nodes: int) -> None:
+    def rejoin(self, name: str, nodes: int, wait: bool = True) -> None:
         """Ray started again on node `name` (whatever is left of the old one killed; its pod,
-        with its disk, stays): the cluster is back to `nodes` alive nodes."""
+        with its disk, stays): the cluster is back to `nodes` alive nodes (`wait` False: the
+        caller waits, with `wait_nodes`, once it has done something else meanwhile)."""
         node = self.nodes[name]
         for pid in self.pids(name):
             if pid != node.pod:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
         self.start_ray(name)
-        self.wait_nodes(nodes)
+        if wait:
+            self.wait_nodes(nodes)
 
     def drop_port_to(self, name: str, port: int) -> list[str]:
         """The head's answers from `port` to node `name` are dropped (its SYN-ACKs and data
@@ -396,6 +402,9 @@ class Box:
         moto = Path(sys.executable).with_name("moto_server")
         self.spawn("head", [str(moto), "-H", "0.0.0.0", "-p", str(PORTS["s3"])], "s3.log",
                    private=False)  # fmt: skip
+
+    def _buckets(self) -> None:
+        """Once the S3 server answers: the runs' and MLflow's buckets."""
         _wait(lambda: self._http_ok("head", f"http://{HEAD_IP}:{PORTS['s3']}/"), "the S3 server",
               self.log("s3.log"))  # fmt: skip
         script = (
@@ -457,18 +466,28 @@ class Box:
         except AssertionError:  # no list printed: none known alive
             return []
 
-    def wait_nodes(self, count: int, timeout_s: float = START_TIMEOUT_S) -> list[dict]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            nodes = self.alive_nodes()
-            if len(nodes) == count:
-                return nodes
-            if time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"{len(nodes)} of {count} Ray nodes alive after {timeout_s:.0f} s; "
-                    f"see {self.root / 'logs'}"
-                )
-            time.sleep(2)
+    def watch_nodes(self, *, count: int | None = None, gone: str | None = None,
+                    timeout_s: float = START_TIMEOUT_S) -> NodeWatch:  # fmt: skip
+        """A process on the head that connects once and asks the GCS every 0.2 s, until
+        `count` nodes are alive or no alive node has the address `gone`: the moment it sees it,
+        to a fifth of a second (a process per poll takes seconds to connect on 2 cores)."""
+        want = json.dumps({"count": count, "gone": gone})
+        argv = [sys.executable, "-c", WATCH_NODES, want, str(timeout_s)]
+        env = {**_base_env(), **self.node_env(self.nodes["head"]),
+               "RAY_ADDRESS": f"{HEAD_IP}:{PORTS['gcs']}"}  # fmt: skip
+        proc = subprocess.Popen(self.in_pod(self.nodes["head"], argv), env=env, text=True,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+        return NodeWatch(proc, timeout_s)
+
+    def wait_nodes(self, count: int, timeout_s: float = START_TIMEOUT_S) -> float:
+        """Until `count` nodes are alive; the time.time() it saw them."""
+        seen = self.watch_nodes(count=count, timeout_s=timeout_s).result()
+        if seen["alive"] != count:
+            raise RuntimeError(
+                f"{seen['alive']} of {count} Ray nodes alive after {timeout_s:.0f} s; "
+                f"see {self.root / 'logs'}"
+            )
+        return seen["at"]
 
     # ------------------------------------------------------------------ up, down
 
@@ -499,10 +518,12 @@ class Box:
             for name in ("head", *WORKERS):
                 self.start_pod(self.nodes[name])
             self.save()
-            self._postgres()
-            self._object_store()
-            self._mlflow()
+            # Ray's head and the S3 server start while PostgreSQL is made, then MLflow.
             self.start_ray("head")
+            self._object_store()
+            self._postgres()
+            self._buckets()
+            self._mlflow()
             _wait(lambda: self._http_ok("head", f"http://{HEAD_IP}:{PORTS['dashboard']}/"),
                   "the Ray head", self.log("ray-head.log"))  # fmt: skip
             for name in WORKERS:
@@ -526,6 +547,46 @@ class Box:
         """Every process in the box's namespaces killed, the namespaces and links removed (their
         mounts go with the last process of each mount namespace)."""
         teardown(self.prefix)
+
+
+WATCH_NODES = """
+import json, sys, time
+import ray
+want, timeout_s = json.loads(sys.argv[1]), float(sys.argv[2])
+ray.init(log_to_driver=False)
+print("watching", flush=True)
+deadline = time.monotonic() + timeout_s
+while True:
+    alive = [n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]]
+    done = len(alive) == want["count"] if want["count"] is not None else want["gone"] not in alive
+    if done or time.monotonic() > deadline:
+        print(json.dumps({"at": time.time(), "alive": len(alive), "addresses": alive}))
+        break
+    time.sleep(0.2)
+"""
+
+
+class NodeWatch:
+    """`Box.watch_nodes`' process: `ready()` once it is connected (start it before the event it
+    times), `result()` what it saw: {"at": time.time(), "alive": n, "addresses": [...]}."""
+
+    def __init__(self, proc: subprocess.Popen, timeout_s: float):
+        self.proc, self.timeout_s = proc, timeout_s
+
+    def ready(self) -> NodeWatch:
+        line = self.proc.stdout.readline().strip()
+        if line != "watching":
+            self.proc.kill()
+            raise RuntimeError(
+                f"the node watch could not connect: {self.proc.stderr.read()[-1500:]}"
+            )
+        return self
+
+    def result(self) -> dict:
+        out, err = self.proc.communicate(timeout=self.timeout_s + 120)
+        if self.proc.returncode != 0:
+            raise RuntimeError(f"the node watch failed: {err[-1500:]}")
+        return last_json(out, dict)
 
 
 def teardown(prefix: str = PREFIX) -> None:

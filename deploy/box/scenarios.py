@@ -5,32 +5,40 @@ as `ray job submit`, and checked from there through MLflow and the Job API alone
     python deploy/box/scenarios.py --full           # the S3 sweep with all three tiny sizes
     python deploy/box/scenarios.py --only train-s3 partition --keep     # some; keep the box up
     python deploy/box/scenarios.py --reuse --only serve      # on the box `box.py up` started
+    python deploy/box/scenarios.py --serial         # one scenario at a time: each one's own time
 
 | scenario | what it runs | what must hold |
 |---|---|---|
 | train-shared, train-s3 | `hlm train --num-workers 2`, run storage on the shared volume / in S3 | one worker on each worker node (the run's `worker_nodes` tag), every step in MLflow, the model logged; no worker node prepared the corpus itself |
 | sweep-shared, sweep-s3 | `python sweeps/vocab.py --preset tiny --set sweep.values=[1024]` (all three sizes on S3 with `--full`) from a folder on the shared volume / with `--storage-path s3://...` | the parent and its 2 children (6 with `--full`) FINISHED in MLflow with scores and figures, on worker nodes; resubmitted, the S3 sweep resumes (no trial runs again) |
 | registry | `hlm finetune --task clm --register` on the cluster, then `hlm generate --model models:/...` on the client | the registered model loads on the client, through the tracking server |
-| partition | a one-trial sweep (S3); its rank 0's node cut off (link down) after its first checkpoint | the node declared dead; the trial finishes on the other node, one child run whose loss at every step equals an undisturbed run's; the node rejoins |
+| partition | a one-trial sweep (S3, pretraining only); its rank 0's node cut off (link down) after its first checkpoint | the node declared dead; the trial finishes on the other node, one child run whose loss at every step equals an undisturbed run's; the node rejoins |
 | tracking-outage | `hlm train` whose rank 0's node cannot reach the tracking server for 60 s | the run goes on; MLflow has every logged step at the end |
 | serve | `hlm serve` with 2 replicas (one per worker node) and an API key, asked from the client through the head; one replica's node cut off | every request answered; how long the requests in flight at the cut waited |
 
 Each scenario is a function of the box that raises `AssertionError` naming what did not hold
-and returns its figures; `tests/test_cluster_box.py` runs two of them in `make test`.
+and returns its figures; `tests/test_cluster_box.py` runs two of them in `make test`. The
+scenarios run in `GROUPS`, side by side within a group, and the table gives each one's wall time
+with the machine's load average while it ran.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
 from box import (  # noqa: E402
     CHECKOUT,
     HEAD_CLIENT_IP,
@@ -49,7 +57,9 @@ SWEEP_EXPERIMENT = "hlm_ray-sweeps"  # every sweep's (SweepSpec.experiment)
 TRAIN = ["hlm", "train", "--preset", "tiny-decoder", "--set", "run.log_every=1"]
 VOCAB_SWEEP = ["python", "sweeps/vocab.py", "--preset", "tiny"]
 # The partition's sweep: the batch-size preset cut to one trial of one worker, a checkpoint
-# every 8 of 48 steps (tests/multinode_scenario.py's, on one worker: it restarts on the node left).
+# every 8 of 48 steps (tests/multinode_scenario.py's, on one worker: it restarts on the node left),
+# pretraining only: what the cut can change is the pretraining's loss history, and the sweeps
+# above show the downstream step on the cluster.
 CUT_VALUE, CUT_OBJECTIVE, CUT_STEPS, CUT_EVERY = 8, "vanilla", 48, 8
 CUT_SETTINGS = [
     f"sweep.values=[{CUT_VALUE}]",
@@ -61,6 +71,7 @@ CUT_SETTINGS = [
     f"run.eval_every={CUT_STEPS}",
     "run.log_every=1",
     "tokenizer.train_sample_bytes=300000",
+    "sweep.recipe=none",
 ]
 S3_RUNS = f"s3://{RUN_BUCKET}/runs"
 TAG = time.strftime("%H%M%S")
@@ -76,36 +87,26 @@ FULL = False  # --full: the S3 sweep runs the whole tiny preset (six trials, not
 def submit(box: Box, argv: list[str], *, job: str, env: dict | None = None,
            wait: bool = True, timeout: float = 900) -> str:  # fmt: skip
     """`RAY_AUTH_MODE=token ray job submit --working-dir . -- argv` from the client; the job's
-    output (waited for), or "" (`wait` False: poll it with `status` and `logs`)."""
+    output (waited for), or "" (`wait` False: follow it with `wait_log` and `wait_job`)."""
     cmd = ["ray", "job", "submit", "--submission-id", job, "--working-dir", "."]
     if env:
         cmd += ["--runtime-env-json", json.dumps({"env_vars": env})]
     if not wait:
         cmd.append("--no-wait")
     done = box.client([*cmd, "--", *argv], timeout=timeout)
-    if wait:
-        state = status(box, job)
-        assert state == "SUCCEEDED", f"job {job} ({' '.join(argv)}) {state}: {done.stdout[-3000:]}"
+    if wait:  # the CLI asks the Job API for the job's state once its logs end, and prints it
+        said = done.stdout + done.stderr
+        assert done.returncode == 0 and f"Job '{job}' succeeded" in said, (
+            f"job {job} ({' '.join(argv)}) did not succeed: {said[-3000:]}"
+        )
     return done.stdout
 
 
-def job_state(box: Box, job: str) -> dict:
-    """{"status": PENDING | RUNNING | SUCCEEDED | FAILED | STOPPED, "logs": ...} from the Job API."""
-    return view(box, "job", job)
-
-
-def status(box: Box, job: str) -> str:
-    return job_state(box, job)["status"]
-
-
-def logs(box: Box, job: str) -> str:
-    return job_state(box, job)["logs"]
-
-
-def wait_job(box: Box, job: str, timeout: float = 900) -> str:
+def wait_job(box: Box, job: str, timeout: float = 900) -> dict:
+    """The job's end: {"status": ..., "logs": ...}."""
     state = view(box, "wait", job, "", str(timeout), timeout=timeout + 120)
     assert state["status"] in ENDED, f"job {job} still {state['status']} after {timeout:.0f} s"
-    return state["status"]
+    return state
 
 
 def wait_log(box: Box, job: str, pattern: str, timeout: float = 600) -> re.Match:
@@ -227,43 +228,66 @@ def registry(box: Box) -> dict:
     return {"model": model, "generated": done.stdout.strip().splitlines()[0][:60]}
 
 
-def partition(box: Box) -> dict:
+def partition(box: Box, reference: subprocess.Popen | None = None) -> dict:
     """A sweep trial's node cut off mid-run: Ray declares it dead, the trial continues from its
-    last checkpoint on the other node, its losses those of an undisturbed run."""
+    last checkpoint on the other node, its losses those of an undisturbed run (`reference`:
+    that run, already started by `start_reference`; else it starts with the scenario, beside
+    the cluster's work)."""
+    reference = reference or start_reference()
     name = f"box-cut-{TAG}"
     argv = ["python", "sweeps/batch_size.py", "--preset", "tiny", "--name", name,
             "--storage-path", S3_SWEEPS]  # fmt: skip
     argv += [a for item in CUT_SETTINGS for a in ("--set", item)]
     submit(box, argv, job=name, wait=False)
     rank0 = wait_log(box, name, r"workers on nodes: rank 0 (\S+)").group(1)
+    watch = box.watch_nodes(gone=rank0, timeout_s=180)
     wait_log(box, name, rf"checkpoint_{CUT_EVERY:08d}")
     lost = node_of(box, rank0)
+    watch.ready()  # connected before the cut: it sees the node go to a fifth of a second
     box.cut(lost)
-    cut_at = time.monotonic()
+    cut_at = time.time()
     try:
-        while any(n["NodeManagerAddress"] == rank0 for n in box.alive_nodes()):
-            assert time.monotonic() - cut_at < 180, f"{rank0} still alive 180 s after its cut"
-            time.sleep(1)
-        declared_dead_s = time.monotonic() - cut_at
-        state = wait_job(box, name)
-        finished_s = time.monotonic() - cut_at
+        seen = watch.result()
+        assert rank0 not in seen["addresses"], f"{rank0} still alive 180 s after its cut"
+        declared_dead_s = seen["at"] - cut_at
+        ended = wait_job(box, name)
+        finished_s = time.time() - cut_at
     finally:  # the node back, whatever happened: the next scenario needs it
         box.mend(lost)
-        box.rejoin(lost, 1 + len(WORKERS))
-    assert state == "SUCCEEDED", logs(box, name)[-3000:]
-    runs = view(box, "sweep", SWEEP_EXPERIMENT, name)
-    (child,) = [r for r in runs if r["tags"].get("sweep_role") != "parent"]
-    assert child["status"] == "FINISHED", child["status"]
-    now_on = child["tags"]["worker_nodes"]
-    assert now_on != rank0 and now_on in worker_ips(box), (rank0, now_on)
-    history = {int(k): v for k, v in view(box, "history", child["run_id"], "train/loss").items()}
-    expected = undisturbed_losses()
-    assert sorted(history) == sorted(expected), (sorted(history), sorted(expected))
-    worst = max(abs(history[s] - expected[s]) / abs(expected[s]) for s in expected)
-    assert worst < 1e-4, f"losses differ from an undisturbed run's by up to {worst:.2e}"
-    return {"cut_node": rank0, "declared_dead_s": round(declared_dead_s),
+        box.rejoin(lost, 1 + len(WORKERS), wait=False)  # it joins while MLflow is read
+    try:
+        assert ended["status"] == "SUCCEEDED", ended["logs"][-3000:]
+        runs = view(box, "sweep", SWEEP_EXPERIMENT, name, "train/loss")
+        (child,) = [r for r in runs if r["tags"].get("sweep_role") != "parent"]
+        assert child["status"] == "FINISHED", child["status"]
+        now_on = child["tags"]["worker_nodes"]
+        assert now_on != rank0 and now_on in worker_ips(box), (rank0, now_on)
+        history = {int(k): v for k, v in child["history"].items()}
+        expected = reference_losses(reference)
+        assert sorted(history) == sorted(expected), (sorted(history), sorted(expected))
+        worst = max(abs(history[s] - expected[s]) / abs(expected[s]) for s in expected)
+        assert worst < 1e-4, f"losses differ from an undisturbed run's by up to {worst:.2e}"
+    finally:
+        rejoined_s = box.wait_nodes(1 + len(WORKERS)) - cut_at
+    return {"cut_node": rank0, "declared_dead_s": round(declared_dead_s, 1),
             "job_ended_after_cut_s": round(finished_s), "continued_on": now_on,
-            "max_rel_loss_diff": f"{worst:.1e}"}  # fmt: skip
+            "max_rel_loss_diff": f"{worst:.1e}", "rejoined_after_cut_s": round(rejoined_s)}  # fmt: skip
+
+
+def start_reference() -> subprocess.Popen:
+    """`undisturbed_losses()` in a process of its own, on the checkout under test (not on
+    whatever checkout the environment's hlm_ray was installed from): the partition's
+    reference, computed while the cluster works; `reference_losses` reads it."""
+    code = "import json, scenarios; print(json.dumps(scenarios.undisturbed_losses()))"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(CHECKOUT), str(HERE)])}
+    return subprocess.Popen([sys.executable, "-c", code], cwd=CHECKOUT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+
+
+def reference_losses(reference: subprocess.Popen) -> dict[int, float]:
+    out, err = reference.communicate(timeout=900)
+    assert reference.returncode == 0, f"the undisturbed reference run failed: {err[-3000:]}"
+    return {int(k): v for k, v in last_json(out, dict).items()}
 
 
 def undisturbed_losses() -> dict[int, float]:
@@ -299,8 +323,9 @@ def tracking_outage(box: Box, outage_s: float = 60) -> dict:
         time.sleep(outage_s)
     finally:
         box.restore(rule)
-    assert wait_job(box, name) == "SUCCEEDED", logs(box, name)[-3000:]
-    said = logs(box, name)
+    ended = wait_job(box, name)
+    said = ended["logs"]
+    assert ended["status"] == "SUCCEEDED", said[-3000:]
     assert "MLflow tracking is off for the rest of this run" in said, "the outage was not felt"
     replayed = re.search(r"MLflow: replayed (\d+) metric point", said)
     assert replayed, "the driver replayed nothing at the end of the run"
@@ -330,11 +355,16 @@ def serve(box: Box, seconds: float = 60) -> dict:
     finally:
         box.client(["ray", "job", "stop", job])
         box.mend("w1")
-        box.rejoin("w1", 1 + len(WORKERS))
-    result = last_json(out)
-    failed = [r for r in result["requests"] if r[1] != 200]
-    assert not failed, f"{len(failed)} of {len(result['requests'])} requests failed: {failed[:5]}"
-    slowest = max(r[2] for r in result["requests"])
+        box.rejoin("w1", 1 + len(WORKERS), wait=False)
+    try:
+        result = last_json(out)
+        failed = [r for r in result["requests"] if r[1] != 200]
+        assert not failed, (
+            f"{len(failed)} of {len(result['requests'])} requests failed: {failed[:5]}"
+        )
+        slowest = max(r[2] for r in result["requests"])
+    finally:
+        box.wait_nodes(1 + len(WORKERS))
     return {"requests": len(result["requests"]), "failed": 0, "slowest_s": slowest}
 
 
@@ -344,10 +374,63 @@ SCENARIOS: dict[str, Callable[[Box], dict]] = {
     "sweep-shared": lambda box: sweep(box, "shared"),
     "sweep-s3": lambda box: sweep(box, "s3", full=FULL),
     "registry": registry,
-    "partition": partition,
     "tracking-outage": tracking_outage,
     "serve": serve,
+    "partition": lambda box: partition(box, REFERENCE),
 }
+GROUPS = [
+    ("train-shared", "train-s3"),
+    ("sweep-shared", "sweep-s3"),
+    ("registry", "tracking-outage"),
+    ("serve",),
+    ("partition",),
+]
+"""Scenarios that run side by side, as two users' jobs share a cluster: Ray queues what the two
+worker nodes cannot hold at once, and each group ends before the next starts. What one needs of
+another comes from an earlier group (train-s3's model for registry, registry's for serve). The
+two that cut a node off run alone; the tracking outage cuts only its own node's tracking traffic,
+and registry's one worker runs on the other node."""
+REFERENCE: subprocess.Popen | None = None
+"""The partition's undisturbed reference run, started while the group before it runs (serve's
+requests leave the CPUs mostly idle)."""
+
+
+class LoadAverage:
+    """The machine's 1-minute load average, sampled every 5 s: the box shares its cores with
+    whatever else runs, and every figure is read beside it."""
+
+    def __init__(self):
+        self.samples: list[tuple[float, float]] = []
+        self.stop = threading.Event()
+        threading.Thread(target=self._sample, daemon=True).start()
+
+    def _sample(self) -> None:
+        while not self.stop.is_set():
+            self.samples.append((time.perf_counter(), os.getloadavg()[0]))
+            self.stop.wait(5)
+
+    def between(self, t0: float, t1: float) -> str:
+        seen = [load for t, load in self.samples if t0 <= t <= t1] or [os.getloadavg()[0]]
+        return f"{min(seen):.1f}-{max(seen):.1f}"
+
+
+def batches(names: list[str], serial: bool) -> list[list[str]]:
+    """The scenarios to run, in order: `GROUPS` side by side (one at a time if `serial`)."""
+    chosen = [[n for n in group if n in names] for group in GROUPS]
+    chosen = [group for group in chosen if group]
+    return [[n] for group in chosen for n in group] if serial else chosen
+
+
+def run_one(box: Box, name: str, load: LoadAverage) -> tuple:
+    t0 = time.perf_counter()
+    try:
+        figures, verdict = SCENARIOS[name](box), "PASS"
+    except Exception as err:  # an assertion, or the scenario's own failure
+        traceback.print_exc()  # where it failed, above the table's one-line reason
+        figures, verdict = {"why": f"{type(err).__name__}: {str(err)[:500]}"}, "FAIL"
+    t1 = time.perf_counter()
+    print(f"{name}: {verdict} in {t1 - t0:.0f} s {json.dumps(figures)}", flush=True)
+    return name, verdict, t1 - t0, load.between(t0, t1), figures
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -360,40 +443,46 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--reuse", action="store_true", help="run on the box that is up (box.py up) and keep it"
     )
+    parser.add_argument(
+        "--serial", action="store_true", help="one scenario at a time (each one's own time)"
+    )
     parser.add_argument("--root", default="/var/tmp/hlm-box", help="the box's folder")
     args = parser.parse_args(argv)
-    global FULL
+    global FULL, REFERENCE
     FULL = args.full
     reason = missing()
     if reason:
         print(f"error: {reason}", file=sys.stderr)
         return 2
+    load = LoadAverage()
     started = time.perf_counter()
     box = Box.load(Path(args.root)) if args.reuse else Box(Path(args.root)).up()
+    up_row = ("box up", "", time.perf_counter() - started,
+              load.between(started, time.perf_counter()), {})  # fmt: skip
+    results = [] if args.reuse else [up_row]
     args.keep = args.keep or args.reuse
-    results, failed = [], 0
+    order = batches(args.only or list(SCENARIOS), args.serial)
     try:
-        for name in args.only or SCENARIOS:
-            t0 = time.perf_counter()
-            try:
-                figures, verdict = SCENARIOS[name](box), "PASS"
-            except Exception as err:  # an assertion, or the scenario's own failure
-                traceback.print_exc()  # where it failed, above the table's one-line reason
-                figures, verdict = {"why": f"{type(err).__name__}: {str(err)[:500]}"}, "FAIL"
-                failed += 1
-            results.append((name, verdict, time.perf_counter() - t0, figures))
-            print(f"{name}: {verdict} in {results[-1][2]:.0f} s {json.dumps(figures)}", flush=True)
+        for i, batch in enumerate(order):
+            if i + 1 < len(order) and "partition" in order[i + 1]:
+                REFERENCE = start_reference()
+            with ThreadPoolExecutor(len(batch)) as pool:
+                results += pool.map(lambda name: run_one(box, name, load), batch)
     finally:
         if not args.keep:
             box.down()
+        if REFERENCE is not None and REFERENCE.poll() is None:  # partition failed before it
+            REFERENCE.kill()
     total = time.perf_counter() - started
-    print("\n| scenario | result | seconds | figures |\n|---|---|---|---|")
-    for name, verdict, seconds, figures in results:
+    print("\n| scenario | result | seconds | load average | figures |\n|---|---|---|---|---|")
+    for name, verdict, seconds, during, figures in results:
         shown = ", ".join(f"{k} {v}" for k, v in figures.items())
-        print(f"| {name} | {verdict} | {seconds:.0f} | {shown} |")
-    print(f"\nbox up, {len(results)} scenario(s){'' if args.keep else ', down'}: {total:.0f} s")
+        print(f"| {name} | {verdict} | {seconds:.0f} | {during} | {shown} |")
+    scenarios = len(results) - (not args.reuse)
+    print(f"\nbox up, {scenarios} scenario(s){'' if args.keep else ', down'}: {total:.0f} s "
+          f"(load average {load.between(started, time.perf_counter())})")  # fmt: skip
     (Path(args.root) / "report.json").write_text(json.dumps(results, indent=1))
-    return 1 if failed else 0
+    return 1 if any(r[1] == "FAIL" for r in results) else 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ check from the client, through the tracking server alone (MLFLOW_TRACKING_URI).
 
     python deploy/box/view.py run hlm_ray box-train-s3        # status, tags, metric steps, files
     python deploy/box/view.py sweep hlm-vocab vocab-tiny       # the parent and its children
+    python deploy/box/view.py sweep hlm-vocab vocab-tiny train/loss   # each with that history
     python deploy/box/view.py history RUN_ID train/loss        # {step: value}
     python deploy/box/view.py job SUBMISSION_ID                # {"status": ..., "logs": ...}
     python deploy/box/view.py wait SUBMISSION_ID PATTERN 600   # until PATTERN is in its logs
@@ -39,6 +40,10 @@ def describe(run, client) -> dict:
         "steps": steps,
         "artifacts": sorted(a.path for a in client.list_artifacts(run.info.run_id)),
     }
+
+
+def history(client, run_id: str, key: str) -> dict[int, float]:
+    return {m.step: m.value for m in client.get_metric_history(run_id, key)}
 
 
 def runs(experiment: str, where: str) -> list:
@@ -78,9 +83,12 @@ def main(argv: list[str]) -> int:
     if what == "run":
         experiment, name = rest
         out = [describe(r, client) for r in runs(experiment, f"attributes.run_name = '{name}'")]
-    elif what == "sweep":
-        experiment, sweep = rest
+    elif what == "sweep":  # and, given a metric, each run's {step: value} of it
+        experiment, sweep, *metric = rest
         out = [describe(r, client) for r in runs(experiment, f"tags.sweep = '{sweep}'")]
+        for run in out:
+            if metric:
+                run["history"] = history(client, run["run_id"], metric[0])
     elif what == "job":  # the Job API at RAY_ADDRESS, with the token in the environment
         (job,) = rest
         out = job_state(job)
@@ -89,7 +97,7 @@ def main(argv: list[str]) -> int:
         out = wait(job, pattern, float(timeout))
     elif what == "history":
         run_id, key = rest
-        out = {m.step: m.value for m in client.get_metric_history(run_id, key)}
+        out = history(client, run_id, key)
     else:
         raise SystemExit(f"unknown view {what!r}: run, sweep, history or job")
     print(json.dumps(out))
