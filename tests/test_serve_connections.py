@@ -253,9 +253,11 @@ def test_a_flood_that_never_finishes_its_headers_leaves_others_answered(guarded_
     assert held <= 200, f"the attacker held {held} connections"
     assert {"HTTP/1.1 408 Request Timeout", "HTTP/1.1 503 Service Unavailable"} <= set(closed)
     assert len(closed) >= 300, f"the server closed {len(closed)} of the attacker's connections"
-    # Typical requests as fast as before; the slowest may wait for one SYN retransmission
-    # (1 s), when the attacker's reconnections fill the listen queue for a moment.
+    # Typical requests as fast as before; the slowest may wait for SYN retransmissions (1 s,
+    # then 2 s more: 4.3 s was seen beside the rest of the suite) when the attacker's
+    # reconnections fill the listen queue for a moment. Without the guard no request is
+    # answered once the attacker holds every connection (the 408 wait above fails first).
     times = sorted(t for _, t in during)
     median, slowest = times[len(times) // 2], times[-1]
     assert median < 10 * before + 0.05, f"median {median:.3f} s in the flood, {before:.3f} s before"
-    assert slowest < 2.5, f"{slowest:.3f} s during the flood, {before:.3f} s before"
+    assert slowest < 7, f"{slowest:.3f} s during the flood, {before:.3f} s before"
