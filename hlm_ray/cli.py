@@ -34,12 +34,13 @@ from hlm_ray.tune.scripts import SWEEPS  # noqa: F401 (the kinds `hlm sweep` off
 
 
 def _version() -> str:
+    """What `hlm --version` prints."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
-        return version("hlm_ray")
+        return f"hlm {version('hlm_ray')}"
     except PackageNotFoundError:  # run from a checkout that was never pip-installed
-        return "unknown (not installed)"
+        return "hlm unknown (not installed)"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,9 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Headless language models on Ray: pretrain (headless or vanilla), fine-tune, "
         "evaluate, sweep, generate and serve. `hlm COMMAND --help` describes each command.",
     )
-    parser.add_argument(
-        "--version", action="version", version=f"hlm {_version()}", help="print the version"
-    )
+    parser.add_argument("--version", action="version", version=_version(), help="print the version")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     from hlm_ray.bench import cli as bench_cli
@@ -71,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv == ["--version"]:  # a newcomer's first command: without the parser, which imports
-        print(f"hlm {_version()}")  # torch and transformers (seconds on a small machine)
+        print(_version())  # torch and transformers (seconds on a small machine)
         raise SystemExit(0)
     args = build_parser().parse_args(argv)
 
