@@ -116,6 +116,27 @@ def test_resume_reproduces_the_uninterrupted_runs_next_losses(preset, tmp_path):
         assert resumed[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6), step
 
 
+def test_a_worker_restarted_elsewhere_from_the_last_checkpoint_finishes_with_the_model(tmp_path):
+    """The cluster box's partition: rank 0's node lost after it reported the final checkpoint,
+    while the run was finishing. The worker restarted on another node resumes from that
+    checkpoint with no step left, in a run folder without the model (the lost node had it):
+    it finishes with the checkpoint's model (before: FileNotFoundError for model/config.json,
+    on every retry)."""
+    cfg = tiny_cfg("tiny-decoder", "headless", tmp_path / "lost-node", **{"optim.max_steps": 20})
+    train_worker(cfg.to_dict(), progress=False)
+    final = ckpt.list_checkpoints(tmp_path / "lost-node")[-1]
+    assert ckpt.checkpoint_step(final) == 20
+    elsewhere = tiny_cfg("tiny-decoder", "headless", tmp_path / "other-node",
+                         **{"optim.max_steps": 20})  # fmt: skip
+    summary = train_worker(elsewhere.to_dict(), resume_from=final, progress=False)
+    assert summary["steps"] == 20
+    model = tmp_path / "other-node" / "model"
+    assert (model / "model.safetensors").read_bytes() == (
+        final / "model" / "model.safetensors"
+    ).read_bytes()
+    assert "| training steps | 20 |" in (model / "README.md").read_text()
+
+
 def test_interrupted_checkpoint_save_leaves_the_last_one_intact(tmp_path, monkeypatch):
     cfg = tiny_cfg("tiny-decoder", "headless", tmp_path / "run", **{"optim.max_steps": 20})
     train_worker(cfg.to_dict(), progress=False)

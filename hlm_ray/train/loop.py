@@ -21,7 +21,7 @@ from hlm_ray.budget import deadline_passed
 from hlm_ray.config import Config
 from hlm_ray.train.finish import finish_run
 from hlm_ray.train.log_window import check_before_checkpoint, log_window
-from hlm_ray.train.run_checkpoints import BEST, save_checkpoint
+from hlm_ray.train.run_checkpoints import BEST, keep_final_model, save_checkpoint
 from hlm_ray.train.run_state import LocalReporter, TrainRun, WorkerEnv
 from hlm_ray.train.setup import quiet_library_progress_bars, setup_run
 from hlm_ray.train.step import train_step
@@ -83,6 +83,8 @@ def train_worker(
         if out_of_time:
             break
     bar.close()
+    if run.done == run.start and resume_from is not None and run.env.is_main:
+        keep_final_model(run.out_dir, Path(resume_from))  # no step ran here to write it
     return finish_run(run)
 
 

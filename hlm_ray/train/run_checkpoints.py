@@ -41,6 +41,15 @@ def save_checkpoint(run: TrainRun, done: int, final: bool = False) -> None:
     run.checkpoint_s += run.window_start - saving  # saving, copying, Ray's report
 
 
+def keep_final_model(out_dir: Path, checkpoint: Path) -> None:
+    """The final model beside the run, from the checkpoint a worker resumed from when it had
+    no step left to train: the worker that saved that last checkpoint wrote the model on its
+    own node, and a rank 0 restarted elsewhere (that node lost while the run was finishing)
+    would otherwise finish without one."""
+    if not (out_dir / "model" / "config.json").is_file():
+        copy_tree(checkpoint / "model", out_dir / "model")
+
+
 def _save(folder: Path, run: TrainRun, step: int) -> Path | None:
     """All ranks call this; rank 0 writes. Returns the folder (rank 0) or None."""
     if not run.env.is_main:
