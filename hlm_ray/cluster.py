@@ -16,6 +16,10 @@ given the folder to open (`data.prepared`), and on a cluster of several nodes (o
 storage in an object store) a folder from a private cache is first copied into the run storage,
 which every node reaches by definition (`publish_prepared`). A cache the user named with
 `HLM_CACHE_DIR` is taken to be shared, as deploy/kuberay's manifests mount it.
+
+A fine-tune's source model (`init.model_dir`) is a folder on the driver's disk too: a run folder
+of its node, or a registry model downloaded into its cache. On several machines it is copied into
+the run storage as well (`model_location`), unless it already lies there.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from hlm_ray.paths import CACHE_ENV
 
 PREPARED_DIR = "_prepared"
 """The run storage's folder of published prepared corpora, beside the runs."""
+INPUTS_DIR = "_inputs"
+"""The run storage's folder of published input folders (a fine-tune's source model)."""
 
 
 def alive_nodes() -> list[dict]:
@@ -76,6 +82,27 @@ def prepared_location(prepared, storage: str, num_machines: int) -> str:
     return publish_prepared(prepared, root)
 
 
+def absolute(path_or_uri: str) -> str:
+    """A local path made absolute (workers run in other folders); a URI as it is."""
+    return path_or_uri if "://" in path_or_uri else str(Path(path_or_uri).resolve())
+
+
+def worker_paths(cfg, storage: str, num_machines: int, *, prepared) -> dict:
+    """The config's inputs as workers elsewhere (another folder, another node) must be given
+    them, as overrides: the data sources made absolute, the prepared corpus (`prepared()`: the
+    driver's, made when the config names none) and a fine-tune's source model where every
+    worker reaches them."""
+    sources = [str(Path(s).resolve()) if Path(s).exists() else s for s in cfg.data.sources]
+    return {
+        "data.sources": sources,
+        "data.prepared": absolute(cfg.data.prepared)
+        if cfg.data.prepared
+        else prepared_location(prepared(), storage, num_machines),
+        "init.model_dir": cfg.init.model_dir
+        and model_location(cfg.init.model_dir, storage, num_machines),
+    }
+
+
 def request_key(cfg) -> str:
     """What identifies a config's prepared corpus without reading its sources (a trial on a
     node may not see them): its `PrepareRequest`, as JSON."""
@@ -115,3 +142,52 @@ def publish_prepared(prepared, root: str) -> str:
             store.upload(path, path.name)
     store.write_json(MANIFEST, prepared.manifest)
     return target
+
+
+def model_location(folder: str, storage: str, num_machines: int) -> str:
+    """The model folder the workers start from (`folder`: `init.model_dir` as the driver found
+    it): that one on one machine, when it is a URI, or when it lies in a local run storage (which
+    every node mounts); else its copy in the run storage (`publish_folder`), which a worker on
+    another node reads (through a local copy, for a URI: `local_model_dir`)."""
+    if num_machines <= 1 or "://" in folder:
+        return folder
+    if "://" not in storage and Path(folder).resolve().is_relative_to(Path(storage).resolve()):
+        return folder
+    return publish_folder(Path(folder), f"{storage.rstrip('/')}/{INPUTS_DIR}")
+
+
+def publish_folder(folder: Path, root: str) -> str:
+    """A copy of `folder` under `root` (a path or URI), named by its name and a digest of its
+    files' names, sizes and times, with `fetch.PUBLISHED` (the file list) written last; kept as
+    it is when the copy there is complete. Returns the copy's location."""
+    import hashlib
+
+    from hlm_ray.prepare.fetch import PUBLISHED
+    from hlm_ray.prepare.store import Store
+
+    top = [p for p in sorted(folder.iterdir()) if p.name != PUBLISHED and p.name[:1] != "."]
+    files = [f for p in top for f in ([p] if p.is_file() else sorted(p.rglob("*"))) if f.is_file()]
+    listing = {str(p.relative_to(folder)): p.stat().st_size for p in files}
+    stamp = [(name, size, (folder / name).stat().st_mtime_ns) for name, size in listing.items()]
+    digest = hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:12]
+    name = f"{folder.parent.name}-{folder.name}" if folder.name == "model" else folder.name
+    target = f"{root.rstrip('/')}/{name}-{digest}"
+    store = Store.open(target)
+    marker = {"source": str(folder), "files": listing}
+    if store.read_json(PUBLISHED) == marker:
+        return target
+    store.delete(PUBLISHED)
+    for path in top:
+        store.upload(path, path.name)
+    store.write_json(PUBLISHED, marker)
+    return target
+
+
+def local_model_dir(location: str) -> str:
+    """The folder a worker loads `init.model_dir` from: a URI (a copy `model_location`
+    published in an object store) through this node's copy of it."""
+    if "://" not in location:
+        return location
+    from hlm_ray.prepare.fetch import PUBLISHED, local_copy
+
+    return str(local_copy(location, marker=PUBLISHED, what="published model folder"))

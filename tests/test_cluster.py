@@ -179,6 +179,57 @@ def test_a_prepared_folder_missing_on_this_node_says_what_to_share(tmp_path):
         open_prepared(tmp_path / "driver-cache" / "bpe1024-0123")
 
 
+def test_a_fine_tunes_source_model_reaches_workers_on_other_nodes(s3, tmp_path, monkeypatch):
+    """`hlm finetune --model runs/x` on a cluster: the driver finds the model on its own node's
+    disk, and a worker on another node starts from its copy in the run storage. (The box's
+    registry scenario failed whenever the fine-tune's worker sat on another node than the
+    pretraining's rank 0: FileNotFoundError for the driver's path.)"""
+    from hlm_ray.presets import load_config
+
+    model = make_run_folder(tmp_path / "driver") / "model"
+    here = str(model)
+    assert cluster.model_location(here, f"{s3}/runs", 1) == here  # one machine: its own disk
+    uri = cluster.model_location(here, f"{s3}/runs", 2)
+    assert uri.startswith(f"{s3}/runs/_inputs/run-model-"), uri
+    monkeypatch.setenv("HLM_CACHE_DIR", str(tmp_path / "worker-node-cache"))
+    copy = Path(cluster.local_model_dir(uri))
+    assert copy.is_dir() and tree(copy) == {**tree(model), "hlm-published.json": ANY_BYTES}
+    assert cluster.model_location(here, f"{s3}/runs", 2) == uri  # published once
+    (model / "config.json").write_text('{"trained": "again"}')
+    again = cluster.model_location(here, f"{s3}/runs", 2)
+    assert again != uri and (Path(cluster.local_model_dir(again)) / "config.json").read_text() == (
+        '{"trained": "again"}'
+    )
+    # A shared volume: a model already in the run storage is read where it is; one elsewhere
+    # is copied in, and read there by path.
+    volume = tmp_path / "volume"
+    inside = make_run_folder(volume / "runs") / "model"
+    assert cluster.model_location(str(inside), str(volume), 2) == str(inside)
+    copied = cluster.model_location(here, str(volume), 2)
+    assert Path(copied).parent == volume / "_inputs" and tree(Path(copied))["config.json"]
+    assert cluster.local_model_dir(copied) == copied
+    with pytest.raises(HLMError, match="not a published model folder: no hlm-published.json"):
+        cluster.local_model_dir(f"{s3}/runs/_inputs/nothing")
+    # What launch() hands the workers.
+    given = [f"init.model_dir={here}", "init.new_head=true", f"data.prepared={s3}/p"]
+    cfg = load_config("tiny-decoder", overrides=given)
+    paths = cluster.worker_paths(cfg, f"{s3}/runs", 2, prepared=lambda: None)
+    assert paths["init.model_dir"] == again
+    assert (
+        cluster.worker_paths(cfg, f"{s3}/runs", 1, prepared=lambda: None)["init.model_dir"] == here
+    )
+
+
+class _AnyBytes(bytes):
+    def __eq__(self, other):
+        return isinstance(other, bytes)
+
+    __hash__ = bytes.__hash__
+
+
+ANY_BYTES = _AnyBytes()
+
+
 # ------------------------------------------------------------------------ tracking, sweeps
 
 
@@ -302,7 +353,7 @@ def test_artifacts_come_through_the_tracking_server_unless_the_user_says(monkeyp
 
 
 def test_a_prepared_uri_reaches_the_workers_as_given():
-    from hlm_ray.train.launch import absolute
+    from hlm_ray.cluster import absolute
 
     assert absolute("s3://bucket/runs/_prepared/x") == "s3://bucket/runs/_prepared/x"
     assert absolute("runs/p") == str(Path("runs/p").resolve())

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hlm_ray.cluster import alive_nodes, check_tracking, machines, prepared_location
+from hlm_ray.cluster import alive_nodes, check_tracking, machines, worker_paths
 from hlm_ray.config import Config, apply_overrides
 from hlm_ray.errors import HLMError, one_line
 from hlm_ray.paths import CACHE_ENV
@@ -162,11 +162,6 @@ def check_resources(
             f"--num-workers {num_workers} × {cpus_per_worker:g} CPU needs {need:g} CPUs but the "
             f"cluster has {total.get('CPU', 0):g}; lower --num-workers or --cpus-per-worker"
         )
-
-
-def absolute(path_or_uri: str) -> str:
-    """A local path made absolute (workers run in other folders); a URI as it is."""
-    return path_or_uri if "://" in path_or_uri else str(Path(path_or_uri).resolve())
 
 
 def check_storage(storage_path: str) -> None:
@@ -400,18 +395,8 @@ def launch(
 
     num_machines = machines(alive_nodes())
     check_tracking(default_tracking_uri(), num_machines)
-    cfg = apply_overrides(
-        cfg,
-        {
-            "run.output_dir": str(out_dir),
-            "data.sources": [
-                str(Path(s).resolve()) if Path(s).exists() else s for s in cfg.data.sources
-            ],
-            "data.prepared": absolute(cfg.data.prepared)
-            if cfg.data.prepared
-            else prepared_location(build_prepared(cfg), storage, num_machines),
-        },
-    )
+    paths = worker_paths(cfg, storage, num_machines, prepared=lambda: build_prepared(cfg))
+    cfg = apply_overrides(cfg, {"run.output_dir": str(out_dir), **paths})
     tracker, tracking = open_mlflow_run(
         cfg, out_dir, experiment=experiment, resume=resume, parent_run_id=parent_run_id, tags=tags
     )

@@ -25,6 +25,7 @@ from hlm_ray.budget import (
     needs_unique_columns,
     resolve_budget,
 )
+from hlm_ray.cluster import local_model_dir
 from hlm_ray.config import Config
 from hlm_ray.data import BlockSampler
 from hlm_ray.device import autocast_dtype, resolve_device
@@ -78,10 +79,11 @@ def setup_run(
     model = build_model(
         cfg.model, vocab_size=len(tokenizer), objective=cfg.objective.name, special_ids=ids
     )
-    if cfg.init.model_dir:
+    if cfg.init.model_dir:  # on a cluster, maybe the driver's copy in the run storage
         init_from_pretrained(
-            model, cfg.init.model_dir, new_head=cfg.init.new_head, train=cfg.init.train
-        )
+            model, local_model_dir(cfg.init.model_dir), new_head=cfg.init.new_head,
+            train=cfg.init.train,
+        )  # fmt: skip
     model = model.to(env.device)
     module = LMObjective(model, cfg.objective, compile=cfg.optim.compile)
     optimizer = build_optimizer(model, cfg.optim)
