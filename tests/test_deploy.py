@@ -115,7 +115,7 @@ def test_the_box_scripts_load_and_name_their_scenarios(monkeypatch):
     for rel, module in modules.items():
         assert callable(module.main), rel
     scenarios = modules["box/scenarios.py"]
-    table = re.findall(r"^\| ([\w, -]+) \|", scenarios.__doc__, re.M)[1:]  # not the header
+    table = re.findall(r"^\| ([\w, +-]+) \|", scenarios.__doc__, re.M)[1:]  # not the header
     named = {n.strip() for row in table for n in row.split(",")}
     assert named == set(scenarios.SCENARIOS), named
 

@@ -75,7 +75,10 @@ HEALTH_ENV = {
     "RAY_health_check_failure_threshold": "5",
     "RAY_health_check_initial_delay_ms": "30000",
 }
-NODE_CPUS = 1  # per worker node: two 1-CPU Train workers must land on two nodes
+NODE_CPUS = 2
+"""Per worker node: a 2-CPU Train worker fills one (`hlm train --num-workers 2 --cpus-per-worker
+2` lands on both, as one worker per machine on a real cluster), and beside a serving replica
+(half a CPU) a 1-CPU sweep trial still fits on the node that is left when the other is cut."""
 START_TIMEOUT_S = 180.0
 
 

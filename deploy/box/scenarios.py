@@ -9,12 +9,14 @@ as `ray job submit`, and checked from there through MLflow and the Job API alone
 
 | scenario | what it runs | what must hold |
 |---|---|---|
-| train-shared, train-s3 | `hlm train --num-workers 2`, run storage on the shared volume / in S3 | one worker on each worker node (the run's `worker_nodes` tag), every step in MLflow, the model logged; no worker node prepared the corpus itself |
-| sweep-shared, sweep-s3 | `python sweeps/vocab.py --preset tiny --set sweep.values=[1024]` (all three sizes on S3 with `--full`) from a folder on the shared volume / with `--storage-path s3://...` | the parent and its 2 children (6 with `--full`) FINISHED in MLflow with scores and figures, on worker nodes; resubmitted, the S3 sweep resumes (no trial runs again) |
+| train-shared, train-s3 | `hlm train --num-workers 2 --cpus-per-worker 2`, run storage on the shared volume / in S3 | one worker on each worker node (the run's `worker_nodes` tag), every step in MLflow, the model logged; no worker node prepared the corpus itself |
+| sweep-shared, sweep-s3 | `python sweeps/vocab.py --preset tiny --set sweep.values=[1024] --set sweep.cpus_per_worker=2` (all three sizes on S3 with `--full`) from a folder on the shared volume / with `--storage-path s3://...` | the parent and its 2 children (6 with `--full`) FINISHED in MLflow with scores and figures, on worker nodes |
+| sweep-resume | sweep-s3's command again, after it | it resumes from its state in S3: no trial runs again |
 | registry | `hlm finetune --task clm --register` on the cluster, then `hlm generate --model models:/...` on the client | the registered model loads on the client, through the tracking server |
-| partition | a one-trial sweep (S3, pretraining only); its rank 0's node cut off (link down) after its first checkpoint | the node declared dead; the trial finishes on the other node, one child run whose loss at every step equals an undisturbed run's; the node rejoins |
 | tracking-outage | `hlm train` whose rank 0's node cannot reach the tracking server for 60 s | the run goes on; MLflow has every logged step at the end |
-| serve | `hlm serve` with 2 replicas (one per worker node) and an API key, asked from the client through the head; one replica's node cut off | every request answered; how long the requests in flight at the cut waited |
+| serve | `hlm serve` with 2 replicas of half a CPU (one per worker node, checked) and an API key, asked from the client through the head; one replica's node cut off | every request answered; how long the requests in flight at the cut waited |
+| partition | a one-trial sweep (S3, pretraining only); its rank 0's node cut off (link down) after its first checkpoint | the node declared dead; the trial finishes on the other node, one child run whose loss at every step equals an undisturbed run's; the node rejoins |
+| serve+partition | both at once: the trial's node also holds a replica, and one cut takes both (what a full run does) | both scenarios' checks |
 
 Each scenario is a function of the box that raises `AssertionError` naming what did not hold
 and returns its figures; `tests/test_cluster_box.py` runs two of them in `make test`. The
@@ -35,6 +37,7 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -159,8 +162,8 @@ def train(box: Box, storage: str) -> dict:
     where = (["--output", f"{SHARED}/runs/{name}"] if storage == "shared"
              else ["--output", f"runs/{name}", "--storage-path", S3_RUNS])  # fmt: skip
     started = time.perf_counter()
-    submit(box, [*TRAIN, "--num-workers", "2", *where, "--set", "optim.max_steps=20",
-                 "--set", "run.checkpoint_every=10"], job=name)  # fmt: skip
+    submit(box, [*TRAIN, "--num-workers", "2", "--cpus-per-worker", "2", *where, "--set",
+                 "optim.max_steps=20", "--set", "run.checkpoint_every=10"], job=name)  # fmt: skip
     seconds = time.perf_counter() - started
     run = one_run(box, name)
     assert run["status"] == "FINISHED", run["status"]
@@ -182,7 +185,9 @@ def sweep(box: Box, storage: str, full: bool = False) -> dict:
     (the preset's three sizes, six trials, on S3): what the box checks is where the state,
     trials and corpus go and that they come back, which two trials show as well as six."""
     name = f"vocab-box-{storage}-{TAG}"
-    argv = [*VOCAB_SWEEP, "--name", name]
+    # A trial's worker takes a whole node, as `train`'s do: the two sweeps side by side run
+    # two trials at a time on the two worker nodes, not four on two cores.
+    argv = [*VOCAB_SWEEP, "--name", name, "--set", "sweep.cpus_per_worker=2"]
     env, trials = None, 6
     if storage == "shared":  # the sweep's folder on the volume every node mounts
         env = {"HLM_WORK_DIR": f"{SHARED}/hlm"}
@@ -204,14 +209,24 @@ def sweep(box: Box, storage: str, full: bool = False) -> dict:
         assert child["status"] == "FINISHED", (child["name"], child["status"])
         assert "downstream/score" in child["metrics"] and "model" in child["artifacts"], child
         assert set(child["tags"]["worker_nodes"].split(",")) <= worker_ips(box), child["tags"]
-    out = {"job_s": round(seconds)}
-    if storage == "s3":
-        started = time.perf_counter()
-        again = submit(box, argv, job=f"{name}-again")
-        out["resubmitted_s"] = round(time.perf_counter() - started)
-        assert f"sweep {name}: resuming {trials} trial(s)" in again, again[-2000:]
-        assert len(view(box, "sweep", SWEEP_EXPERIMENT, name)) == 1 + trials  # none ran again
-    return out
+    SUBMITTED[storage] = (name, argv, trials)  # for `sweep_resume`
+    return {"job_s": round(seconds)}
+
+
+def sweep_resume(box: Box) -> dict:
+    """The S3 sweep (`sweep-s3`, run before) submitted again with the same command: it resumes
+    from its state in the object store, and no trial runs again."""
+    assert "s3" in SUBMITTED, "sweep-resume resubmits the sweep of sweep-s3: run that first"
+    name, argv, trials = SUBMITTED["s3"]
+    started = time.perf_counter()
+    again = submit(box, argv, job=f"{name}-again")
+    assert f"sweep {name}: resuming {trials} trial(s)" in again, again[-2000:]
+    assert len(view(box, "sweep", SWEEP_EXPERIMENT, name)) == 1 + trials  # none ran again
+    return {"resubmitted_s": round(time.perf_counter() - started), "trials": trials}
+
+
+SUBMITTED: dict[str, tuple] = {}
+"""Each sweep scenario's (name, command, trials), by storage."""
 
 
 def registry(box: Box) -> dict:
@@ -228,11 +243,14 @@ def registry(box: Box) -> dict:
     return {"model": model, "generated": done.stdout.strip().splitlines()[0][:60]}
 
 
-def partition(box: Box, reference: subprocess.Popen | None = None) -> dict:
+def partition(box: Box, reference: subprocess.Popen | None = None,
+              serving: Serving | None = None) -> dict:  # fmt: skip
     """A sweep trial's node cut off mid-run: Ray declares it dead, the trial continues from its
     last checkpoint on the other node, its losses those of an undisturbed run (`reference`:
     that run, already started by `start_reference`; else it starts with the scenario, beside
-    the cluster's work)."""
+    the cluster's work). With `serving` (`serve_up`'s, a replica on each worker node), the
+    same cut takes a replica: requests go out from just before the cut, and every one must be
+    answered (`serve_result`)."""
     reference = reference or start_reference()
     name = f"box-cut-{TAG}"
     argv = ["python", "sweeps/batch_size.py", "--preset", "tiny", "--name", name,
@@ -241,6 +259,9 @@ def partition(box: Box, reference: subprocess.Popen | None = None) -> dict:
     submit(box, argv, job=name, wait=False)
     rank0 = wait_log(box, name, r"workers on nodes: rank 0 (\S+)").group(1)
     watch = box.watch_nodes(gone=rank0, timeout_s=180)
+    load = None
+    if serving is not None:  # requests going out from before the cut to well after it
+        load, load_at = serve_load(box, serving, LOAD_S), time.time()
     wait_log(box, name, rf"checkpoint_{CUT_EVERY:08d}")
     lost = node_of(box, rank0)
     watch.ready()  # connected before the cut: it sees the node go to a fifth of a second
@@ -252,7 +273,13 @@ def partition(box: Box, reference: subprocess.Popen | None = None) -> dict:
         declared_dead_s = seen["at"] - cut_at
         ended = wait_job(box, name)
         finished_s = time.time() - cut_at
+        served = {}
+        if serving is not None:
+            served = serve_result(box, serving, load, cut_after_s=cut_at - load_at)
+            assert served["answered_after_dead"], "no request went out after the node was dead"
     finally:  # the node back, whatever happened: the next scenario needs it
+        if serving is not None:
+            box.client(["ray", "job", "stop", serving.job])
         box.mend(lost)
         box.rejoin(lost, 1 + len(WORKERS), wait=False)  # it joins while MLflow is read
     try:
@@ -271,7 +298,8 @@ def partition(box: Box, reference: subprocess.Popen | None = None) -> dict:
         rejoined_s = box.wait_nodes(1 + len(WORKERS)) - cut_at
     return {"cut_node": rank0, "declared_dead_s": round(declared_dead_s, 1),
             "job_ended_after_cut_s": round(finished_s), "continued_on": now_on,
-            "max_rel_loss_diff": f"{worst:.1e}", "rejoined_after_cut_s": round(rejoined_s)}  # fmt: skip
+            "max_rel_loss_diff": f"{worst:.1e}", "rejoined_after_cut_s": round(rejoined_s),
+            **served}  # fmt: skip
 
 
 def start_reference() -> subprocess.Popen:
@@ -314,9 +342,11 @@ def tracking_outage(box: Box, outage_s: float = 60) -> dict:
     """Rank 0's node cannot reach the tracking server for a minute (its packets dropped):
     training goes on, and MLflow ends with every logged step."""
     name, steps = f"box-outage-{TAG}", 400
-    submit(box, [*TRAIN, "--num-workers", "1", "--output", f"runs/{name}", "--storage-path",
-                 S3_RUNS, "--set", f"optim.max_steps={steps}", "--set", "run.log_every=5",
-                 "--set", "run.checkpoint_every=100"], job=name, wait=False)  # fmt: skip
+    # Its worker fills its node (2 CPUs): the registry's, beside it, runs on the other one.
+    submit(box, [*TRAIN, "--num-workers", "1", "--cpus-per-worker", "2", "--output",
+                 f"runs/{name}", "--storage-path", S3_RUNS, "--set", f"optim.max_steps={steps}",
+                 "--set", "run.log_every=5", "--set", "run.checkpoint_every=100"], job=name,
+           wait=False)  # fmt: skip
     rank0 = wait_log(box, name, r"workers on nodes: rank 0 (\S+)").group(1)
     rule = box.drop_port_to(node_of(box, rank0), PORTS["mlflow"])
     try:
@@ -336,36 +366,79 @@ def tracking_outage(box: Box, outage_s: float = 60) -> dict:
             "replayed_points": int(replayed.group(1))}  # fmt: skip
 
 
-def serve(box: Box, seconds: float = 60) -> dict:
-    """Two replicas answer the client through the head, with the API key; one replica's node
-    cut off while a request goes out every 0.5 s."""
+@dataclass
+class Serving:
+    job: str
+    url: str
+    replicas: list[str]  # the node address of each replica
+
+
+def serve_up(box: Box) -> Serving:
+    """`hlm serve` with 2 replicas of half a CPU and an API key, asked from the client through
+    the head; one replica on each worker node (Serve spreads them; checked, since a cut of a
+    node without one would prove nothing)."""
     job = f"box-serve-{TAG}"
     model = getattr(box, "generator", "models:/hlm-box-generator/1")  # the registry scenario's
-    submit(box, ["hlm", "serve", "--model", model, "--host", "0.0.0.0", "--replicas", "2"],
-           job=job, env={"HLM_API_KEY": "box-key"}, wait=False)  # fmt: skip
+    submit(box, ["hlm", "serve", "--model", model, "--host", "0.0.0.0", "--replicas", "2",
+                 "--num-cpus", "0.5"], job=job, env={"HLM_API_KEY": "box-key"},
+           wait=False)  # fmt: skip
     wait_log(box, job, r"serving hlm-box-generator/")
     url = f"http://{HEAD_CLIENT_IP}:{PORTS['serve']}"
     probe = box.client(["python", "deploy/box/load.py", url, "box-key", "0"], timeout=120)
     assert last_json(probe.stdout)["unauthorized"] == 401, probe.stdout
-    load = box.client_background(["python", "deploy/box/load.py", url, "box-key", str(seconds)])
+    replicas = view(box, "actors", "ServeReplica")
+    assert replicas == sorted(worker_ips(box)), f"replicas on {replicas}, not one per worker node"
+    return Serving(job, url, replicas)
+
+
+def serve_load(box: Box, serving: Serving, seconds: float) -> subprocess.Popen:
+    """A keyed request every 0.5 s for `seconds`, from the client (deploy/box/load.py)."""
+    return box.client_background(
+        ["python", "deploy/box/load.py", serving.url, "box-key", str(seconds)]
+    )
+
+
+def serve_result(box: Box, serving: Serving, load: subprocess.Popen, cut_after_s: float) -> dict:
+    """Every request of `load` answered 200; how long the slowest (one in flight at the cut,
+    `cut_after_s` into the load) waited, and how many went out after Ray declared the node
+    dead (about 15 s after the cut), when only the other replica could answer them."""
+    out, err = load.communicate(timeout=LOAD_S + 150)
+    result = last_json(out)
+    failed = [r for r in result["requests"] if r[1] != 200]
+    assert not failed, f"{len(failed)} of {len(result['requests'])} requests failed: {failed[:5]}"
+    return {"requests": len(result["requests"]), "failed": 0,
+            "slowest_s": max(r[2] for r in result["requests"]),
+            "answered_after_dead": sum(r[0] > cut_after_s + 20 for r in result["requests"]),
+            "replicas_on": ",".join(serving.replicas)}  # fmt: skip
+
+
+def serve(box: Box) -> dict:
+    """Alone (`--only serve`, `--serial`): one replica's node (w1) cut off 8 s into the
+    requests; `serve_and_partition` makes the same cut take a sweep trial too."""
+    serving = serve_up(box)
+    load = serve_load(box, serving, LOAD_S)
     time.sleep(8)
     box.cut("w1")
     try:
-        out, _ = load.communicate(timeout=seconds + 120)
+        return serve_result(box, serving, load, cut_after_s=8)
     finally:
-        box.client(["ray", "job", "stop", job])
+        box.client(["ray", "job", "stop", serving.job])
         box.mend("w1")
         box.rejoin("w1", 1 + len(WORKERS), wait=False)
-    try:
-        result = last_json(out)
-        failed = [r for r in result["requests"] if r[1] != 200]
-        assert not failed, (
-            f"{len(failed)} of {len(result['requests'])} requests failed: {failed[:5]}"
-        )
-        slowest = max(r[2] for r in result["requests"])
-    finally:
         box.wait_nodes(1 + len(WORKERS))
-    return {"requests": len(result["requests"]), "failed": 0, "slowest_s": slowest}
+
+
+def serve_and_partition(box: Box) -> dict:
+    """One worker node lost while it holds a serving replica and a sweep trial, as a real
+    node goes: `partition` with the requests of `serve` going out across its cut."""
+    serving = serve_up(box)
+    return partition(box, REFERENCE, serving)
+
+
+LOAD_S = 60.0
+"""How long the requests go out: from before the cut (in `partition`, from when the trial's
+worker started, a few seconds before its first checkpoint) past Ray declaring the node dead
+(about 15 s after the cut) and the other replica taking them all."""
 
 
 SCENARIOS: dict[str, Callable[[Box], dict]] = {
@@ -373,6 +446,7 @@ SCENARIOS: dict[str, Callable[[Box], dict]] = {
     "train-s3": lambda box: train(box, "s3"),
     "sweep-shared": lambda box: sweep(box, "shared"),
     "sweep-s3": lambda box: sweep(box, "s3", full=FULL),
+    "sweep-resume": sweep_resume,
     "registry": registry,
     "tracking-outage": tracking_outage,
     "serve": serve,
@@ -381,18 +455,20 @@ SCENARIOS: dict[str, Callable[[Box], dict]] = {
 GROUPS = [
     ("train-shared", "train-s3"),
     ("sweep-shared", "sweep-s3"),
-    ("registry", "tracking-outage"),
-    ("serve",),
-    ("partition",),
+    ("registry", "tracking-outage", "sweep-resume"),
+    ("serve+partition",),
 ]
 """Scenarios that run side by side, as two users' jobs share a cluster: Ray queues what the two
 worker nodes cannot hold at once, and each group ends before the next starts. What one needs of
 another comes from an earlier group (train-s3's model for registry, registry's for serve). The
-two that cut a node off run alone; the tracking outage cuts only its own node's tracking traffic,
-and registry's one worker runs on the other node."""
+tracking outage cuts only its own node's tracking traffic, and its worker fills that node:
+registry's runs on the other one (the resubmitted sweep runs no trial). Serve and partition cut a node off, so nothing else runs
+meanwhile; together (`serve+partition`, `serve_and_partition`) one cut takes a replica and the
+trial, as a real node goes; alone, or `--serial`, each makes its own cut."""
+SCENARIOS["serve+partition"] = serve_and_partition
 REFERENCE: subprocess.Popen | None = None
-"""The partition's undisturbed reference run, started while the group before it runs (serve's
-requests leave the CPUs mostly idle)."""
+"""The partition's undisturbed reference run, started while the group before it runs (the
+tracking outage's minute leaves a CPU to spare)."""
 
 
 class LoadAverage:
@@ -415,8 +491,13 @@ class LoadAverage:
 
 
 def batches(names: list[str], serial: bool) -> list[list[str]]:
-    """The scenarios to run, in order: `GROUPS` side by side (one at a time if `serial`)."""
-    chosen = [[n for n in group if n in names] for group in GROUPS]
+    """The scenarios to run, in order: `GROUPS` side by side (one at a time if `serial`, and
+    serve and partition then each with its own cut)."""
+    names = set(names)
+    if {"serve", "partition"} <= names and not serial:
+        names = (names - {"serve", "partition"}) | {"serve+partition"}
+    groups = [[p for n in g for p in (n.split("+") if n not in names else [n])] for g in GROUPS]
+    chosen = [[n for n in group if n in names] for group in groups]
     chosen = [group for group in chosen if group]
     return [[n] for group in chosen for n in group] if serial else chosen
 
@@ -461,10 +542,10 @@ def main(argv: list[str] | None = None) -> int:
               load.between(started, time.perf_counter()), {})  # fmt: skip
     results = [] if args.reuse else [up_row]
     args.keep = args.keep or args.reuse
-    order = batches(args.only or list(SCENARIOS), args.serial)
+    order = batches(args.only or [n for n in SCENARIOS if "+" not in n], args.serial)
     try:
         for i, batch in enumerate(order):
-            if i + 1 < len(order) and "partition" in order[i + 1]:
+            if i + 1 < len(order) and any("partition" in n for n in order[i + 1]):
                 REFERENCE = start_reference()
             with ThreadPoolExecutor(len(batch)) as pool:
                 results += pool.map(lambda name: run_one(box, name, load), batch)

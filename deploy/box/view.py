@@ -8,6 +8,8 @@ check from the client, through the tracking server alone (MLFLOW_TRACKING_URI).
     python deploy/box/view.py job SUBMISSION_ID                # {"status": ..., "logs": ...}
     python deploy/box/view.py wait SUBMISSION_ID PATTERN 600   # until PATTERN is in its logs
                                                                # (or the job ended), as job
+    python deploy/box/view.py actors ServeReplica              # the node address of each alive
+                                                               # actor of that class (prefix)
 """
 
 from __future__ import annotations
@@ -77,9 +79,23 @@ def wait(job: str, pattern: str, timeout_s: float) -> dict:
         time.sleep(1)
 
 
+def actor_nodes(prefix: str) -> list[str]:
+    """The node address of each alive actor whose class name starts with `prefix`, through the
+    state API at RAY_ADDRESS (the Job API's address)."""
+    import os
+
+    from ray.util.state import list_actors, list_nodes
+
+    address = os.environ["RAY_ADDRESS"]
+    ips = {n.node_id: n.node_ip for n in list_nodes(address=address)}
+    alive = list_actors(address=address, filters=[("state", "=", "ALIVE")], limit=10_000)
+    return sorted(ips.get(a.node_id, "?") for a in alive if a.class_name.startswith(prefix))
+
+
 def main(argv: list[str]) -> int:
     what, *rest = argv
-    client = _client()
+    if what in ("run", "sweep", "history"):  # MLflow's client (seconds of imports) only here
+        client = _client()
     if what == "run":
         experiment, name = rest
         out = [describe(r, client) for r in runs(experiment, f"attributes.run_name = '{name}'")]
@@ -95,11 +111,14 @@ def main(argv: list[str]) -> int:
     elif what == "wait":  # one process polling the Job API, not one process per poll
         job, pattern, timeout = rest
         out = wait(job, pattern, float(timeout))
+    elif what == "actors":
+        (prefix,) = rest
+        out = actor_nodes(prefix)
     elif what == "history":
         run_id, key = rest
         out = history(client, run_id, key)
     else:
-        raise SystemExit(f"unknown view {what!r}: run, sweep, history or job")
+        raise SystemExit(f"unknown view {what!r}: run, sweep, history, job, wait or actors")
     print(json.dumps(out))
     return 0
 
