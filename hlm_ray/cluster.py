@@ -129,18 +129,27 @@ def publish_prepared(prepared, root: str) -> str:
     """A copy of the finished prepared folder `prepared` under `root` (a path or URI), its
     manifest written last (a reader takes the folder as complete only with it); kept as it is
     when the copy there has the same manifest. Returns the copy's location."""
-    from hlm_ray.prepare.store import MANIFEST, Store
+    from hlm_ray.prepare.store import MANIFEST
 
     target = f"{root.rstrip('/')}/{Path(prepared.uri).name}"
-    store = Store.open(target)
     manifest = json.loads(json.dumps(prepared.manifest))  # as read back (lists, not tuples)
-    if store.read_json(MANIFEST) == manifest:
+    return _publish(Path(prepared.uri), target, MANIFEST, manifest)
+
+
+def _publish(folder: Path, target: str, marker: str, stamp: dict) -> str:
+    """`folder`'s files (not its hidden ones) copied to `target`, then `stamp` as the file
+    `marker`, which says the copy is complete; nothing copied when the marker there is
+    `stamp` already. Returns `target`."""
+    from hlm_ray.prepare.store import Store
+
+    store = Store.open(target)
+    if store.read_json(marker) == stamp:
         return target
-    store.delete(MANIFEST)
-    for path in sorted(Path(prepared.uri).iterdir()):
-        if path.name != MANIFEST and not path.name.startswith("."):
+    store.delete(marker)
+    for path in sorted(folder.iterdir()):
+        if path.name != marker and not path.name.startswith("."):
             store.upload(path, path.name)
-    store.write_json(MANIFEST, prepared.manifest)
+    store.write_json(marker, stamp)
     return target
 
 
@@ -163,7 +172,6 @@ def publish_folder(folder: Path, root: str) -> str:
     import hashlib
 
     from hlm_ray.prepare.fetch import PUBLISHED
-    from hlm_ray.prepare.store import Store
 
     top = [p for p in sorted(folder.iterdir()) if p.name != PUBLISHED and p.name[:1] != "."]
     files = [f for p in top for f in ([p] if p.is_file() else sorted(p.rglob("*"))) if f.is_file()]
@@ -172,15 +180,7 @@ def publish_folder(folder: Path, root: str) -> str:
     digest = hashlib.sha256(json.dumps(stamp).encode()).hexdigest()[:12]
     name = f"{folder.parent.name}-{folder.name}" if folder.name == "model" else folder.name
     target = f"{root.rstrip('/')}/{name}-{digest}"
-    store = Store.open(target)
-    marker = {"source": str(folder), "files": listing}
-    if store.read_json(PUBLISHED) == marker:
-        return target
-    store.delete(PUBLISHED)
-    for path in top:
-        store.upload(path, path.name)
-    store.write_json(PUBLISHED, marker)
-    return target
+    return _publish(folder, target, PUBLISHED, {"source": str(folder), "files": listing})
 
 
 def local_model_dir(location: str) -> str:
