@@ -12,7 +12,7 @@ as `ray job submit`, and checked from there through MLflow and the Job API alone
 | train-shared, train-s3 | `hlm train --num-workers 2 --cpus-per-worker 2`, run storage on the shared volume / in S3 | one worker on each worker node (the run's `worker_nodes` tag), every step in MLflow, the model logged; no worker node prepared the corpus itself |
 | sweep-shared, sweep-s3 | `python sweeps/vocab.py --preset tiny --set sweep.values=[1024] --set sweep.cpus_per_worker=2` (all three sizes on S3 with `--full`) from a folder on the shared volume / with `--storage-path s3://...` | the parent and its 2 children (6 with `--full`) FINISHED in MLflow with scores and figures, on worker nodes |
 | sweep-resume | sweep-s3's command again, after it | it resumes from its state in S3: no trial runs again |
-| registry | `hlm finetune --task clm --register` on the cluster, then `hlm generate --model models:/...` on the client | the registered model loads on the client, through the tracking server |
+| registry | `hlm finetune --task clm --register` on the cluster, then `hlm generate --model models:/...` on the client | the fine-tune's workers started from the driver's copy of the model in S3 (its `init.model_dir`); the registered model loads on the client, through the tracking server |
 | tracking-outage | `hlm train` whose rank 0's node cannot reach the tracking server for 60 s | the run goes on; MLflow has every logged step at the end |
 | serve | `hlm serve` with 2 replicas of half a CPU (one per worker node, checked) and an API key, asked from the client through the head; one replica's node cut off | every request answered; how long the requests in flight at the cut waited |
 | partition | a one-trial sweep (S3, pretraining only); its rank 0's node cut off (link down) after its first checkpoint | the node declared dead; the trial finishes on the other node, one child run whose loss at every step equals an undisturbed run's; the node rejoins |
@@ -235,12 +235,17 @@ def registry(box: Box) -> dict:
                        "--register", "hlm-box-generator", "--eval-limit", "20",
                        "--storage-path", S3_RUNS], job=f"box-registry-{TAG}")  # fmt: skip
     version = re.search(r"registered hlm-box-generator version (\d+)", out).group(1)
+    # Its worker started from the driver's copy of the model in the run storage, not from a
+    # path on the node that trained it (which the worker's node may not be).
+    source = one_run(box, f"box-train-s3-{TAG}-clm")["params"]["init.model_dir"]
+    assert source.startswith(f"{S3_RUNS}/_inputs/box-train-s3-{TAG}-model-"), source
     model = f"models:/hlm-box-generator/{version}"
     done = box.client(["hlm", "generate", "--model", model, "--max-tokens", "8",
                        "The history of"], timeout=300)  # fmt: skip
     assert done.returncode == 0 and "The history of" in done.stdout, done.stderr[-2000:]
     box.generator = model  # what `serve` serves
-    return {"model": model, "generated": done.stdout.strip().splitlines()[0][:60]}
+    return {"model": model, "source": source,
+            "generated": done.stdout.strip().splitlines()[0][:60]}  # fmt: skip
 
 
 def partition(box: Box, reference: subprocess.Popen | None = None,

@@ -29,7 +29,7 @@ def _client():
 
 
 def describe(run, client) -> dict:
-    """A run's status, tags, the steps of each metric, and its top-level artifacts."""
+    """A run's status, tags, params, the steps of each metric, and its top-level artifacts."""
     steps = {}
     for key in run.data.metrics:
         steps[key] = sorted({m.step for m in client.get_metric_history(run.info.run_id, key)})
@@ -39,6 +39,7 @@ def describe(run, client) -> dict:
         "status": run.info.status,
         "tags": {k: v for k, v in run.data.tags.items() if not k.startswith("mlflow.note")},
         "metrics": run.data.metrics,
+        "params": run.data.params,
         "steps": steps,
         "artifacts": sorted(a.path for a in client.list_artifacts(run.info.run_id)),
     }
