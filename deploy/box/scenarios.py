@@ -280,7 +280,7 @@ def partition(box: Box, reference: subprocess.Popen | None = None,
         finished_s = time.time() - cut_at
         served = {}
         if serving is not None:
-            served = serve_result(box, serving, load, cut_after_s=cut_at - load_at)
+            served = serve_result(serving, load, cut_after_s=cut_at - load_at)
             assert served["answered_after_dead"], "no request went out after the node was dead"
     finally:  # the node back, whatever happened: the next scenario needs it
         if serving is not None:
@@ -403,7 +403,7 @@ def serve_load(box: Box, serving: Serving, seconds: float) -> subprocess.Popen:
     )
 
 
-def serve_result(box: Box, serving: Serving, load: subprocess.Popen, cut_after_s: float) -> dict:
+def serve_result(serving: Serving, load: subprocess.Popen, cut_after_s: float) -> dict:
     """Every request of `load` answered 200; how long the slowest (one in flight at the cut,
     `cut_after_s` into the load) waited, and how many went out after Ray declared the node
     dead (about 15 s after the cut), when only the other replica could answer them."""
@@ -425,12 +425,11 @@ def serve(box: Box) -> dict:
     time.sleep(8)
     box.cut("w1")
     try:
-        return serve_result(box, serving, load, cut_after_s=8)
+        return serve_result(serving, load, cut_after_s=8)
     finally:
         box.client(["ray", "job", "stop", serving.job])
         box.mend("w1")
-        box.rejoin("w1", 1 + len(WORKERS), wait=False)
-        box.wait_nodes(1 + len(WORKERS))
+        box.rejoin("w1", 1 + len(WORKERS))
 
 
 def serve_and_partition(box: Box) -> dict:
@@ -456,6 +455,7 @@ SCENARIOS: dict[str, Callable[[Box], dict]] = {
     "tracking-outage": tracking_outage,
     "serve": serve,
     "partition": lambda box: partition(box, REFERENCE),
+    "serve+partition": serve_and_partition,
 }
 GROUPS = [
     ("train-shared", "train-s3"),
@@ -467,10 +467,10 @@ GROUPS = [
 worker nodes cannot hold at once, and each group ends before the next starts. What one needs of
 another comes from an earlier group (train-s3's model for registry, registry's for serve). The
 tracking outage cuts only its own node's tracking traffic, and its worker fills that node:
-registry's runs on the other one (the resubmitted sweep runs no trial). Serve and partition cut a node off, so nothing else runs
-meanwhile; together (`serve+partition`, `serve_and_partition`) one cut takes a replica and the
-trial, as a real node goes; alone, or `--serial`, each makes its own cut."""
-SCENARIOS["serve+partition"] = serve_and_partition
+registry's runs on the other one (the resubmitted sweep runs no trial). Serve and partition
+cut a node off, so nothing else runs meanwhile; together (`serve+partition`,
+`serve_and_partition`) one cut takes a replica and the trial, as a real node goes; alone, or
+`--serial`, each makes its own cut."""
 REFERENCE: subprocess.Popen | None = None
 """The partition's undisturbed reference run, started while the group before it runs (the
 tracking outage's minute leaves a CPU to spare)."""
