@@ -640,17 +640,24 @@ def running(pid: int) -> bool:
     return "\nState:\tZ" not in status
 
 
+def own_names(prefix: str = PREFIX) -> set[str]:
+    """The names a box with this prefix gives its network namespaces and host links, and only
+    those: another namespace that merely starts with the prefix (another test's, a user's) is
+    not the box's to remove."""
+    return {f"{prefix}-{name}" for name in ("head", *WORKERS, "client", "probe", "br")}
+
+
 def leftovers(prefix: str = PREFIX) -> list[str]:
     """The network namespaces of a box with this prefix that are still there."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in out.splitlines() if line.startswith(f"{prefix}-")]
+    return [n for n in (line.split()[0] for line in out.splitlines()) if n in own_names(prefix)]
 
 
 def links(prefix: str = PREFIX) -> list[str]:
     """The links of a box with this prefix that are still there."""
     out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     names = [line.split(":")[1].strip().split("@")[0] for line in out.splitlines()]
-    return [n for n in names if n.startswith(f"{prefix}-")]
+    return [n for n in names if n in own_names(prefix)]
 
 
 def _ip(*args: str) -> None:
