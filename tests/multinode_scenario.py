@@ -152,11 +152,23 @@ def main(out: Path) -> dict:
             "dashboard_agent_listen_port": free_port(),
         },
     )
+    forget_address(cluster.address)
     try:
         return run(cluster, out, started)
     finally:  # this cluster only, whatever happened: no Ray process outlives the scenario
         ray.shutdown()
         cluster.shutdown()
+
+
+def forget_address(address: str) -> None:
+    """`Cluster` names itself in /tmp/ray/ray_current_cluster, where `ray.init()` without an
+    address (a command run by a test on the suite's other worker) would join it: the scenario
+    reaches its cluster by address alone, so the file goes (if it still names this cluster)."""
+    from ray._private.utils import get_ray_address_file
+
+    path = Path(get_ray_address_file(None))
+    if path.is_file() and path.read_text().strip() == address:
+        path.unlink(missing_ok=True)
 
 
 def run(cluster, out: Path, started: float) -> dict:
