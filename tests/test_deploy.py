@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import re
+import subprocess
+import uuid
 
 import jsonschema
 import pytest
@@ -118,6 +120,46 @@ def test_the_box_scripts_load_and_name_their_scenarios(monkeypatch):
     table = re.findall(r"^\| ([\w, +-]+) \|", scenarios.__doc__, re.M)[1:]  # not the header
     named = {n.strip() for row in table for n in row.split(",")}
     assert named == set(scenarios.SCENARIOS), named
+
+
+def test_the_box_runs_what_a_chosen_scenario_needs_first(monkeypatch, capsys):
+    """`--only serve` alone used to fail on a fresh box (no registered model); now it brings
+    registry, which brings train-s3, and each lands in a group before its user's."""
+    monkeypatch.syspath_prepend(str(DEPLOY / "box"))
+    scenarios = importlib.import_module("scenarios")
+    chosen = scenarios.with_needs(["serve", "partition"])
+    assert sorted(chosen) == ["partition", "registry", "serve", "train-s3"]
+    assert "serve needs registry of the same run" in capsys.readouterr().out
+    order = scenarios.batches(chosen, serial=False)
+    assert order == [["train-s3"], ["registry"], ["serve+partition"]]
+    assert scenarios.with_needs(["sweep-resume"]) == ["sweep-resume", "sweep-s3"]
+    assert scenarios.with_needs(["serve"], reuse=True) == ["serve"]  # the box's registry has one
+    for name, need in scenarios.NEEDS.items():
+        order = scenarios.batches(scenarios.with_needs([name]), serial=True)
+        where = {n: i for i, group in enumerate(order) for n in group}
+        assert where[need] < where[name], (name, order)
+
+
+def test_a_box_s_teardown_removes_its_namespaces_and_leaves_others_with_its_prefix(monkeypatch):
+    """Found when the suite ran the box beside tests/test_ray_ports.py: the box test's teardown
+    of whatever a killed run left (every namespace starting `hlmtest-`) killed the processes of
+    that test's `hlmtest-ports-...` namespace. Only the box's own names go now."""
+    monkeypatch.syspath_prepend(str(DEPLOY / "box"))
+    box = importlib.import_module("box")
+    prefix = f"hlmt{uuid.uuid4().hex[:5]}"
+    mine, other = f"{prefix}-w1", f"{prefix}-ports-1"
+    if subprocess.run(["ip", "netns", "add", mine], capture_output=True).returncode != 0:
+        pytest.skip("cannot create a network namespace here (needs root and iproute2)")
+    try:
+        subprocess.run(["ip", "netns", "add", other], check=True)
+        assert box.leftovers(prefix) == [mine]
+        box.teardown(prefix)
+        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        names = {line.split()[0] for line in listed.splitlines()}
+        assert mine not in names and other in names
+    finally:
+        for netns in (mine, other):
+            subprocess.run(["ip", "netns", "del", netns], capture_output=True)
 
 
 # ----------------------------------------------------------------------------- serve.yaml

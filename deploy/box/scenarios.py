@@ -471,6 +471,10 @@ registry's runs on the other one (the resubmitted sweep runs no trial). Serve an
 cut a node off, so nothing else runs meanwhile; together (`serve+partition`,
 `serve_and_partition`) one cut takes a replica and the trial, as a real node goes; alone, or
 `--serial`, each makes its own cut."""
+NEEDS = {"registry": "train-s3", "sweep-resume": "sweep-s3", "serve": "registry"}
+"""What a scenario takes from another of the same run: train-s3's run (by this run's tag) for
+registry, sweep-s3's command for sweep-resume, registry's model for serve. `--only` runs them
+too; with `--reuse`, serve serves what the box's registry already holds."""
 REFERENCE: subprocess.Popen | None = None
 """The partition's undisturbed reference run, started while the group before it runs (the
 tracking outage's minute leaves a CPU to spare)."""
@@ -493,6 +497,18 @@ class LoadAverage:
     def between(self, t0: float, t1: float) -> str:
         seen = [load for t, load in self.samples if t0 <= t <= t1] or [os.getloadavg()[0]]
         return f"{min(seen):.1f}-{max(seen):.1f}"
+
+
+def with_needs(names: list[str], reuse: bool = False) -> list[str]:
+    """`names` and what they need (`NEEDS`, transitively), each added one said in one line."""
+    names = list(names)
+    for name in names:  # grows while it is read: serve brings registry, which brings train-s3
+        for part in name.split("+"):
+            need = NEEDS.get(part)
+            if need and need not in names and not (reuse and part == "serve"):
+                print(f"{part} needs {need} of the same run: running it too", flush=True)
+                names.append(need)
+    return names
 
 
 def batches(names: list[str], serial: bool) -> list[list[str]]:
@@ -521,7 +537,9 @@ def run_one(box: Box, name: str, load: LoadAverage) -> tuple:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="the cluster box's scenarios")
-    parser.add_argument("--only", nargs="+", choices=list(SCENARIOS), help="run these only")
+    parser.add_argument(
+        "--only", nargs="+", choices=list(SCENARIOS), help="run these and what they need"
+    )
     parser.add_argument("--keep", action="store_true", help="leave the box up afterwards")
     parser.add_argument(
         "--full", action="store_true", help="the S3 sweep runs all three sizes of the tiny preset"
@@ -540,6 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"error: {reason}", file=sys.stderr)
         return 2
+    every = [n for n in SCENARIOS if "+" not in n]
+    order = batches(with_needs(args.only, args.reuse) if args.only else every, args.serial)
     load = LoadAverage()
     started = time.perf_counter()
     box = Box.load(Path(args.root)) if args.reuse else Box(Path(args.root)).up()
@@ -547,7 +567,6 @@ def main(argv: list[str] | None = None) -> int:
               load.between(started, time.perf_counter()), {})  # fmt: skip
     results = [] if args.reuse else [up_row]
     args.keep = args.keep or args.reuse
-    order = batches(args.only or [n for n in SCENARIOS if "+" not in n], args.serial)
     try:
         for i, batch in enumerate(order):
             if i + 1 < len(order) and any("partition" in n for n in order[i + 1]):
