@@ -173,13 +173,14 @@ def test_the_report_table_verdicts_and_figure(tmp_path, saved_figures):
     verdicts = {r.score.key: r.verdict for r in rows}
     assert verdicts == {
         "avg": stats.HOLDS,
-        "sst2": stats.REVERSED,
+        "sst2": stats.WITHHELD,  # vanilla is better, but headless sits at its majority class
         "acc": stats.NOISE,
         "ppl": stats.REVERSED,  # headless perplexity higher: the other way
     }
     sst2 = rows[1]
     assert sst2.near_chance == {"vanilla": False, "headless": True}
     assert report.arm_cell(sst2, "headless") == "0.5862 ± 0.0000 (≈ chance)"
+    assert report.verdict_cell(sst2) == "no verdict (headless does not beat its baseline)"
     text = report.markdown(rows, title="t", scale="the test scale", figure="h.png")
     assert "| enc | GLUE avg ↑ | 0.7000 ± 0.0100 | 0.8100 ± 0.0100 | +0.1100 [" in text
     assert "0.5862 (majority class)" in text and "| none |" in text
@@ -211,6 +212,44 @@ def test_the_report_table_verdicts_and_figure(tmp_path, saved_figures):
     assert row.verdict == stats.NOISE and "one seed per arm" in report.verdict_sentence(row, "x")
 
 
+def test_no_verdict_is_printed_for_an_arm_that_does_not_beat_its_floor(tmp_path, saved_figures):
+    """Bits per byte with its floor measured per trial (the unigram model of the training
+    tokens): vanilla clearly better, but headless above the floor, so the row is not read; with
+    both arms below their floor the same gap holds; the floor is drawn in the arms' figure."""
+
+    def trials(headless):
+        out = []
+        for seed in range(3):
+            for arm, bpb in (("vanilla", 3.00 + seed / 100), ("headless", headless + seed / 100)):
+                out.append(report.Trial("dec", arm, seed, {"bpb": bpb, "floor": 3.24}))
+        return out
+
+    score = report.Score(
+        "bpb", "bits per byte", "dec", higher_is_better=False, floor_key="floor", headline=True
+    )
+    (row,) = report.compare(trials(3.30), [score])
+    assert row.baseline == pytest.approx(3.24) and row.near_chance["headless"]
+    assert row.verdict == stats.WITHHELD and row.diff.high < 0 or row.diff.low > 0
+    text = report.markdown([row], title="t", scale="here")
+    assert (
+        "| 3.2400 (unigram of the training tokens) | no verdict (headless does not beat its "
+        in text
+    )
+    table = text[: text.index("Cells:")]  # the legend below names every verdict
+    assert "holds" not in table and "reversed" not in table
+    assert "3.3100 ± 0.0100 (at floor)" in text and "**no verdict** at here" in text
+    (clear,) = report.compare(trials(3.10), [score])
+    assert clear.verdict == stats.REVERSED and not any(clear.near_chance.values())
+    report.plot_arms([row], tmp_path / "a.png", title="t")
+    [ax] = saved_figures[-1].axes
+    assert any(line.get_ydata()[0] == pytest.approx(3.24) for line in ax.lines)
+    assert ax.get_legend().get_texts()[0].get_text() == "floor (unigram)"
+    report.plot_forest([row], tmp_path / "f.png", title="t")
+    assert [t.get_text() for t in saved_figures[-1].axes[0].texts] == [
+        "no verdict: headless does not beat its floor"
+    ]
+
+
 def test_the_headline_figure_is_a_forest_plot_of_the_differences(tmp_path, saved_figures):
     """One line per family and score: headless − vanilla at the point, its 95% interval as the
     bar, the zero line, the verdict beside it; no interval (one seed) is a hollow point."""
@@ -227,7 +266,8 @@ def test_the_headline_figure_is_a_forest_plot_of_the_differences(tmp_path, saved
         assert point.get_xdata()[0] == pytest.approx(row.diff.estimate)
         [[(low, _), (high, _)]] = segments.get_segments()
         assert (low, high) == pytest.approx((row.diff.low, row.diff.high))
-        assert row.verdict in [t.get_text() for t in ax.texts]
+        said = [t.get_text() for t in ax.texts]
+        assert row.verdict in said or said == [f"no verdict: {row.why}"]
     one_seed = [t for t in _trials() if t.seed == 0]
     report.plot_forest(report.compare(one_seed, SCORES[:1]), tmp_path / "g.png", title="t")
     ax = saved_figures[-1].axes[0]

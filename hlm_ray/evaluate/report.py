@@ -23,6 +23,7 @@ from hlm_ray.errors import HLMError
 from hlm_ray.evaluate.bpb import DEFAULT_NUM_TEXTS, bits_per_byte, default_bpb_texts
 from hlm_ray.evaluate.common import CONTEXT_METRIC, context_length_of
 from hlm_ray.evaluate.embeddings import anisotropy, synonym_similarity
+from hlm_ray.evaluate.floor import floor_missing, run_floor
 from hlm_ray.evaluate.lambada import LAMBADA_FILE, LAMBADA_HUB, load_lambada, score_lambada
 from hlm_ray.paths import has_shared
 from hlm_ray.pretrained import Pretrained
@@ -99,11 +100,15 @@ def _lambada(pre: Pretrained, *, output_dir, limit, **options) -> dict:
     metrics, length, source = _at_trained_length(
         pre, score_lambada, examples, "max_length", options
     )
+    floor = run_floor(pre)
+    if floor is not None:
+        metrics.update(floor.lambada_perplexity(pre.tokenizer, examples))
     return {
         "metrics": {**metrics, CONTEXT_METRIC: length},
         "context_length_source": source,
         "data": _lambada_source(),
         "protocol": "lm-eval lambada_openai",
+        "floor": floor.source if floor else f"none: {floor_missing(pre)}",
     }
 
 
@@ -119,7 +124,11 @@ def _bpb(pre: Pretrained, *, output_dir, limit, **options) -> dict:
         "bpb/nats_per_token": out["nats_per_token"],
         CONTEXT_METRIC: length,
     }
+    floor = run_floor(pre)  # the unigram model of the run's training tokens, the same texts
+    if floor is not None:
+        metrics.update(floor.bpb(pre.tokenizer, texts))
     details = {k: out[k] for k in ("tokens", "bytes", "documents")}
+    details["floor"] = floor.source if floor else f"none: {floor_missing(pre)}"
     return {
         "metrics": metrics,
         "context_length_source": source,

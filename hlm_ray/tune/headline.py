@@ -61,8 +61,9 @@ def report_scores(spec: SweepSpec) -> list:
                 Score("lambada/accuracy", "LAMBADA acc", str(value), baseline=acc,
                       baseline_note=f"most frequent last word, {note}", headline=True),
                 Score("lambada/perplexity", "LAMBADA ppl", str(value), higher_is_better=False,
-                      fmt="{:.4g}"),
-                Score("bpb", "bits per byte", str(value), higher_is_better=False),
+                      fmt="{:.4g}", floor_key="lambada/unigram_perplexity"),
+                Score("bpb", "bits per byte", str(value), higher_is_better=False,
+                      floor_key="bpb/unigram_floor"),
             ]  # fmt: skip
             continue
         tasks = plan.get("tasks_by_model_type", {}).get(cfg.model.arch, plan["glue_tasks"])
@@ -141,7 +142,9 @@ def budget_notes(spec: SweepSpec) -> list[str]:
     notes.append(
         "Baselines: GLUE tasks the majority class of the evaluation rows (accuracy = its share, "
         "CoLA MCC = 0), XNLI chance (1/3), LAMBADA accuracy the most frequent final word of the "
-        "scored passages; perplexity and bits per byte have no chance level."
+        "scored passages; LAMBADA perplexity and bits per byte the unigram model of each run's own "
+        "training tokens, scored on the same texts (their floor); a row where an arm does not beat "
+        "its baseline or floor gets no verdict."
     )
     notes.append(
         "The GLUE/XNLI files here are dev sets, split into fine-tuning and evaluation rows "

@@ -13,8 +13,14 @@ need it to be (`paired=True` gives the paired-by-seed interval instead). A row's
 "holds" when the interval excludes 0 in the paper's direction (headless better: higher accuracy,
 lower perplexity and bits per byte), "reversed" when it excludes 0 the other way, else "cannot be
 told apart from noise", which is also the verdict, with the reason, when there is no interval (an
-arm with one seed; zero spread, e.g. both arms collapsed to the majority class). An arm whose 95% interval of the mean includes the score's baseline
-(chance, majority class) is marked "≈ chance".
+arm with one seed; zero spread, e.g. both arms collapsed to the majority class).
+
+Every score has a floor or a baseline: classification the majority class, LAMBADA accuracy the
+most frequent last word, bits per byte and perplexity the unigram model of the run's own training
+tokens (a trial metric, `Score.floor_key`). An arm whose 95% interval of the mean includes it, or
+whose mean is no better, is marked ("≈ chance", "at floor"), and a comparison where either arm is
+so gets no verdict at all: "no verdict", with the reason. An arm that has learnt nothing the
+floor does not already know cannot tell which objective is better.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from hlm_ray.tune import stats
 
 ARMS = ("vanilla", "headless")
 NEAR_CHANCE = "≈ chance"
+AT_FLOOR = "at floor"
+FLOOR_NOTE = "unigram of the training tokens"
 
 
 @dataclass(frozen=True)
@@ -48,8 +56,12 @@ class Score:
     family: str
     higher_is_better: bool = True
     baseline: float | None = None
-    """What a model that learnt nothing scores (None: no chance level, e.g. perplexity)."""
+    """What a model that learnt nothing scores (None: no chance level, e.g. tokens/s)."""
     baseline_note: str = ""
+    floor_key: str = ""
+    """The trial metric that holds this score's floor (the unigram model of the run's training
+    tokens, scored the same way: `bpb/unigram_floor`); the baseline is its mean over the
+    family's trials, which share tokenizer and corpus."""
     headline: bool = False
     """The family's verdict sentence is about this row (GLUE average, LAMBADA accuracy)."""
     fmt: str = "{:.4f}"
@@ -63,6 +75,11 @@ class Row:
     diff: stats.Difference
     verdict: str
     near_chance: dict[str, bool] = field(default_factory=dict)
+    """Per arm: not better than the baseline or floor (`stats.near_baseline`)."""
+    baseline: float | None = None
+    """The score's baseline, or its floor as the trials measured it."""
+    why: str = ""
+    """Why there is no verdict (an arm at its floor or baseline), empty otherwise."""
 
 
 def majority_of(plan: dict, task: str) -> float:
@@ -78,7 +95,8 @@ def majority_of(plan: dict, task: str) -> float:
 
 
 def compare(trials: Sequence[Trial], scores: Sequence[Score], *, paired: bool = False) -> list[Row]:
-    """One row per score: each arm over its seeds, the difference, the verdict."""
+    """One row per score: each arm over its seeds, the difference, the verdict (withheld where
+    an arm does not beat the score's floor or baseline)."""
     rows = []
     for score in scores:
         values = {}
@@ -92,22 +110,26 @@ def compare(trials: Sequence[Trial], scores: Sequence[Score], *, paired: bool = 
             raise ValueError(f"{score.family}: paired by seed needs the same seeds in both arms")
         arms = {arm: stats.describe(values[arm]) for arm in ARMS}
         diff = stats.difference(values["headless"], values["vanilla"], paired_by_seed=paired)
-        rows.append(
-            Row(
-                score=score,
-                arms=arms,
-                values=values,
-                diff=diff,
-                verdict=stats.verdict(diff, higher_is_better=score.higher_is_better),
-                near_chance={
-                    a: stats.near_baseline(
-                        arms[a], score.baseline, higher_is_better=score.higher_is_better
-                    )
-                    for a in ARMS
-                },
-            )
-        )
+        baseline = score.baseline if not score.floor_key else floor_of(trials, score)
+        near = {
+            a: stats.near_baseline(arms[a], baseline, higher_is_better=score.higher_is_better)
+            for a in ARMS
+        }
+        verdict, why = stats.verdict(diff, higher_is_better=score.higher_is_better), ""
+        late = [a for a in ARMS if near[a] and arms[a].n]
+        if late:
+            what = "its floor" if score.floor_key else "its baseline"
+            verdict = stats.WITHHELD
+            why = f"{' and '.join(late)} {'does' if len(late) == 1 else 'do'} not beat {what}"
+        rows.append(Row(score, arms, values, diff, verdict, near, baseline, why))
     return rows
+
+
+def floor_of(trials: Sequence[Trial], score: Score) -> float | None:
+    """The mean of `score.floor_key` over the family's trials (None: none measured it)."""
+    found = [t.scores[score.floor_key] for t in trials
+             if t.family == score.family and math.isfinite(t.scores.get(score.floor_key, math.nan))]  # fmt: skip
+    return sum(found) / len(found) if found else None
 
 
 def _num(value: float, fmt: str) -> str:
@@ -119,7 +141,8 @@ def arm_cell(row: Row, arm: str) -> str:
     if s.n == 0:
         return "no finished trial"
     text = _num(s.mean, row.score.fmt) + (f" ± {_num(s.sd, row.score.fmt)}" if s.n > 1 else "")
-    return text + (f" ({NEAR_CHANCE})" if row.near_chance.get(arm) else "")
+    mark = AT_FLOOR if row.score.floor_key else NEAR_CHANCE
+    return text + (f" ({mark})" if row.near_chance.get(arm) else "")
 
 
 def diff_cell(row: Row) -> str:
@@ -140,9 +163,12 @@ def markdown_rows(rows: Sequence[Row]) -> str:
     for row in rows:
         s = row.score
         direction = "↑" if s.higher_is_better else "↓"
-        base = _num(s.baseline, s.fmt) if s.baseline is not None else "none"
-        if s.baseline_note:
-            base += f" ({s.baseline_note})"
+        base = _num(row.baseline, s.fmt) if row.baseline is not None else "none"
+        note = FLOOR_NOTE if s.floor_key else s.baseline_note
+        if note and row.baseline is not None:
+            base += f" ({note})"
+        elif s.floor_key:
+            base = "none (the run's training tokens were not found to count)"
         cells = [
             s.family,
             f"{s.label} {direction}",
@@ -157,9 +183,10 @@ def markdown_rows(rows: Sequence[Row]) -> str:
 
 
 def verdict_cell(row: Row) -> str:
-    """The verdict, with why there is no interval when there is none (too few seeds, zero
-    spread)."""
-    return f"{row.verdict} ({row.diff.reason})" if row.diff.reason else row.verdict
+    """The verdict, with why there is none (an arm at its floor) or no interval (too few seeds,
+    zero spread)."""
+    why = row.why or row.diff.reason
+    return f"{row.verdict} ({why})" if why else row.verdict
 
 
 def verdict_sentence(row: Row, scale: str) -> str:
@@ -170,7 +197,9 @@ def verdict_sentence(row: Row, scale: str) -> str:
         return f"**{s.family}**: no comparison ({s.label} missing in an arm)."
     measured = f"headless − vanilla on {s.label} = {diff_cell(row)} ({n})"
     better = "higher" if s.higher_is_better else "lower"
-    if row.verdict == stats.HOLDS:
+    if row.verdict == stats.WITHHELD:
+        what = f"**no verdict** at {scale}: {row.why}, so the comparison is not read"
+    elif row.verdict == stats.HOLDS:
         what = f"the paper's direction (headless {better}) **holds** at {scale}"
     elif row.verdict == stats.REVERSED:
         what = f"the paper's direction is **reversed** at {scale} (vanilla is better)"
@@ -179,8 +208,11 @@ def verdict_sentence(row: Row, scale: str) -> str:
         if d.reason:
             what += f" ({d.reason})"
     chance = [a for a in ARMS if row.near_chance.get(a)]
+    mark = AT_FLOOR if row.score.floor_key else NEAR_CHANCE
     tail = (
-        f"; {' and '.join(chance)} {'is' if len(chance) == 1 else 'are'} ≈ chance" if chance else ""
+        f"; {' and '.join(chance)} {'is' if len(chance) == 1 else 'are'} {mark}"
+        if chance and row.verdict != stats.WITHHELD
+        else ""
     )
     return f"**{s.family}**: {measured}: {what}{tail}."
 
@@ -195,8 +227,10 @@ def markdown(
         "Cells: mean ± sample sd over seeds. Δ: Welch 95% t interval of the difference of means "
         "(unpaired). Verdict: *holds* when the interval excludes 0 in the paper's direction "
         "(headless better; ↑ higher is better, ↓ lower), *reversed* when it excludes 0 the other "
-        f"way. *{NEAR_CHANCE}*: the arm's 95% interval of the mean (one seed: its score) "
-        "includes the baseline, or its mean is no better than the baseline.",
+        f"way. *{NEAR_CHANCE}* / *{AT_FLOOR}*: the arm's 95% interval of the mean (one seed: "
+        "its score) includes the baseline (or the floor: the unigram model of the run's own "
+        "training tokens, scored on the same texts), or its mean is no better; a row where "
+        f"either arm is so gets *{stats.WITHHELD}*, with the reason.",
     ]
     if notes:
         parts += ["", *(f"- {n}" for n in notes)]
@@ -242,6 +276,8 @@ def plot_forest(rows: Sequence[Row], out_png: Path, *, title: str) -> Path:
         ax.tick_params(axis="y", labelsize=8)
         ax.set_ylim(-1, 1)
         said = row.verdict if has_interval else "no interval"
+        if row.verdict == stats.WITHHELD:
+            said = f"no verdict: {row.why}"
         ax.text(1.01, 0.5, said, transform=ax.transAxes, color=color, va="center", fontsize=8)
         ax.grid(alpha=0.3, axis="x")
     axes[-1].set_xlabel("headless − vanilla (95% interval over seeds), in each score's unit")
@@ -270,8 +306,9 @@ def plot_arms(rows: Sequence[Row], out_png: Path, *, title: str) -> Path:
             ax.bar(x, s.mean, color=colors[arm], alpha=0.6, yerr=err, capsize=4)
             seeds = [v for v in row.values[arm] if math.isfinite(v)]
             ax.scatter([x] * len(seeds), seeds, color="k", s=10, zorder=3)
-        if row.score.baseline is not None:
-            ax.axhline(row.score.baseline, color="gray", ls="--", lw=1, label="baseline")
+        if row.baseline is not None:
+            label = "floor (unigram)" if row.score.floor_key else "baseline"
+            ax.axhline(row.baseline, color="gray", ls="--", lw=1, label=label)
             ax.legend(fontsize=7, loc="lower right")
         ax.set_xticks(range(len(ARMS)), ARMS)
         arrow = "↑" if row.score.higher_is_better else "↓"

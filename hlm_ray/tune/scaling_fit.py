@@ -1,46 +1,51 @@
-"""Loss against compute for two arms, and the compute multiplier between them, with a bootstrap
-over seeds.
+"""Loss against compute for two arms, and the compute multiplier between them, read at each
+budget of the method arm with a t interval over seeds whose coverage the tests check by
+simulation.
 
     points = [Point("headless", seed=0, budget="2e11", x=2.4e11, loss=3.91), ...]
-    curve = fit_curve(xs, losses)              # L = E + A·(x/x0)^-alpha, or log-linear
-    result = compare_arms(points, method="headless", baseline="vanilla")
+    result = compare_arms(points, method="headless", baseline="vanilla", floor=3.24)
     for row in result.rows: print(row.budget, format_multiplier(row), row.verdict)
+    curves = fit_arms(points)                  # L = E + A·(x/x0)^-alpha per arm: a description
 
-The multiplier at a budget of the method arm: the compute the baseline needs to reach the loss
-the method reaches there, over the method's compute (> 1: the method saves compute), read off
-the two fitted curves. It is read **inside the baseline's measured range only**: when the
-baseline's fitted curve does not reach that loss within its budgets, the multiplier is a bound
-(`> X`, the baseline's largest compute over the method's), never an extrapolated number; when
-the baseline is already better at its smallest budget, `< X`.
+The multiplier at a budget b of the method arm: the compute the baseline needs to reach the loss
+the method reaches at b, over the method's compute there (> 1: the method saves compute). It is
+read once per seed: seed i of the method arm (its measured loss at b) against seed i of the
+baseline arm, whose measured points, made non-increasing (pool-adjacent violators), are joined
+by straight lines in (ln compute, loss) and read at that loss. So it is read **between the
+baseline's measured budgets only**: a seed whose loss lies outside them gives no number, and a
+budget where any seed does is reported as *outside the measured range* (with the side, never an
+extrapolated number). The estimate is the geometric mean of the seeds' multipliers, the interval
+a t interval of their logarithms (n - 1 degrees of freedom): a seed's pair is one independent
+replicate of the whole measurement, so no resampling is needed, and at 3 seeds the interval is
+as wide as 3 seeds warrant (`tests/test_scaling_coverage.py` simulates its coverage).
 
-The interval is a percentile bootstrap over seeds: each resample draws each arm's seeds with
-replacement (a seed's whole curve at once: one seed's runs share their data order and initial
-weights, so its points move together), refits both curves and reads the multiplier again,
-censored as above. Verdicts: *holds* when the 95% interval is above 1 (the method reaches the
-loss with less compute), *reversed* when it is below 1, else *cannot be told apart*; always
-*cannot be told apart* with fewer than `MIN_SEEDS` seeds in an arm, or when the resamples do
-not vary (identical seeds: no spread to make an interval from).
+Verdicts: *holds* when the interval lies above 1, *reversed* below 1, else *cannot be told
+apart*; with fewer than `MIN_SEEDS` seeds, or seeds whose multipliers are all alike, no interval.
+A floor (the unigram model's loss, `hlm_ray.unigram`) withholds every verdict read where either
+arm does not beat it: an arm above its floor has learnt nothing a comparison can read.
 
-The fit: `L = E + A·(x/x0)^-alpha` (x0 the geometric mean of the compute, 0 <= E < the lowest
-loss, alpha > 0) by least squares on every seed's point, started from log-linear fits over a
-grid of E. With fewer than `MIN_POWER_BUDGETS` distinct budgets three parameters cannot be
-fitted with any check left, so the curve is log-linear, `L = a - b·ln(x/x0)` (b >= 0), and
-says so.
+The fit (for the report's description and figures, not for the reads): `L = E + A·(x/x0)^-alpha`
+(x0 the geometric mean of the compute, 0 <= E < the lowest loss, alpha > 0) by least squares on
+every seed's point, started from log-linear fits over a grid of E; with fewer than
+`MIN_POWER_BUDGETS` distinct budgets, the log-linear `L = a - b·ln(x/x0)` (b >= 0), said so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from hlm_ray.tune.stats import HOLDS, REVERSED
+from hlm_ray.tune.stats import HOLDS, REVERSED, t_quantile
 
 CANNOT = "cannot be told apart"
-MIN_SEEDS = 3
-"""Seeds per arm below which no interval is given (3 seeds give 10 distinct resamples)."""
+OUTSIDE = "outside the measured range"
+AT_FLOOR = "no verdict"
+MIN_SEEDS = 2
+"""Seeds per arm an interval needs (one pair gives no spread)."""
 MIN_POWER_BUDGETS = 4
 """Distinct budgets a saturating power law needs (3 parameters and at least one left over)."""
 LEVEL = 0.95
@@ -137,16 +142,17 @@ class Multiplier:
 
     budget: str
     method_x: float
-    """The method's mean compute at this budget (where its curve is read)."""
+    """The method's mean compute at this budget (geometric mean over its seeds)."""
     target: float
-    """The method's fitted loss there: what the baseline must reach."""
-    baseline_x: float
-    """The baseline's compute to reach it on its curve (inf / 0 outside its curve's reach)."""
+    """The method's mean loss there: what the baseline must reach."""
+    reads: tuple[float, ...]
+    """Each seed pair's multiplier: math.inf where the baseline's largest budget does not reach
+    the method seed's loss, 0.0 where its smallest is already below it."""
     estimate: float
-    """baseline_x / method_x, or +inf / 0 when it needs extrapolation (a bound)."""
+    """The geometric mean of `reads` (nan when any read is outside the measured range)."""
     low: float
     high: float
-    """The 95% bootstrap interval; +inf / 0 at an end that needs extrapolation (a bound)."""
+    """The 95% t interval (nan without one)."""
     bound_high: float
     """The largest multiplier readable here: the baseline's largest compute / method_x."""
     bound_low: float
@@ -159,13 +165,25 @@ class Multiplier:
 class Comparison:
     method: str
     baseline: str
-    curves: dict[str, Curve]
     rows: list[Multiplier]
     seeds: dict[str, int]
-    resamples: int
-    distinct: int
-    """Distinct resamples (pairs of seed multisets) the bootstrap drew."""
+    pairs: int
+    """Seed pairs read (seed i of the method against seed i of the baseline)."""
     points: list[Point] = field(default_factory=list)
+    floor: float | None = None
+
+
+def fit_arms(points: Sequence[Point]) -> dict[str, Curve]:
+    """Each arm's fit over all its points (the report's description and figures; the
+    multiplier is read from the measured points, not from these): arms that cannot be fitted
+    are left out."""
+    curves = {}
+    for arm in dict.fromkeys(p.arm for p in points):
+        mine = [p for p in points if p.arm == arm and math.isfinite(p.loss)]
+        with contextlib.suppress(ValueError, np.linalg.LinAlgError):  # a figure without a fit
+            curves[arm] = fit_curve([p.x for p in mine], [p.loss for p in mine],
+                                    len({p.budget for p in mine}))  # fmt: skip
+    return curves
 
 
 def budget_means(points: list[Point]) -> dict[str, float]:
@@ -178,15 +196,33 @@ def budget_means(points: list[Point]) -> dict[str, float]:
     return dict(sorted(means.items(), key=lambda kv: kv[1]))
 
 
-def _read(method: Curve, baseline: Curve, at: float, lo_x: float, hi_x: float) -> tuple:
-    """(target loss, baseline compute, multiplier censored to the baseline's range)."""
-    target = float(method(at))
-    if target < float(baseline(hi_x)):
-        return target, baseline.inverse(target), math.inf
-    if target > float(baseline(lo_x)):
-        return target, baseline.inverse(target), 0.0
-    need = baseline.inverse(target)
-    return target, need, need / at
+def non_increasing(ys: Sequence[float]) -> list[float]:
+    """The least-squares non-increasing sequence closest to `ys` (pool-adjacent violators): one
+    seed's losses at increasing budgets, made invertible without moving a point that needs no
+    moving."""
+    blocks: list[list[float]] = []  # [mean, weight]
+    for y in ys:
+        blocks.append([float(y), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
+            (m2, w2), (m1, w1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2])
+    return [m for m, w in blocks for _ in range(int(w))]
+
+
+def read_compute(xs: Sequence[float], losses: Sequence[float], target: float) -> float:
+    """The compute at which one seed's curve (its points at increasing `xs`, made
+    non-increasing, joined by straight lines in (ln x, loss)) reaches `target`: math.inf when
+    its last point is still above it, 0.0 when its first is already at or below it."""
+    order = np.argsort(xs)
+    x = np.log(np.asarray(xs, dtype=np.float64)[order])
+    y = np.asarray(non_increasing(np.asarray(losses, dtype=np.float64)[order]))
+    if target < y[-1]:
+        return math.inf
+    if target >= y[0]:
+        return 0.0 if target > y[0] else float(np.exp(x[0]))
+    j = int(np.nonzero(y <= target)[0][0])  # the first point at or below the target
+    x0, x1, y0, y1 = x[j - 1], x[j], y[j - 1], y[j]
+    return float(np.exp(x0 + (x1 - x0) * (y0 - target) / (y0 - y1)))
 
 
 def compare_arms(
@@ -194,11 +230,11 @@ def compare_arms(
     *,
     method: str = "headless",
     baseline: str = "vanilla",
-    resamples: int = 2000,
-    seed: int = 0,
+    floor: float | None = None,
 ) -> Comparison:
-    """Fit both arms and read the multiplier at each of the method's budgets, with its
-    bootstrap interval over seeds and a verdict (module docstring)."""
+    """Read the multiplier at each of the method's budgets (module docstring); `floor`, the
+    loss of the unigram model of the training tokens, withholds verdicts where an arm does not
+    beat it."""
     arms = {
         a: [p for p in points if p.arm == a and math.isfinite(p.loss)] for a in (method, baseline)
     }
@@ -206,65 +242,82 @@ def compare_arms(
         if len({p.budget for p in mine}) < 2:
             raise ValueError(f"arm {arm!r} has finished trials at fewer than two budgets")
     seeds = {a: sorted({p.seed for p in mine}) for a, mine in arms.items()}
-    by_seed = {a: {s: [p for p in arms[a] if p.seed == s] for s in seeds[a]} for a in arms}
-    cache: dict[tuple, Curve | None] = {}
-
-    def curve(arm: str, drawn: tuple[int, ...]) -> Curve | None:
-        key = (arm, drawn)
-        if key not in cache:
-            pts = [p for s in drawn for p in by_seed[arm][s]]
-            try:
-                xs, ys = [p.x for p in pts], [p.loss for p in pts]
-                cache[key] = fit_curve(xs, ys, len({p.budget for p in pts}))
-            except (ValueError, np.linalg.LinAlgError):
-                cache[key] = None
-        return cache[key]
-
-    full = {a: curve(a, tuple(seeds[a])) for a in arms}
-    at = budget_means(arms[method])
-    base_x = budget_means(arms[baseline]).values()
-    lo_x, hi_x = min(base_x), max(base_x)
-    few = min(len(s) for s in seeds.values()) < MIN_SEEDS
-    resamples = 0 if few else resamples  # no interval is given: no resamples drawn
-    rng = np.random.default_rng(seed)
-    draws = []  # per resample and budget: (multiplier censored to the range, target loss)
-    distinct = set()
-    for _ in range(resamples):
-        drawn = {a: tuple(sorted(rng.choice(seeds[a], size=len(seeds[a])))) for a in arms}
-        distinct.add((drawn[method], drawn[baseline]))
-        m, b = curve(method, drawn[method]), curve(baseline, drawn[baseline])
-        if m is not None and b is not None:
-            draws.append([_read(m, b, x, lo_x, hi_x)[2::-2] for x in at.values()])
-    values = np.asarray(draws, dtype=np.float64).reshape(len(draws), len(at), 2)
+    pairs = list(zip(seeds[method], seeds[baseline], strict=False))
+    base_x = budget_means(arms[baseline])
+    lo_x, hi_x = min(base_x.values()), max(base_x.values())
     rows = []
-    for i, (budget, x) in enumerate(at.items()):
-        target, need, estimate = _read(full[method], full[baseline], x, lo_x, hi_x)
-        col = values[:, i, 0] if len(values) else np.asarray([estimate])
-        # Interval ends taken from the resamples themselves (no interpolation across a bound).
-        low = float(np.quantile(col, (1 - LEVEL) / 2, method="lower"))
-        high = float(np.quantile(col, (1 + LEVEL) / 2, method="higher"))
-        verdict, note = _verdict(low, high, hi_x / x, lo_x / x)
-        if few:
-            verdict, note = CANNOT, f"fewer than {MIN_SEEDS} seeds per arm: no interval"
-        elif len(values) and np.ptp(values[:, i, 1]) == 0:  # the targets never move
-            verdict, note = CANNOT, "the resamples do not vary: no spread to make an interval"
-        rows.append(
-            Multiplier(
-                budget, x, target, need, estimate, low, high, hi_x / x, lo_x / x, verdict, note
-            )
+    for budget, x in budget_means(arms[method]).items():
+        reads = []
+        for s_m, s_b in pairs:
+            mine = [p for p in arms[method] if p.seed == s_m and p.budget == budget]
+            theirs = [p for p in arms[baseline] if p.seed == s_b]
+            if mine and len({p.budget for p in theirs}) >= 2:
+                need = read_compute([p.x for p in theirs], [p.loss for p in theirs], mine[0].loss)
+                reads.append(need / mine[0].x if 0 < need < math.inf else need)
+        at = [p.loss for p in arms[method] if p.budget == budget]
+        rows.append(_row(budget, x, float(np.mean(at)), tuple(reads), hi_x / x, lo_x / x))
+    if floor is not None:
+        rows = [_floor_check(r, arms, method, baseline, floor) for r in rows]
+    counts = {a: len(s) for a, s in seeds.items()}
+    return Comparison(method, baseline, rows, counts, len(pairs), list(points), floor)
+
+
+def _row(budget, x, target, reads, bound_high, bound_low) -> Multiplier:
+    nan = math.nan
+    if not reads:
+        return Multiplier(budget, x, target, reads, nan, nan, nan, bound_high, bound_low, CANNOT,
+                          "no seed pair has points to read")  # fmt: skip
+    outside = [r for r in reads if r in (0.0, math.inf)]
+    if outside:
+        high = sum(r == math.inf for r in outside)
+        side = (f"{high} of {len(reads)} seed(s) need more than the baseline's largest budget"
+                if high else "")  # fmt: skip
+        low = len(outside) - high
+        side += ("; " if high and low else "") + (
+            f"{low} of {len(reads)} already reached by its smallest budget" if low else ""
         )
-    return Comparison(
-        method, baseline, full, rows, {a: len(s) for a, s in seeds.items()}, resamples,
-        len(distinct), list(points),
-    )  # fmt: skip
+        return Multiplier(budget, x, target, reads, nan, nan, nan, bound_high, bound_low,
+                          OUTSIDE, side)  # fmt: skip
+    logs = np.log(np.asarray(reads))
+    estimate = float(np.exp(logs.mean()))
+    if len(reads) < MIN_SEEDS:
+        return Multiplier(budget, x, target, reads, estimate, nan, nan, bound_high, bound_low,
+                          CANNOT, f"fewer than {MIN_SEEDS} seed pairs: no interval")  # fmt: skip
+    sd = float(logs.std(ddof=1))
+    if sd == 0.0:
+        return Multiplier(budget, x, target, reads, estimate, nan, nan, bound_high, bound_low,
+                          CANNOT, "the seeds' multipliers do not vary: no interval")  # fmt: skip
+    half = t_quantile(len(reads) - 1, LEVEL) * sd / math.sqrt(len(reads))
+    low, high = float(np.exp(logs.mean() - half)), float(np.exp(logs.mean() + half))
+    verdict = HOLDS if low > 1 else REVERSED if high < 1 else CANNOT
+    return Multiplier(budget, x, target, reads, estimate, low, high, bound_high, bound_low,
+                      verdict)  # fmt: skip
 
 
-def _verdict(low: float, high: float, bound_high: float, bound_low: float) -> tuple[str, str]:
-    """Holds when the whole interval is above 1, reversed when below; an end at a bound counts
-    only as far as the bound goes (`> 0.9` says nothing about 1)."""
-    above = low > 1 if 0 < low < math.inf else low == math.inf and bound_high >= 1
-    below = high < 1 if 0 < high < math.inf else high == 0 and bound_low <= 1
-    return (HOLDS, "") if above else (REVERSED, "") if below else (CANNOT, "")
+def beats_floor(losses: Sequence[float], floor: float) -> bool:
+    """Whether an arm's losses at one budget are below the floor: the upper end of the 95% t
+    interval of their mean (one seed: the loss itself) is below it."""
+    from hlm_ray.tune.stats import describe
+
+    s = describe(list(losses))
+    top = s.high if s.n > 1 and math.isfinite(s.high) else s.mean
+    return math.isfinite(top) and top < floor
+
+
+def _floor_check(row: Multiplier, arms, method: str, baseline: str, floor: float) -> Multiplier:
+    """The row's verdict withheld where the method at this budget, or the baseline at any of
+    its budgets, does not beat the floor (the reads use its whole curve)."""
+    from dataclasses import replace
+
+    late = [arm for arm, budgets in ((method, [row.budget]),
+                                     (baseline, sorted({p.budget for p in arms[baseline]})))
+            for b in budgets
+            if not beats_floor([p.loss for p in arms[arm] if p.budget == b], floor)]  # fmt: skip
+    if not late or row.verdict == OUTSIDE:
+        return row
+    who = " and ".join(dict.fromkeys(late))
+    why = f"{who} does not beat the floor {floor:.4f} (the unigram model of the training tokens)"
+    return replace(row, verdict=AT_FLOOR, note=why)
 
 
 def _num(value: float) -> str:
@@ -272,53 +325,48 @@ def _num(value: float) -> str:
 
 
 def format_multiplier(row: Multiplier) -> str:
-    """`6.2× [4.1, 9.8]`, with a bound where extrapolation would be needed: `> 16×`,
-    `[2.5, > 16]`, `< 1×`."""
-
-    def end(value: float) -> str:
-        if value == math.inf:
-            return f"> {_num(row.bound_high)}"
-        if value == 0.0:
-            return f"< {_num(row.bound_low)}"
-        return _num(value)
-
-    if row.estimate == math.inf:
-        point = f"> {_num(row.bound_high)}×"
-    elif row.estimate == 0.0:
-        point = f"< {_num(row.bound_low)}×"
-    else:
-        point = f"{_num(row.estimate)}×"
-    if row.note.startswith("fewer than"):
+    """`6.2× [4.1, 9.8]`; outside the baseline's measured budgets: `> 16× (outside the measured
+    range)` or `< 0.5× (...)`, a bound, never an extrapolated number."""
+    if row.verdict == OUTSIDE or (not math.isfinite(row.estimate) and row.reads):
+        above = any(r == math.inf for r in row.reads)
+        below = any(r == 0.0 for r in row.reads)
+        if above and not below:
+            return f"> {_num(row.bound_high)}× ({OUTSIDE})"
+        if below and not above:
+            return f"< {_num(row.bound_low)}× ({OUTSIDE})"
+        return f"{OUTSIDE} on both sides"
+    if not math.isfinite(row.estimate):
+        return "–"
+    point = f"{_num(row.estimate)}×"
+    if not math.isfinite(row.low):
         return point
-    low, high = end(row.low), end(row.high)
-    return f"{point} (every resample {low})" if low == high else f"{point} [{low}, {high}]"
+    return f"{point} [{_num(row.low)}, {_num(row.high)}]"
 
 
 def closing_sentence(c: Comparison, unit: str, scale: str) -> str:
-    """What the comparison found, in words, whichever way it fell."""
+    """What the comparison found, in words, whichever way it fell; budgets without a verdict
+    are named with the reason (outside the measured range, an arm at its floor, no interval)."""
     held = [r for r in c.rows if r.verdict == HOLDS]
     reversed_ = [r for r in c.rows if r.verdict == REVERSED]
-    seeds = f"{c.seeds[c.method]} + {c.seeds[c.baseline]} seeds"
+    seeds = f"{c.pairs} seed pair{'s' if c.pairs != 1 else ''}"
 
     def at(rows):
         return "; ".join(f"{format_multiplier(r)} at {r.budget}" for r in rows)
 
+    others = [r for r in c.rows if r.verdict not in (HOLDS, REVERSED)]
+    said = "; ".join(
+        f"at {r.budget} {r.verdict}" + (f" ({r.note})" if r.note else "") for r in others
+    )
     if not held and not reversed_:
-        why = next((r.note for r in c.rows if r.note), "every interval includes 1")
-        return (
-            f"Against {unit}, the compute {c.baseline} needs to reach {c.method}'s loss "
-            f"**cannot be told apart** from {c.method}'s own at {scale} ({why}; {seeds}; "
-            f"read at each budget: {at(c.rows)})."
-        )
+        return f"Against {unit}, no budget gives a verdict at {scale} ({seeds}): {said}."
     parts = []
     if held:
         parts.append(
             f"{c.method} reaches its loss for **less** {unit}: {c.baseline} needs, in multiples "
-            f"of {c.method}'s {unit}, {at(held)} (95% bootstrap intervals over seeds, {seeds})"
+            f"of {c.method}'s {unit}, {at(held)} (95% t intervals over {seeds})"
         )
     if reversed_:
         parts.append(f"{c.baseline} reaches {c.method}'s loss for **less** {unit}: {at(reversed_)}")
-    rest = len(c.rows) - len(held) - len(reversed_)
-    if rest:
-        parts.append(f"at the other {rest} budget(s) the two cannot be told apart")
+    if others:
+        parts.append(said)
     return "Against " + unit + ": " + "; ".join(parts) + "."

@@ -27,6 +27,8 @@ import numpy as np
 HOLDS = "holds"
 REVERSED = "reversed"
 NOISE = "cannot be told apart from noise"
+WITHHELD = "no verdict"
+"""An arm does not beat its floor or baseline: the comparison is not read (the row says why)."""
 MIN_SEEDS = 2
 """Scores per arm an interval needs: with one, seed noise cannot be estimated."""
 ZERO_SPREAD = "zero spread: each arm's seeds scored exactly alike, which says nothing of seed noise"

@@ -144,13 +144,20 @@ def speed_sentence(tokens_per_s: dict[str, dict[int, list[float]]], updates: dic
 
 
 def scores_sentence(rows: list[report.Row]) -> str:
-    """Whether the downstream scores can be told apart at this scale (one row per size)."""
+    """Whether the downstream scores can be told apart at this scale (one row per size); sizes
+    where an arm is at chance get no verdict and are counted as such."""
     if not rows:
         return "Scores: no size has finished trials in both arms."
-    told = [r for r in rows if r.verdict != stats.NOISE]
+    told = [r for r in rows if r.verdict in (stats.HOLDS, stats.REVERSED)]
+    withheld = [r.score.family for r in rows if r.verdict == stats.WITHHELD]
     chance = sum(r.near_chance.get(a, False) for r in rows for a in report.ARMS)
     points = sum(r.arms[a].n > 0 for r in rows for a in report.ARMS)
     tail = f" {chance} of the {points} points are at chance." if chance else ""
+    if withheld:
+        tail = (
+            f" No verdict at V={', '.join(withheld)}: an arm there does not beat the baseline."
+            + tail
+        )
     if not told:
         seeds = min(r.arms[a].n for r in rows for a in report.ARMS)
         flat = [r.score.family for r in rows if r.diff.reason.startswith("zero spread")]
@@ -161,9 +168,9 @@ def scores_sentence(rows: list[report.Row]) -> str:
             if flat
             else ""
         )
+        where = "at any size" if not withheld else "at any size where both beat the baseline"
         return (
-            f"Scores: headless and vanilla cannot be told apart at any size at this scale"
-            f"{why}.{tail}"
+            f"Scores: headless and vanilla cannot be told apart {where} at this scale{why}.{tail}"
         )
     said = ", ".join(f"V={r.score.family}: {r.verdict}" for r in told)
     return (
