@@ -23,6 +23,7 @@ from typing import Any
 from hlm_ray.config import Config, apply_overrides
 from hlm_ray.device import device_name
 from hlm_ray.errors import HLMError
+from hlm_ray.finetune.generators import GENERATORS
 from hlm_ray.finetune.source import source_model
 from hlm_ray.model_card import write_model_card
 from hlm_ray.pretrained import load_pretrained, model_info
@@ -85,15 +86,21 @@ DOWNSTREAM = {
     },
 }
 # sweeps/scaling.py: decoders scored on bits per byte of held-out text alone (`score`), a
-# headless arm after its generator fine-tune on `clm_share` of its pretraining tokens.
+# headless arm after its generator fine-tune: the preset's `GENERATORS` settings on top of its
+# `clm_recipe` (the paper preset: the `text` recipe, 10k steps of 256 sequences, as it is).
 for _scale, _limit, _clm in (("tiny", 16, "tiny"), ("cpu", 100, "tiny"), ("paper", None, "text")):
     DOWNSTREAM[f"scaling-{_scale}"] = {
         "decoder_tasks": ("bpb",),
         "score": "bpb/bits_per_byte",
         "bpb_limit": _limit,
         "clm_recipe": _clm,
-        "clm_share": 0.02,
+        "clm_settings": GENERATORS.get(_scale, {}),
     }
+# The headline comparison's cpu decoders get the same generator as the scaling sweep's.
+DOWNSTREAM["headline-cpu"] = {
+    **{k: v for k, v in DOWNSTREAM["headline-cpu"].items() if k != "clm_share"},
+    "clm_settings": GENERATORS["cpu"],
+}
 
 
 def share_steps(pretrain_tokens: int, share: float, tokens_per_step: int) -> int:
@@ -340,17 +347,21 @@ def run_downstream(
     output_dir = Path(output_dir)
     metrics: dict[str, float] = {}
     device = device_name("auto")  # the trial's GPU, when it reserved one (CUDA_VISIBLE_DEVICES)
+    if info["objective"] == "headless" and not info["finetuned"]:
+        metrics.update(_update_probe(model_dir, output_dir, device))
     if info["family"] == "decoder":
         scored = model_dir
         if info["objective"] == "headless" and not info["finetuned"]:
             started = time.perf_counter()
-            from hlm_ray.finetune.clm import clm_config
+            from hlm_ray.finetune.clm import clm_config, fixed_config
             from hlm_ray.train.loop import train_worker
 
             cfg, facts = clm_config(
                 model_dir, recipe=plan["clm_recipe"], output_dir=output_dir / "clm"
             )
-            if plan.get("clm_share") and facts["pretrain_tokens"]:
+            if plan.get("clm_settings"):
+                cfg, facts = fixed_config(cfg, facts, plan["clm_settings"])
+            elif plan.get("clm_share") and facts["pretrain_tokens"]:
                 cfg, facts = _share_config(cfg, facts, plan["clm_share"])
                 metrics["finetune/share"] = plan["clm_share"]
             train_worker(cfg.to_dict(), progress=progress)
@@ -413,6 +424,31 @@ def _share_config(cfg: Config, facts: dict[str, Any], share: float):
         "pretrain_token_fraction": tokens / facts["pretrain_tokens"],
     }
     return cfg, facts
+
+
+def _update_probe(model_dir: Path, output_dir: Path, device: str) -> dict[str, float]:
+    """The lazy embedding update's speed beside the dense one on this run's model shape
+    (`hlm_ray.bench.update_probe`): the step times in update_probe.json, their medians as
+    `speed/*` metrics."""
+    import statistics
+
+    from hlm_ray.bench.update_probe import update_probe, write_probe
+    from hlm_ray.pretrained import run_config_of
+
+    cfg = run_config_of(Path(model_dir))
+    if cfg is None:
+        return {}
+    import json
+
+    vocab = int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+    times = update_probe(cfg, vocab, device)
+    write_probe(times, output_dir, cfg.optim.micro_batch_size * cfg.data.seq_len)
+    dense, lazy = (statistics.median(times[k]) for k in ("dense", "lazy"))
+    return {
+        "speed/dense_step_s": dense,
+        "speed/lazy_step_s": lazy,
+        "speed/lazy_speedup": dense / lazy,
+    }
 
 
 def format_classification(result: dict[str, Any]) -> str:

@@ -15,10 +15,12 @@ from hlm_ray.tune.scaling_fit import (
     CANNOT,
     OUTSIDE,
     Point,
+    beats_floor,
     compare_arms,
     fit_curve,
     format_multiplier,
 )
+from hlm_ray.tune.scaling_report import read_points
 from hlm_ray.tune.spec import get_sweep
 from hlm_ray.tune.stats import HOLDS, REVERSED
 
@@ -165,89 +167,134 @@ def test_a_trials_compute_counts_the_headless_generator_fine_tune():
 # ------------------------------------------------------------------------------ learning rates
 
 
-def test_each_arm_gets_its_own_learning_rate_in_every_trial_of_the_grid():
-    """The chosen rates reach every trial's config, as `cell_config` builds it and as Tune
-    resolves the space: a spec that ignored `arm_overrides` would give both arms one rate."""
+def test_each_arm_gets_its_own_learning_rate_at_each_budget_in_every_trial_of_the_grid():
+    """The rates reach every trial's config, as `cell_config` builds it and as Tune resolves
+    the space: a spec that ignored `arm@budget` overrides would give both arms one rate."""
     from ray.tune.search.variant_generator import generate_variants
 
     from hlm_ray.config import Config
 
-    chosen = {"headless": 0.01, "vanilla": 0.003}
-    spec = scaling.with_lrs(get_sweep(SCALING.PRESETS, "tiny"), chosen)
+    rates = {"headless": {"10G": 0.01, "20G": 0.008, "40G": 0.006},
+             "vanilla": {"10G": 0.003, "20G": 0.002, "40G": 0.001}}  # fmt: skip
+    spec = scaling.with_lrs(get_sweep(SCALING.PRESETS, "tiny"), rates)
     resolved = [Config.from_dict(v["config"]) for _, v in generate_variants(spec.param_space())]
     assert len(resolved) == len(spec.cells()) == 6
-    for cfg in resolved:
-        assert cfg.optim.lr == chosen[cfg.objective.name]
-        lazy = cfg.objective.name == "headless"  # the preset's other per-arm setting
-        assert cfg.optim.embedding_update == ("lazy" if lazy else "dense")
     for cell in spec.cells():
         cfg = spec.cell_config(**cell)
-        assert cfg.optim.lr == chosen[cell["objective"]] and cfg.budget.warmup_share == 0.1
-        assert resolved.count(cfg) == 1
+        assert cfg.optim.lr == rates[cell["objective"]][cell["value"]]
+        assert cfg.optim.embedding_update == "dense"  # both arms: the same embedding update
+        assert cfg.budget.warmup_share == 0.1 and resolved.count(cfg) == 1
     with pytest.raises(HLMError, match="every arm must set the same keys"):
-        get_sweep(SCALING.PRESETS, "tiny", ["sweep.arm_overrides=[headless:optim.lr=1e-3]"])
+        get_sweep(SCALING.PRESETS, "tiny", ["sweep.arm_overrides=[headless@10G:optim.lr=1e-3]"])
     with pytest.raises(HLMError, match="objective:key=value"):
         get_sweep(SCALING.PRESETS, "tiny", ["sweep.arm_overrides=[optim.lr=1e-3]"])
 
 
-def test_the_search_grid_the_choice_and_the_shared_rate():
-    spec = get_sweep(SCALING.PRESETS, "cpu")
-    assert scaling.search_lrs(spec) == [0.001, 0.00316, 0.01]
-    search = scaling.search_spec(spec)
-    assert search.values == (0.001, 0.00316, 0.01) and search.num_seeds == 1
-    cfg = search.cell_config(0.00316, "vanilla", 0)
-    assert cfg.optim.lr == 0.00316 and cfg.budget.flops == 3e11  # the smallest budget
-    rows = [
-        {"objective": o, "status": s, "value": lr, "downstream/score": score}
-        for o, lr, s, score in [
-            ("headless", 0.001, "FINISHED", 3.2), ("headless", 0.01, "FINISHED", 3.0),
-            ("vanilla", 0.001, "FINISHED", 3.6), ("vanilla", 0.01, "FINISHED", 3.9),
-            ("vanilla", 0.00316, "FAILED", math.nan),
-        ]
+def _rows(scores):
+    """Search summary rows from {(arm, budget, lr): [score per seed]}."""
+    return [
+        {"objective": arm, "status": "FINISHED", "value": scaling.search_value(b, lr),
+         "downstream/score": score}
+        for (arm, b, lr), values in scores.items() for score in values
     ]  # fmt: skip
-    chosen = scaling.choose_lrs(rows)
-    assert chosen == {"headless": 0.01, "vanilla": 0.001}
-    assert scaling.shared_lr(spec) == 0.001  # the preset's optim.lr
-    shared = scaling.shared_spec(spec, chosen)  # only the arm that chose another rate
-    assert shared.objectives == ("headless",)
-    assert shared.cell_config("300G", "headless", 0).optim.lr == 0.001
-    assert scaling.shared_spec(spec, {"headless": 0.001, "vanilla": 0.001}) is None
-    with pytest.raises(HLMError, match="no finished vanilla trial"):
-        scaling.choose_lrs([r for r in rows if r["objective"] == "headless"])
 
 
-def test_the_command_runs_the_search_then_each_arm_at_its_rate_then_the_shared_rate(
-    monkeypatch, tmp_path
-):
-    """`run_parts` with a stand-in `run_sweep` (no Ray): the rates the search chose reach the
-    tuned sweep's trials, the shared rate the third part's, and --storage-path every part."""
+def test_the_search_is_at_the_smallest_and_largest_budget_with_its_seeds():
+    spec = get_sweep(SCALING.PRESETS, "cpu")
+    assert scaling.search_lrs(spec) == [0.000316, 0.001, 0.00316]
+    search = scaling.search_spec(spec)
+    assert search.num_seeds == 2 and search.values == (
+        "500G@0.000316", "500G@0.001", "500G@0.00316", "4T@0.000316", "4T@0.001", "4T@0.00316",
+    )  # fmt: skip
+    cfg = search.cell_config("4T@0.001", "vanilla", 1)
+    assert cfg.optim.lr == 0.001 and cfg.budget.flops == 4e12 and cfg.run.seed == 1
+    with pytest.raises(HLMError, match="budget@lr"):
+        scaling.parse_search_value("4T")
+
+
+def test_the_choice_the_edges_and_the_extension_past_an_edge():
+    """Mean over seeds decides; a best rate at the edge of what an arm tried at a budget is
+    searched one grid step past it (that arm, that budget), until `search_extend` steps were
+    taken there; a rate inside the tried ones is not."""
+    spec = get_sweep(SCALING.PRESETS, "cpu")
+    scores = {
+        ("headless", "500G", 0.000316): [3.4, 3.5], ("headless", "500G", 0.001): [3.2, 3.3],
+        ("headless", "500G", 0.00316): [3.3, 3.4],
+        ("vanilla", "500G", 0.000316): [3.6, 3.7], ("vanilla", "500G", 0.001): [3.5, 3.5],
+        ("vanilla", "500G", 0.00316): [3.3, 3.45],  # best: the high edge
+        ("headless", "4T", 0.001): [3.0], ("vanilla", "4T", 0.001): [3.1],
+        ("headless", "4T", 0.00316): [3.1], ("vanilla", "4T", 0.00316): [3.2],
+        ("headless", "4T", 0.000316): [3.05], ("vanilla", "4T", 0.000316): [3.15],
+    }  # fmt: skip
+    rows = [*_rows(scores), {"objective": "vanilla", "status": "FAILED",
+                             "value": "4T@0.001", "downstream/score": math.nan}]  # fmt: skip
+    found = scaling.search_scores(rows)
+    picks = scaling.choose_lrs(found, where=["500G", "4T"])
+    assert picks == {"headless": {"500G": 0.001, "4T": 0.001},
+                     "vanilla": {"500G": 0.00316, "4T": 0.001}}  # fmt: skip
+    assert scaling.edge(found, "vanilla", "500G", 0.00316) == "high"
+    assert scaling.edge(found, "headless", "500G", 0.001) is None
+    assert scaling.extensions(spec, found, picks) == {"vanilla": ["500G@0.01"]}
+    scores[("vanilla", "500G", 0.01)] = [3.2, 3.2]  # better again: one more step
+    found = scaling.search_scores(_rows(scores))
+    picks = scaling.choose_lrs(found, where=["500G", "4T"])
+    assert scaling.extensions(spec, found, picks) == {"vanilla": ["500G@0.0316"]}
+    scores[("vanilla", "500G", 0.0316)] = [3.1, 3.1]  # two steps taken: the limit
+    found = scaling.search_scores(_rows(scores))
+    picks = scaling.choose_lrs(found, where=["500G", "4T"])
+    assert picks["vanilla"]["500G"] == 0.0316 and scaling.extensions(spec, found, picks) == {}
+    with pytest.raises(HLMError, match="no finished headless trial at 4T"):
+        scaling.choose_lrs(scaling.search_scores(rows[:6]), where=["500G", "4T"])
+
+
+def test_rates_between_the_searched_budgets_are_interpolated_in_log():
+    spec = get_sweep(SCALING.PRESETS, "cpu")
+    rates = scaling.lr_schedule(spec, {"headless": {"500G": 1e-3, "4T": 1e-3},
+                                       "vanilla": {"500G": 2e-3, "4T": 2.5e-4}})  # fmt: skip
+    assert rates["headless"] == dict.fromkeys(("500G", "1T", "2T", "4T"), 1e-3)
+    assert rates["vanilla"] == {"500G": 2e-3, "1T": 1e-3, "2T": 5e-4, "4T": 2.5e-4}  # halves
+
+
+def test_the_command_searches_extends_then_runs_each_arm_at_its_rates(monkeypatch, tmp_path):
+    """`run_parts` with a stand-in `run_sweep` (no Ray): the search, an extension round for the
+    arm whose best rate sat on an edge, then the budgets at the rates found (interpolated
+    between), --storage-path to every part, and what the search found on record."""
     import hlm_ray.tune.sweep as sweep
 
     ran = {}
+    score = {
+        "headless": lambda lr: abs(math.log10(lr) + 3.0),  # best 1e-3: inside the grid
+        "vanilla": lambda lr: abs(math.log10(lr) + 2.0),
+    }  # best 1e-2: past the high edge
 
     def run_sweep(spec, *, name, assumptions=None, storage_path=None):
         ran[name] = (spec, storage_path)
         rows = [
-            {"objective": arm, "status": "FINISHED", "value": lr, "downstream/score": score}
-            for arm, lr, score in [("headless", 3e-3, 2.9), ("headless", 1e-2, 2.7),
-                                   ("vanilla", 3e-3, 3.1), ("vanilla", 1e-2, 3.4)]
-        ] if name.endswith("-lr") and not name.endswith("shared-lr") else []  # fmt: skip
+            {"objective": c["objective"], "status": "FINISHED", "value": c["value"],
+             "downstream/score": score[c["objective"]](scaling.parse_search_value(c["value"])[1])}
+            for c in spec.cells()
+        ] if "-lr" in name else []  # fmt: skip
         (tmp_path / name).mkdir()
         return sweep.SweepOutcome(name, tmp_path / name, rows, "", [], None, False, 2.0)
 
     monkeypatch.setattr(sweep, "run_sweep", run_sweep)
-    args = SCALING.SCRIPT.parser().parse_args(["--preset", "tiny", "--storage-path", "s3://b/x"])
-    spec = get_sweep(SCALING.PRESETS, "tiny")
+    args = SCALING.SCRIPT.parser().parse_args(["--preset", "cpu", "--storage-path", "s3://b/x"])
+    spec = get_sweep(SCALING.PRESETS, "cpu")
     scaling.run_parts(spec, args, "sc")
-    assert list(ran) == ["sc-lr", "sc", "sc-shared-lr"]
+    # 1e-2 is past the grid (round 1), then the edge of what was tried (round 2 looks past it)
+    assert list(ran) == ["sc-lr", "sc-lr+1-vanilla", "sc-lr+2-vanilla", "sc"]
     assert all(storage == "s3://b/x" for _, storage in ran.values())
-    tuned, shared = ran["sc"][0], ran["sc-shared-lr"][0]
-    for cell in tuned.cells():  # each arm at the rate its search chose, every budget and seed
-        lr = {"headless": 1e-2, "vanilla": 3e-3}[cell["objective"]]
+    ext = ran["sc-lr+1-vanilla"][0]
+    assert ext.objectives == ("vanilla",) and ext.values == ("500G@0.01", "4T@0.01")
+    assert ran["sc-lr+2-vanilla"][0].values == ("500G@0.0316", "4T@0.0316")
+    tuned = ran["sc"][0]
+    for cell in tuned.cells():
+        lr = {"headless": 1e-3, "vanilla": 1e-2}[cell["objective"]]
         assert tuned.cell_config(**cell).optim.lr == lr
-    assert shared.objectives == ("headless",)  # vanilla chose the shared rate already
-    assert {shared.cell_config(**c).optim.lr for c in shared.cells()} == {3e-3}
-    assert json.loads((tmp_path / "sc" / scaling.TIMING_FILE).read_text())["shared"] == 2.0
+    record = json.loads((tmp_path / "sc" / scaling.SEARCH_FILE).read_text())
+    assert record["picks"]["vanilla"] == {"500G": 0.01, "4T": 0.01}
+    assert record["edges"]["vanilla"] == {"500G": None, "4T": None}  # inside what was tried
+    assert json.loads((tmp_path / "sc" / scaling.TIMING_FILE).read_text())["search"] == 6.0
 
 
 def test_budgets_are_flops_with_si_prefixes_and_bad_ones_fail_before_anything_runs():
@@ -265,18 +312,26 @@ def test_budgets_are_flops_with_si_prefixes_and_bad_ones_fail_before_anything_ru
 # ------------------------------------------------------------------------------ the dry run
 
 
-def test_the_cpu_dry_run_prints_every_trials_budget_arm_learning_rate_and_seed(capsys):
+def test_the_cpu_dry_run_shows_the_search_its_extension_rule_the_head_and_every_arms_steps(
+    capsys,
+):
     assert SCALING.main(["--preset", "cpu", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "learning rates searched 0.001, 0.00316, 0.01 at the smallest budget, seed 0" in out
-    for lr in ("0.001", "0.00316", "0.01"):  # the search: each arm at each rate
-        for arm in ("headless", "vanilla"):
-            assert f"{arm} scaling-lr={lr} seed 0" in out
-    for budget in ("300G", "600G", "1.2T", "2.4T"):
+    assert "learning rates searched: 0.000316, 0.001, 0.00316 at 500G and 4T, seeds 0..1" in out
+    assert "one step past it (×3.16) is tried too, at most 2 step(s) per edge" in out
+    assert "the vocabulary head is 38% of a vanilla step's FLOPs (V = 2,048" in out
+    assert "embedding update: headless dense, vanilla dense" in out
+    assert "generator fine-tune: 40 optimizer steps" in out
+    assert "| 500G | 237 | 332 | 512 | 7.8% |" in out  # vanilla >= 200 steps at the smallest
+    for lr in ("0.000316", "0.001", "0.00316"):
+        for budget in ("500G", "4T"):
+            for seed in (0, 1):
+                assert f"scaling-lr={budget}@{lr} seed {seed}" in out
+    for budget in ("500G", "1T", "2T", "4T"):
         for arm in ("headless", "vanilla"):
             for seed in range(3):
-                assert out.count(f"{arm} scaling={budget} seed {seed} ") == 2  # tuned, shared
-    assert "54 trials at most" in out
+                assert f"{arm} scaling={budget} seed {seed} " in out
+    assert "48 trials, plus 4 per grid extension" in out
 
 
 def test_the_paper_dry_run_prints_its_cost_plan(capsys):
@@ -292,49 +347,46 @@ def test_the_paper_dry_run_prints_its_cost_plan(capsys):
 @pytest.mark.ray
 @pytest.mark.slow
 def test_scaling_tiny_end_to_end(ray_cluster, mlflow_server, tmp_path, monkeypatch, capsys):
-    """`python sweeps/scaling.py --preset tiny`, as the suite runs it: the search, the tuned
-    budgets, the shared-rate budgets, the report; each arm's trials at the rate its search
-    chose, that rate on the parent run; trials trained in their own process (local mode)."""
+    """`python sweeps/scaling.py --preset tiny`, as the suite runs it: the search at both ends,
+    the budgets, the report; each arm's trials at the rates its search found, on the parent run;
+    every row beside its floor, no verdict where an arm does not beat it; trials trained in their
+    own process (local mode)."""
     monkeypatch.chdir(tmp_path)
     use_mlflow_server(mlflow_server, monkeypatch.setenv)
     assert SCALING.main(["--preset", "tiny", "--name", "sc"]) == 0
     root = tmp_path / "runs" / "sweeps"
     text = (root / "sc" / "report.md").read_text()
-    assert text.count("cannot be told apart") >= 3  # one seed: no interval, said so
-    assert "(log-linear)" in text  # 3 budgets: log-linear fits, said so
+    assert "The floor (the unigram model of the training tokens" in text
     assert "s for the command (the search" in text and "s in optimizer steps" in text
-    for png in ("scaling.png", "scaling_shared_lr.png"):
+    for png in ("scaling.png", "lr_search.png"):
         assert (root / "sc" / png).stat().st_size > 1000
+    points = read_points(root / "sc")
+    floor = points[0]["floor"]
+    assert math.isfinite(floor) and all(p["floor"] == floor for p in points)
+    for line in text.splitlines():  # no verdict for a row whose arm does not beat the floor
+        if line.startswith("| ") and ("| holds" in line or "| reversed" in line):
+            budget = line.split(" | ")[0].strip("| ")
+            for arm in ("headless", "vanilla"):
+                bpb = [p["bpb"] for p in points if p["arm"] == arm and p["budget"] == budget]
+                assert beats_floor(bpb, floor), line
 
     search = [r for r in summary_rows(root / "sc-lr") if r["status"] == "FINISHED"]
-    assert len(search) == 4
-    chosen = {}
-    for arm in ("headless", "vanilla"):
-        mine = [r for r in search if r["objective"] == arm]
-        best = min(mine, key=lambda r: float(r["downstream/score"]))
-        chosen[arm] = float(best["learning_rate"])
+    assert len(search) == 8  # 2 arms × 2 rates × 2 budgets × 1 seed
+    record = json.loads((root / "sc" / scaling.SEARCH_FILE).read_text())
     client, (parent,), children = sweep_runs(mlflow_server, "sc")
-    for arm, lr in chosen.items():
-        assert float(parent.data.params[f"scaling.lr.{arm}"]) == lr
     rows = summary_rows(root / "sc")
     assert len(rows) == 6 and all(r["status"] == "FINISHED" for r in rows)
     by_trial = {c.data.tags["trial_id"]: c for c in children}
-    for row in rows:  # the rate of its arm, in its config and on its MLflow run
+    for row in rows:  # the rate of its arm at its budget, in its config and on its MLflow run
+        lr = record["rates"][row["objective"]][row["budget_flops"]]
+        assert (
+            float(parent.data.params[f"scaling.lr.{row['objective']}.{row['budget_flops']}"]) == lr
+        )
         saved = yaml.safe_load((root / "sc" / "trials" / row["run"] / "config.yaml").read_text())
-        assert saved["optim"]["lr"] == chosen[row["objective"]], row["run"]
+        assert saved["optim"]["lr"] == lr and saved["optim"]["embedding_update"] == "dense"
         child = by_trial[row["trial_id"]]
-        assert float(child.data.params["optim.lr"]) == chosen[row["objective"]]
+        assert float(child.data.params["optim.lr"]) == lr
         assert child.data.tags["ray_train"] == "local"
         assert child.data.metrics["trial/pretrain_overhead_s"] > 0
-    redo = [arm for arm, lr in chosen.items() if lr != 3e-3]  # the preset's rate
-    shared = root / "sc-shared-lr"
-    assert shared.is_dir() == bool(redo)
-    if redo:
-        again = summary_rows(shared)
-        assert sorted({r["objective"] for r in again}) == sorted(redo)
-        assert len(again) == 3 * len(redo)
-        for row in again:
-            saved = yaml.safe_load((shared / "trials" / row["run"] / "config.yaml").read_text())
-            assert saved["optim"]["lr"] == 3e-3
     out = capsys.readouterr().out
-    assert "chosen: headless lr" in out and "# Compute multiplier: preset tiny" in out
+    assert "rates: headless 10G" in out and "# Compute multiplier: preset tiny" in out

@@ -57,6 +57,10 @@ def test_tiny_run_lowers_its_loss_and_saves_a_plain_transformers_model(preset, o
     assert len(losses) == steps // 5
     assert sum(losses[-2:]) / 2 < losses[0] - 0.15, losses
     assert summary["steps"] == steps and summary["tokens"] == steps * 32 * 64
+    # Every step's seconds, for the sweeps' speed intervals; they add up to the training time.
+    timed = summary["step_seconds"]
+    assert timed["first_step"] == 1 and len(timed["values"]) == steps
+    assert sum(timed["values"]) == pytest.approx(summary["seconds"]["train"], rel=1e-3)
     # Measured U: distinct target ids of a micro-batch, at most min(K, V), in the FLOP model.
     m = summary["metrics"]
     assert 1 < m["train/U"] <= min(m["train/K"], summary["vocab_size"])

@@ -277,7 +277,7 @@ def _run_point(sm, vocab, micro_batch, spec, device, amp, peak_flops, dropped, p
     K, U = _targets(batches)
     entries = [(arm.name, arm, vocab, batches) for arm in arms if arm.name not in dropped]
     desc = f"{sm.name} V={vocab} B={micro_batch}"
-    results = _alternate(entries, sm, spec, device, amp, progress, desc)
+    results = alternate(entries, sm, spec, device, amp, progress, desc)
     for name, note in dropped.items():
         results[name] = {"status": "skipped", "note": note}
     base = _base(sm, vocab, micro_batch, spec, device)
@@ -292,7 +292,7 @@ def _run_flat(sm, small, large, spec, device, amp, peak_flops, progress) -> list
     batches = {v: make_batches(sm, v, micro_batch, spec.batches, device) for v in (small, large)}
     entries = [(f"{a.name}@{v}", a, v, batches[v]) for a in arms for v in (small, large)]
     flat_spec = replace(spec, repeats=spec.flat_repeats)
-    results = _alternate(entries, sm, flat_spec, device, amp, progress, f"{sm.name} flat in V")
+    results = alternate(entries, sm, flat_spec, device, amp, progress, f"{sm.name} flat in V")
     rows = []
     for label, arm, vocab, _ in entries:
         r = results[label]
@@ -322,7 +322,7 @@ def _run_flat(sm, small, large, spec, device, amp, peak_flops, progress) -> list
     return rows
 
 
-def _alternate(entries, sm, spec, device, amp, progress, desc) -> dict[str, dict]:
+def alternate(entries, sm, spec, device, amp, progress, desc) -> dict[str, dict]:
     """Build and warm up every entry (label, arm, vocab, batches), time them in alternation
     (A B C A B C ...; one more round if a spread is wide), then one untimed step each for
     peak memory. Returns {label: {"status", "times", "peak_mb"} or {"status", "note"}}."""

@@ -153,6 +153,20 @@ def clm_config(
     return cfg, facts
 
 
+def fixed_config(cfg: Config, facts: dict[str, Any], settings: dict[str, Any]):
+    """The fine-tune `cfg` with fixed steps, batch and rate (`settings`, dotted keys; warm-up a
+    tenth of its steps, the micro-batch at most the batch), and its `facts` updated: what a
+    preset records (`hlm_ray.finetune.generators.GENERATORS`)."""
+    steps = settings["optim.max_steps"]
+    batch = settings.get("optim.global_batch_size", cfg.optim.global_batch_size)
+    extra = {"optim.warmup_steps": max(1, steps // 10),
+             "optim.micro_batch_size": min(cfg.optim.micro_batch_size, batch), **settings}  # fmt: skip
+    cfg = apply_overrides(cfg, extra)
+    tokens = cfg.optim.max_steps * cfg.optim.global_batch_size * cfg.data.seq_len
+    fraction = tokens / facts["pretrain_tokens"] if facts.get("pretrain_tokens") else None
+    return cfg, {**facts, "finetune_tokens": tokens, "pretrain_token_fraction": fraction}
+
+
 def model_config_from_hf(folder: Path) -> ModelConfig:
     """The ModelConfig of a model folder that came without its hlm_ray config."""
     hf = json.loads((folder / "config.json").read_text())

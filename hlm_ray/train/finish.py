@@ -43,6 +43,12 @@ def finish_run(run: TrainRun) -> dict[str, Any]:
             "worker": time.perf_counter() - run.entered,
             "entered_at": run.entered_at,
         },
+        # Each optimizer step's wall seconds, from step `start` + 1 (this attempt's): a speed
+        # comparison's interval is made from them (`hlm_ray.tune.speed`).
+        "step_seconds": {
+            "first_step": run.start + 1,
+            "values": [round(t, 6) for t in run.step_times],
+        },
     }
     if run.budget is not None:
         summary["budget"] = budget_outcome(run)

@@ -82,6 +82,9 @@ class TrainRun:
     start: int
     """The step training starts from (0, or the resumed checkpoint's)."""
     train_time: float = 0.0
+    step_times: list[float] = field(default_factory=list)
+    """Wall seconds of each optimizer step of this attempt (summary.json's `step_seconds`: the
+    sweeps' speed intervals are made from them)."""
     window_start: float = field(default_factory=time.perf_counter)
     window_steps: int = 0
     window_skipped: int = 0

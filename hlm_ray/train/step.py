@@ -60,7 +60,9 @@ def train_step(run: TrainRun, step: int) -> None:
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.last_batch = (input_ids, labels, negatives)  # for the measured U at log steps
-    run.train_time += time.perf_counter() - step_start
+    took = time.perf_counter() - step_start
+    run.train_time += took
+    run.step_times.append(took)
     run.window_steps += 1
 
 

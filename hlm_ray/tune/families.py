@@ -23,6 +23,7 @@ from typing import Any
 from hlm_ray.classify.tasks import XNLI_LANGUAGES
 from hlm_ray.config import Config
 from hlm_ray.errors import HLMError
+from hlm_ray.finetune.generators import GENERATORS
 from hlm_ray.presets import load_config
 from hlm_ray.tune.axis import Value
 from hlm_ray.tune.spec import SweepSpec
@@ -39,9 +40,15 @@ class Family:
     share: float | None = None
     """Decoders: the headless arm's generator fine-tune, as a share of its pretraining tokens;
     the vanilla arm pretrains on as many tokens more. None: encoders (the GLUE fine-tune is the
-    same for both arms)."""
+    same for both arms), or a fixed `generator`."""
     clm_tokens_per_step: int | None = None
     """Tokens per step of the generator fine-tune (its recipe's batch × seq_len)."""
+    generator: dict[str, Any] | None = None
+    """Decoders at CPU scale: the fixed generator fine-tune (`hlm_ray.finetune.generators`:
+    steps, batch, rate); the vanilla arm pretrains on as many tokens (or FLOPs) more."""
+    lrs: dict[str, float] | None = None
+    """Each arm's own learning rate (None: the preset's, both arms); `lr_note` says where from."""
+    lr_note: str = ""
     paper: str = ""
     """What it reproduces."""
     budget: str = "tokens"
@@ -64,12 +71,26 @@ class Family:
     def pretrain_steps(self) -> int:
         return self.tokens // self.tokens_per_step()
 
+    @property
+    def generates(self) -> bool:
+        """A decoder whose headless arm is fine-tuned into a generator."""
+        return self.share is not None or self.generator is not None
+
     def finetune_steps(self) -> int | None:
         """The headless arm's generator fine-tune steps (what `run_downstream` derives)."""
+        if self.generator is not None:
+            return int(self.generator["optim.max_steps"])
         if self.share is None:
             return None
         pretrain_tokens = self.pretrain_steps() * self.tokens_per_step()
         return max(1, math.floor(self.share * pretrain_tokens / self.clm_tokens_per_step))
+
+    def finetune_tokens(self) -> int:
+        """The fine-tune's tokens (0 for an encoder)."""
+        if self.generator is not None:
+            batch = self.generator["optim.global_batch_size"]
+            return self.finetune_steps() * batch * self.config().data.seq_len
+        return self.finetune_steps() * self.clm_tokens_per_step if self.share else 0
 
     def steps(self, objective: str) -> int:
         """Pretraining steps of an arm: the budget, plus the fine-tune's tokens for a vanilla
@@ -78,30 +99,35 @@ class Family:
         if self.budget == "flops":
             return flops_steps(self.arm_config(objective), self.flops_budget(objective))
         steps = self.pretrain_steps()
-        if self.share is None or objective == "headless" or self.budget == "seconds":
+        if not self.generates or objective == "headless" or self.budget == "seconds":
             return steps
-        extra_tokens = self.finetune_steps() * self.clm_tokens_per_step
-        return steps + round(extra_tokens / self.tokens_per_step())
+        return steps + round(self.finetune_tokens() / self.tokens_per_step())
 
     def arm_config(self, objective: str) -> Config:
         from hlm_ray.config import apply_overrides
 
-        return apply_overrides(self.config(), {"objective.name": objective})
+        lr = {"optim.lr": self.lrs[objective]} if self.lrs else {}
+        return apply_overrides(self.config(), {"objective.name": objective, **lr})
+
+    def finetune_flops(self) -> float:
+        """The generator fine-tune's FLOPs: its tokens at the vanilla arm's FLOPs per token (a
+        new head of the same vocabulary)."""
+        from hlm_ray.budget import flops_per_step, tokens_per_step
+
+        vanilla = self.arm_config("vanilla")
+        per_token = flops_per_step(vanilla, vocab_size_of(vanilla)) / tokens_per_step(vanilla)
+        if self.generator is not None or self.budget != "flops":
+            return self.finetune_tokens() * per_token
+        headless = self.arm_config("headless")
+        headless_tokens = flops_steps(headless, self.flops) * tokens_per_step(headless)
+        return self.share * headless_tokens * per_token
 
     def flops_budget(self, objective: str) -> float:
         """`flops` for both arms, plus for a vanilla decoder the FLOPs of its headless twin's
-        generator fine-tune (`share` of the headless arm's pretraining tokens, priced at the
-        vanilla arm's FLOPs per token: a new head of the same vocabulary)."""
-        if self.share is None or objective == "headless":
+        generator fine-tune (`finetune_flops`)."""
+        if not self.generates or objective == "headless":
             return self.flops
-        from hlm_ray.budget import flops_per_step, tokens_per_step
-
-        headless = self.arm_config("headless")
-        vanilla = self.arm_config("vanilla")
-        headless_tokens = flops_steps(headless, self.flops) * tokens_per_step(headless)
-        v = vocab_size_of(vanilla)
-        per_token = flops_per_step(vanilla, v) / tokens_per_step(vanilla)
-        return self.flops + self.share * headless_tokens * per_token
+        return self.flops + self.finetune_flops()
 
 
 def vocab_size_of(cfg: Config) -> int:
@@ -159,22 +185,55 @@ GPT2_CPU_SETTINGS = {
 CPU_FLOPS = 1.2e12
 # Equal seconds: measured training time of each arm (the deadline of `budget.seconds`).
 CPU_SECONDS = 60.0
-# The generator recipe of the tiny and cpu decoders (hlm_ray.finetune.clm.RECIPES: tiny, 32
-# sequences of 64 tokens a step) and the share of the pretraining tokens it fine-tunes on.
+# The generator recipe of the tiny decoders (hlm_ray.finetune.clm.RECIPES: tiny, 32 sequences of
+# 64 tokens a step) and the share of the pretraining tokens it fine-tunes on.
 SMALL_GENERATOR = {"share": 0.02, "clm_tokens_per_step": 32 * 64}
+# The cpu decoder of the compute comparisons (the scaling sweep's and the headline's decoder
+# rows): d=128, 2 layers, a 2,048-token BPE of the corpus, so that the head is 38% of a vanilla
+# step's FLOPs (pythia-70m's: 45%; the GPT-2 tokenizer's 50k: 94%) and the vanilla arm gets
+# hundreds of steps; 8 sequences of 64 tokens a step (K = 504 CWT rows); warm-up a tenth of each
+# run's steps; both arms update their (tied) embeddings densely.
+DECODER_CPU_SETTINGS = {
+    "model.hidden_size": 128,
+    "model.num_layers": 2,
+    "model.num_heads": 2,
+    "tokenizer.vocab_size": 2048,
+    "optim.global_batch_size": 8,
+    "optim.micro_batch_size": 8,
+    "optim.embedding_update": "dense",
+    "budget.warmup_share": 0.1,
+}
+# Each arm's rate at the cpu decoder's budgets: what `sweeps/scaling.py --preset cpu`'s search
+# found, interpolated in (ln FLOPs, ln lr) at the family's FLOPs (docs/reproduction.md).
+DECODER_CPU_LRS = {"headless": 3e-3, "vanilla": 1e-3}
+DECODER_LR_NOTE = "each arm at the rate the scaling sweep's search found for this model"
+DECODER_CPU = {"generator": GENERATORS["cpu"], "lrs": DECODER_CPU_LRS, "lr_note": DECODER_LR_NOTE}
+DECODER_RUN = {"run.log_every": 50, "run.eval_every": 1_000_000, "run.checkpoint_every": 500,
+               "run.eval_batches": 2}  # fmt: skip
+# Equal tokens: 1,600 steps of 8 × 64 (819,200 tokens, as the encoders'); equal FLOPs: the
+# scaling sweep's 2T; equal seconds: 60 s, at most 2,400 steps (the schedule's length).
+DECODER_TOKENS = 1_600 * 8 * 64
+DECODER_FLOPS = 2e12
+DECODER_SECONDS_CAP = 2_400 * 8 * 64
 # Sized so that `headline.py --preset cpu` (36 trials) fits 45 minutes on 2 AVX2 cores.
 CPU_TOKENS = 400 * 32 * 64  # 400 steps of 32 × 64 tokens
 SECONDS_CAP = 1_200 * 32 * 64  # the equal-seconds arms' schedule: more steps than 60 s buy
 
 
 def pair(suffix: str, settings: dict[str, Any], tokens: int, **budget) -> dict[str, Family]:
-    """The encoder and decoder families of one budget at CPU scale: bert-cpu<suffix> (tiny
-    encoder) and gpt2-cpu<suffix> (tiny GPT-2 and its generator fine-tune); `budget` sets
-    their other `Family` fields; `paper` names the encoder's table (the decoder's is Table 3)."""
+    """The encoder and decoder families of one budget at CPU scale: bert-cpu<suffix> (the tiny
+    encoder with `settings`, `tokens`) and gpt2-cpu<suffix> (the cpu decoder, its own tokens
+    `decoder_tokens`, flops `decoder_flops`, each arm at its searched rate, and its generator
+    fine-tune); `budget` sets their other `Family` fields; `paper` names the encoder's table
+    (the decoder's is Table 3)."""
     paper = budget.pop("paper", "Table 1 (bert-base, GLUE) at CPU scale")
     decoder = budget.pop("decoder", "Table 3 (pythia-70m, LAMBADA) at CPU scale")
+    dec_tokens = budget.pop("decoder_tokens", DECODER_TOKENS)
+    dec_flops = budget.pop("decoder_flops", budget.get("flops"))
+    dec_budget = {**budget, "flops": dec_flops}
     enc = Family("tiny-encoder", settings, tokens, paper=paper, **budget)
-    dec = Family("tiny-gpt2", settings, tokens, paper=decoder, **SMALL_GENERATOR, **budget)
+    dec = Family("tiny-gpt2", {**DECODER_CPU_SETTINGS, **DECODER_RUN}, dec_tokens, paper=decoder,
+                 **DECODER_CPU, **dec_budget)  # fmt: skip
     return {f"bert-cpu{suffix}": enc, f"gpt2-cpu{suffix}": dec}
 
 
@@ -182,7 +241,8 @@ FAMILIES: dict[str, Family] = {
     # tiny: the smoke test (seconds of training; scores stay at chance).
     "tiny-encoder": Family("tiny-encoder", TINY_SETTINGS, TINY_TOKENS),
     "tiny-gpt2": Family("tiny-gpt2", TINY_SETTINGS, TINY_TOKENS, **SMALL_GENERATOR),
-    # cpu, equal tokens: 400 steps of 2,048 tokens for both arms.
+    # cpu, equal tokens: 819,200 tokens for both arms (encoders 400 steps of 32 × 64, decoders
+    # 1,600 of 8 × 64).
     **pair("", CPU_SETTINGS, CPU_TOKENS),
     "tiny-encoder-curve": Family("tiny-encoder", TINY_SETTINGS, TINY_TOKENS, curve=True),
     # --curve: bert-cpu with its checkpoints at 25%, 50% and 100% of the budget kept and scored.
@@ -193,17 +253,18 @@ FAMILIES: dict[str, Family] = {
         curve=True,
         paper="Figures 3-4 (score against pretraining tokens) at CPU scale",
     ),
-    # cpu, equal compute (Table 1's equal GPU-hours row, Figure 7): the GPT-2 tokenizer for
-    # the decoder and, matching it, for the encoder; every arm the same FLOPs, or the same
-    # measured training seconds (up to 1,200 steps, the schedule's length).
+    # cpu, equal compute (Table 1's equal GPU-hours row, Figure 7): the GPT-2 tokenizer for the
+    # encoder, the cpu decoder (2k BPE) for the decoder; every arm the same FLOPs, or the same
+    # measured training seconds (encoders up to 1,200 steps, the schedule's length).
     **pair(
         "-flops",
         GPT2_CPU_SETTINGS,
         CPU_TOKENS,
         budget="flops",
         flops=CPU_FLOPS,
+        decoder_flops=DECODER_FLOPS,
         paper="Table 1's equal-compute row at CPU scale (GPT-2 tokenizer, equal FLOPs)",
-        decoder="Table 3 at equal FLOPs, CPU scale (GPT-2 tokenizer)",
+        decoder="Table 3 at equal FLOPs, CPU scale (the cpu decoder, 2k BPE)",
     ),
     **pair(
         "-seconds",
@@ -211,8 +272,9 @@ FAMILIES: dict[str, Family] = {
         SECONDS_CAP,
         budget="seconds",
         seconds=CPU_SECONDS,
+        decoder_tokens=DECODER_SECONDS_CAP,
         paper="Table 1's equal GPU-hours row at CPU scale (GPT-2 tokenizer, equal seconds)",
-        decoder="Table 3 at equal training seconds, CPU scale (GPT-2 tokenizer)",
+        decoder="Table 3 at equal training seconds, CPU scale (the cpu decoder, 2k BPE)",
     ),
     # paper: the models and budgets of Tables 1, 3 and 8 (a cluster).
     "bert-base": Family(
@@ -250,11 +312,12 @@ def arm_settings(value: Value, objective: str) -> dict[str, Any]:
         from hlm_ray.tune.curve import checkpoint_settings
 
         return tokens | checkpoint_settings(steps)
+    lr = {"optim.lr": family.lrs[objective]} if family.lrs else {}
     if family.budget == "flops":  # the worker turns the FLOPs into steps (U measured)
-        return {"optim.max_steps": steps, "budget.flops": family.flops_budget(objective)}
+        return {"optim.max_steps": steps, "budget.flops": family.flops_budget(objective), **lr}
     if family.budget == "seconds":  # a deadline; max_steps is the cap and the schedule
-        return {"optim.max_steps": steps, "budget.seconds": family.seconds}
-    return tokens
+        return {"optim.max_steps": steps, "budget.seconds": family.seconds, **lr}
+    return tokens | lr
 
 
 def check_families(spec: SweepSpec) -> None:

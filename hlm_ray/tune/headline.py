@@ -88,32 +88,56 @@ def report_scores(spec: SweepSpec) -> list:
     return scores
 
 
+def generator_note(f: Family) -> str:
+    """What a decoder family's generator fine-tune is, and its share of the headless arm's
+    FLOPs (the fine-tune's tokens at the vanilla arm's FLOPs per token)."""
+    if not f.generates:
+        return ""
+    from hlm_ray.budget import flops_per_step
+
+    headless = f.arm_config("headless")
+    pretrain = (f.flops if f.budget == "flops"
+                else f.steps("headless") * flops_per_step(headless, vocab_size_of(headless)))  # fmt: skip
+    ft = f.finetune_flops()
+    how = (f"{f.finetune_steps():,} steps of {f.generator['optim.global_batch_size']} sequences "
+           f"at lr {f.generator['optim.lr']:g}" if f.generator
+           else f"{f.finetune_steps():,} step(s), share {f.share:g} of its pretraining tokens")  # fmt: skip
+    said = f"the headless arm's generator fine-tune: {how} = {f.finetune_tokens():,} tokens, {ft:.3g} FLOPs"
+    if f.budget == "seconds":
+        return said + " (not in its seconds)"
+    return (
+        said
+        + f", {ft / (pretrain + ft):.1%} of the arm's compute; the vanilla arm gets as much more"
+    )
+
+
+def lr_note(f: Family) -> str:
+    if not f.lrs:
+        return ""
+    rates = ", ".join(f"{arm} {lr:g}" for arm, lr in f.lrs.items())
+    return f"learning rates: {rates} ({f.lr_note})"
+
+
 def compute_note(name: str, f: Family, per_step: int) -> str:
     """A compute-budget family's line: what each arm was given and what it became."""
     v = vocab_size_of(f.config())
     head = f"`{name}` ({f.preset}, V = {v:,}; {f.paper})"
+    extra = [x for x in (generator_note(f), lr_note(f)) if x]
+    tail = ("; " + "; ".join(extra)) if extra else ""
     if f.budget == "seconds":
         return (
             f"{head}: each arm trains for {f.seconds:g} s of measured training time "
             f"(`budget.seconds`; at most {f.pretrain_steps():,} steps, the schedule's length); "
-            "the steps each reached are its trials' `steps` in summary.md"
-            + ("; the headless arm's generator fine-tune is not in the seconds" if f.share
-               else "") + "."
-        )  # fmt: skip
+            "the steps each reached are its trials' `steps` in summary.md" + tail + "."
+        )
     arms = "; ".join(
         f"{o}: {f.flops_budget(o):.3g} FLOPs = {f.steps(o):,} steps × {per_step:,} tokens "
         f"= {f.steps(o) * per_step:,} tokens"
         for o in ("headless", "vanilla")
     )
-    extra = (
-        "; the vanilla arm's FLOPs include its twin's generator fine-tune "
-        f"(share {f.share:g} of the headless arm's tokens)"
-        if f.share
-        else ""
-    )
     return (
         f"{head}: equal FLOPs (`budget.flops`, `hlm_ray.flops`), {arms} (headless steps at the "
-        f"dry run's bound U; the worker measures U and may give it more){extra}."
+        f"dry run's bound U; the worker measures U and may give it more){tail}."
     )
 
 
@@ -130,14 +154,13 @@ def budget_notes(spec: SweepSpec) -> list[str]:
             f"{f.pretrain_steps():,} steps × {per_step:,} tokens = {f.pretrain_steps() * per_step:,}"
             " tokens"
         )
-        if f.share is not None:
-            ft = f.finetune_steps() * f.clm_tokens_per_step
+        if f.generates:
             line += (
-                f"; the headless arm is then fine-tuned into a generator for "
-                f"{f.finetune_steps():,} step(s) = {ft:,} tokens (share {f.share:g} of its "
-                f"pretraining tokens), and the vanilla arm pretrains {f.steps('vanilla'):,} steps "
-                f"= {f.steps('vanilla') * per_step:,} tokens (the same total)"
+                f"; {generator_note(f)} (the vanilla arm pretrains {f.steps('vanilla'):,} steps "
+                f"= {f.steps('vanilla') * per_step:,} tokens: the same total)"
             )
+        if f.lrs:
+            line += f"; {lr_note(f)}"
         notes.append(line + ".")
     notes.append(
         "Baselines: GLUE tasks the majority class of the evaluation rows (accuracy = its share, "

@@ -1,22 +1,25 @@
-"""The compute sweep (`sweeps/scaling.py`): both arms of a decoder at budgets in FLOPs, each arm
-at the learning rate its own search chose, then the same budgets at one shared learning rate.
+"""The compute sweep (`sweeps/scaling.py`): both arms of a decoder at budgets in FLOPs, each arm at
+learning rates searched at the smallest and at the largest budget.
 
     Axis("scaling", "budget.flops", ..., settings=budget_settings, check=check_budgets)
-    lrs = search_lrs(spec)                        # log-spaced: sweep.search_lr, search_samples
-    lr_spec = search_spec(spec)                   # every arm × lr at the smallest budget
-    chosen = choose_lrs(rows)                     # {"headless": 3e-3, "vanilla": 1e-3}
-    main = with_lrs(spec, chosen)                 # every budget of an arm at its lr
-    shared = shared_spec(spec, chosen)            # the arms whose lr was not the shared one
-    print(plan_text(spec, args, "scaling-cpu"))   # --dry-run: every trial of the three parts
+    search = search_spec(spec)               # each arm × lr × {smallest, largest budget} × seeds
+    found = search_scores(rows)              # {arm: {budget: {lr: [bits per byte per seed]}}}
+    picks = choose_lrs(found)                # {arm: {budget: lr}}: the lowest mean
+    more = extensions(spec, found, picks)    # {arm: ["2T@0.0316"]}: past an edge of the grid
+    rates = lr_schedule(spec, picks)         # {arm: {budget: lr}}: found at the ends, between
+    main = with_lrs(spec, rates)             #   interpolated in (ln lr, ln budget)
+    print(plan_text(spec, args, "scaling-cpu"))   # --dry-run: every trial, steps, head share
 
-One run is three sweeps, each its own folder and MLflow parent run: `<name>-lr` (the search:
-each arm at each learning rate, seed 0, at the smallest budget, scored on bits per byte),
-`<name>` (every budget × arm × seed at the arm's chosen rate: the chosen rates
-are `sweep.arm_overrides` there, recorded on its parent run) and `<name>-shared-lr` (every
-budget × seed of the arms whose chosen rate is not the shared one, `optim.lr` of the preset,
-at that rate; skipped when both arms chose it). `hlm_ray.tune.scaling_report` fits and
-compares them. Budgets are FLOPs with an SI prefix (`"400G"`, `"1.6T"`; a plain number works
-too): strings, so run names and tables stay short.
+One run is several sweeps, each its own folder and MLflow parent run: `<name>-lr` (the search:
+both arms, each rate of the grid, `sweep.search_seeds` seeds, at the smallest and the largest
+budget, scored on bits per byte); where an arm's best rate at a budget is the lowest or highest
+it tried there, `<name>-lr+<k>-<arm>` tries one grid step past that edge (round k, that arm
+alone), up to `sweep.search_extend` rounds, and the report says where a best rate still sits on
+an edge; then `<name>`, every budget × arm × seed, each arm at the rate found at each end and at
+rates interpolated between them (recorded as `sweep.arm_overrides`, `arm@budget:optim.lr=`).
+`hlm_ray.tune.scaling_report` reads them. Budgets are FLOPs with an SI prefix (`"400G"`,
+`"1.6T"`; a plain number works too): strings, so run names and tables stay short. A search
+value is a budget and a rate, `"500G@0.001"`.
 """
 
 from __future__ import annotations
@@ -29,15 +32,17 @@ import time
 from typing import Any
 
 from hlm_ray.errors import HLMError
-from hlm_ray.tune.axis import Axis, Figure, Value
+from hlm_ray.tune.axis import Axis, Value
 from hlm_ray.tune.spec import SweepSpec
 
 ARMS = ("headless", "vanilla")
 SI = {"k": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15, "E": 1e18}
-SEARCH_SEEDS = 1
-"""Seeds of the learning-rate search (0..n-1)."""
+AT = "@"
+"""Joins a search value's budget and learning rate: `500G@0.001`."""
 TIMING_FILE = "timing.json"
-"""Wall seconds of the last invocation's three parts, in the tuned sweep's folder."""
+"""Wall seconds of the last invocation's parts, in the main sweep's folder."""
+SEARCH_FILE = "lr_search.json"
+"""What the search found (scores, picks, extensions, edges, the schedule), beside TIMING_FILE."""
 
 
 def flops_of(value: Value) -> float:
@@ -56,7 +61,8 @@ def budget_settings(value: Value, workers: int) -> dict[str, Any]:
 
 def check_budgets(spec: SweepSpec) -> None:
     """Budgets that are not positive numbers, arms other than headless and vanilla, a recipe
-    without bits per byte: `HLMError` before anything runs."""
+    without bits per byte, a search grid of fewer than 3 rates: `HLMError` before anything
+    runs."""
     for value in spec.values:
         try:
             ok = flops_of(value) > 0
@@ -74,6 +80,11 @@ def check_budgets(spec: SweepSpec) -> None:
             f"sweep.recipe={spec.recipe}: the scaling report reads bits per byte; use "
             "scaling-tiny, scaling-cpu or scaling-paper"
         )
+    if spec.search_samples < 2 or (spec.search_extend and spec.search_samples < 3):
+        raise HLMError(
+            f"sweep.search_samples={spec.search_samples}: the learning-rate grid needs 3 or more "
+            "rates (2 with sweep.search_extend=0: then the best is always on an edge, said so)"
+        )
 
 
 def budgets(spec: SweepSpec) -> list[str]:
@@ -81,79 +92,171 @@ def budgets(spec: SweepSpec) -> list[str]:
     return sorted((str(v) for v in spec.values), key=flops_of)
 
 
+def search_budgets(spec: SweepSpec) -> list[str]:
+    """Where the rates are searched: the smallest and the largest budget."""
+    b = budgets(spec)
+    return [b[0], b[-1]] if len(b) > 1 else b
+
+
 def search_lrs(spec: SweepSpec) -> list[float]:
     """`sweep.search_samples` learning rates spaced evenly in log over `sweep.search_lr`, to 3
     significant digits (they name runs)."""
+    return [grid_rate(spec, i) for i in range(spec.search_samples)]
+
+
+def grid_step(spec: SweepSpec) -> float:
+    """The ratio between neighbouring rates of the grid (what an extension steps by)."""
     low, high = spec.search_lr
-    n = spec.search_samples
-    if n == 1:
-        return [float(f"{low:.3g}")]
-    ratio = math.log(high / low) / (n - 1)
-    return [float(f"{low * math.exp(i * ratio):.3g}") for i in range(n)]
+    return (high / low) ** (1.0 / max(1, spec.search_samples - 1))
 
 
-def shared_lr(spec: SweepSpec) -> float:
-    """The learning rate both arms share untuned: the preset's `optim.lr`."""
-    return spec.base_config().optim.lr
+def grid_rate(spec: SweepSpec, k: int) -> float:
+    """The grid's k-th rate (k < 0 or past the end: the grid continued), to 3 significant
+    digits."""
+    return float(f"{spec.search_lr[0] * grid_step(spec) ** k:.3g}")
 
 
-def search_spec(spec: SweepSpec) -> SweepSpec:
-    """Each arm at each searched learning rate, at the smallest budget, `SEARCH_SEEDS` seeds."""
-    smallest = budgets(spec)[0]
+def grid_index(spec: SweepSpec, lr: float) -> int:
+    return round(math.log(lr / spec.search_lr[0]) / math.log(grid_step(spec)))
+
+
+def search_value(budget: str, lr: float) -> str:
+    return f"{budget}{AT}{float(f'{lr:.3g}'):g}"
+
+
+def parse_search_value(value: Value) -> tuple[str, float]:
+    budget, at, lr = str(value).partition(AT)
+    if not at:
+        raise HLMError(f"search value {value!r} must look like budget{AT}lr, e.g. 500G{AT}0.001")
+    return budget, float(lr)
+
+
+def _search_settings(value: Value, workers: int) -> dict[str, Any]:
+    budget, lr = parse_search_value(value)
+    return {**budget_settings(budget, workers), "optim.lr": lr}
+
+
+def search_spec(
+    spec: SweepSpec, values: list[str] | None = None, objectives: tuple[str, ...] | None = None
+) -> SweepSpec:
+    """Each arm at each rate of the grid at the smallest and the largest budget,
+    `sweep.search_seeds` seeds (or the given search `values` and arms: an extension round)."""
     axis = spec.axis
     lr_axis = dataclasses.replace(
         axis,
         name=f"{axis.name}-lr",
         field="optim.lr",
-        label="learning rate",
-        column=("learning rate", "learning_rate"),
-        settings=lambda value, workers: {**axis.settings(smallest, workers), "optim.lr": value},
+        label="budget and learning rate",
+        column=("budget @ learning rate", "budget_lr"),
+        settings=_search_settings,
         check=None,
-        figures=(Figure("bpb_vs_lr.png", "text_bpb", "bits per byte of held-out text"),),
+        figures=(),
         short="lr",
+        log_x=False,
     )
-    values = tuple(search_lrs(spec))
-    return dataclasses.replace(spec, axis=lr_axis, values=values, num_seeds=SEARCH_SEEDS)
-
-
-def choose_lrs(rows: list[dict[str, Any]], objectives=ARMS) -> dict[str, float]:
-    """Each arm's learning rate with the lowest mean bits per byte over its finished search
-    trials (`rows`: the search sweep's summary rows, `value` the rate)."""
-    chosen = {}
-    for arm in objectives:
-        scores: dict[float, list[float]] = {}
-        for r in rows:
-            score = r.get("downstream/score")
-            if r["objective"] == arm and r["status"] == "FINISHED" and _finite(score):
-                scores.setdefault(float(r["value"]), []).append(float(score))
-        if not scores:
-            raise HLMError(
-                f"the learning-rate search has no finished {arm} trial; see its summary, fix "
-                "the cause and run the same command again (finished trials are kept)"
-            )
-        chosen[arm] = min(scores, key=lambda lr: sum(scores[lr]) / len(scores[lr]))
-    return chosen
-
-
-def with_lrs(spec: SweepSpec, lrs: dict[str, float], objectives=None) -> SweepSpec:
-    """`spec` (on `objectives`, default all) with each arm at its rate (`sweep.arm_overrides`)."""
-    items = tuple(f"{arm}:optim.lr={lr!r}" for arm, lr in lrs.items())
-    objectives = tuple(objectives or spec.objectives)
+    values = values or [
+        search_value(b, lr) for b in search_budgets(spec) for lr in search_lrs(spec)
+    ]
     return dataclasses.replace(
-        spec, objectives=objectives, arm_overrides=(*spec.arm_overrides, *items)
+        spec,
+        axis=lr_axis,
+        values=tuple(values),
+        num_seeds=spec.search_seeds,
+        objectives=tuple(objectives or spec.objectives),
     )
 
 
-def shared_spec(spec: SweepSpec, chosen: dict[str, float]) -> SweepSpec | None:
-    """The arms whose chosen rate is not the shared one, at the shared one (None: none)."""
-    lr = shared_lr(spec)
-    arms = [a for a in spec.objectives if not math.isclose(chosen[a], lr, rel_tol=1e-9)]
-    return with_lrs(spec, {a: lr for a in arms}, arms) if arms else None
+def search_scores(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[float, list[float]]]]:
+    """{arm: {budget: {lr: [score of each finished seed]}}} from search summary rows (`value`
+    the search value, `downstream/score` bits per byte)."""
+    out: dict[str, dict[str, dict[float, list[float]]]] = {}
+    for r in rows:
+        score = r.get("downstream/score")
+        if r["status"] != "FINISHED" or not _finite(score):
+            continue
+        budget, lr = parse_search_value(r["value"])
+        out.setdefault(r["objective"], {}).setdefault(budget, {}).setdefault(lr, []).append(
+            float(score)
+        )
+    return out
+
+
+def choose_lrs(
+    found, objectives=ARMS, where: list[str] | None = None
+) -> dict[str, dict[str, float]]:
+    """Each arm's rate with the lowest mean bits per byte over its seeds, at each searched
+    budget (`where`: the budgets that must have one)."""
+    picks: dict[str, dict[str, float]] = {}
+    for arm in objectives:
+        for budget in where or sorted(found.get(arm, {}), key=flops_of):
+            scores = found.get(arm, {}).get(budget)
+            if not scores:
+                raise HLMError(
+                    f"the learning-rate search has no finished {arm} trial at {budget}; see its "
+                    "summary, fix the cause and run the same command again (finished trials "
+                    "are kept)"
+                )
+            mean = {lr: sum(v) / len(v) for lr, v in scores.items()}
+            picks.setdefault(arm, {})[budget] = min(mean, key=mean.get)
+    return picks
+
+
+def edge(found, arm: str, budget: str, lr: float) -> str | None:
+    """ "low" or "high" when `lr` is the lowest or highest rate tried for the arm there."""
+    tried = sorted(found[arm][budget])
+    if len(tried) < 2:
+        return None
+    return "low" if lr == tried[0] else "high" if lr == tried[-1] else None
+
+
+def extensions(spec: SweepSpec, found, picks: dict[str, dict[str, float]]) -> dict[str, list[str]]:
+    """{arm: [search values]}: one grid step past the edge where an arm's best rate sits on the
+    edge of what it tried, unless `sweep.search_extend` steps were already taken there."""
+    grid = search_lrs(spec)
+    more: dict[str, list[str]] = {}
+    for arm, at in picks.items():
+        for budget, lr in at.items():
+            side = edge(found, arm, budget, lr)
+            tried = found[arm][budget]
+            taken = sum(1 for x in tried if x < grid[0] * 0.999 or x > grid[-1] * 1.001)
+            if side and taken < spec.search_extend:
+                k = grid_index(spec, lr) + (-1 if side == "low" else 1)
+                more.setdefault(arm, []).append(search_value(budget, grid_rate(spec, k)))
+    return more
+
+
+def lr_schedule(spec: SweepSpec, picks: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """{arm: {budget: lr}}: the rate found at the smallest and the largest budget, and between
+    them the straight line in (ln budget, ln lr), to 3 significant digits."""
+    ends = search_budgets(spec)
+    out: dict[str, dict[str, float]] = {}
+    for arm, found in picks.items():
+        lo, hi = found[ends[0]], found[ends[-1]]
+        x0, x1 = math.log(flops_of(ends[0])), math.log(flops_of(ends[-1]))
+        for budget in budgets(spec):
+            t = 0.0 if x1 == x0 else (math.log(flops_of(budget)) - x0) / (x1 - x0)
+            lr = math.exp(math.log(lo) + t * (math.log(hi) - math.log(lo)))
+            out.setdefault(arm, {})[budget] = float(f"{lr:.3g}")
+    return out
+
+
+def with_lrs(spec: SweepSpec, rates: dict[str, dict[str, float]]) -> SweepSpec:
+    """`spec` with each arm at its rate at each budget (`arm@budget:optim.lr=...`)."""
+    items = tuple(
+        f"{arm}{AT}{budget}:optim.lr={lr!r}"
+        for arm, at in rates.items()
+        for budget, lr in at.items()
+    )
+    return dataclasses.replace(spec, arm_overrides=(*spec.arm_overrides, *items))
 
 
 def names(name: str) -> dict[str, str]:
-    """The three sweeps' names (their folders in runs/sweeps and their MLflow runs)."""
-    return {"search": f"{name}-lr", "tuned": name, "shared": f"{name}-shared-lr"}
+    """The sweeps' names (their folders in runs/sweeps and their MLflow runs)."""
+    return {"search": f"{name}-lr", "tuned": name}
+
+
+def extension_name(name: str, round_: int, arm: str) -> str:
+    return f"{name}-lr+{round_}-{arm}"
 
 
 # ------------------------------------------------------------------------------ the command
@@ -163,28 +266,38 @@ def refuse_search(args: argparse.Namespace, axis: Axis) -> None:
     if args.search:
         raise HLMError(
             "the scaling sweep runs its own learning-rate grid for each arm (sweep.search_lr, "
-            "sweep.search_samples); run it without --search"
+            "sweep.search_samples, sweep.search_seeds); run it without --search"
         )
 
 
 def plan_text(spec: SweepSpec, args: argparse.Namespace, name: str) -> str:
-    """--dry-run: the three parts' trials (budget, arm, learning rate, seed) and their cost."""
+    """--dry-run: the search's and the budgets' trials (budget, arm, learning rate, seed), each
+    arm's optimizer and fine-tune steps, the head's share of a vanilla step, and the cost."""
     from hlm_ray.plan import assumptions_from, format_plan, sweep_plan
     from hlm_ray.tune.placement import plan_concurrency
+    from hlm_ray.tune.scaling_plan import arm_lines
 
-    lr = shared_lr(spec)
     part = names(name)
-    worst = with_lrs(spec, dict.fromkeys(spec.objectives, lr))
+    ends = search_budgets(spec)
+    guess = lr_schedule(
+        spec, dict.fromkeys(spec.objectives, dict.fromkeys(ends, search_lrs(spec)[1]))
+    )
     parts = [
-        (search_spec(spec), part["search"], "1. the learning-rate search (value = lr)"),
-        (spec, part["tuned"], "2. every budget, each arm at the rate its search chose"),
-        (worst, part["shared"], f"3. at most: every budget at the shared lr {lr:g}, for "
-                                "the arms whose search chose another"),
+        (search_spec(spec), part["search"], "1. the learning-rate search (value = budget@lr)"),
+        (with_lrs(spec, guess), part["tuned"], "2. every budget, each arm at the rates its "
+         "search found (priced here at the grid's middle rate)"),
     ]  # fmt: skip
     lines = [
-        f"scaling sweep {name}: budgets {', '.join(budgets(spec))} FLOPs × "
-        f"{{{', '.join(spec.objectives)}}} × {spec.num_seeds} seed(s); learning rates searched "
-        f"{', '.join(f'{x:g}' for x in search_lrs(spec))} at the smallest budget, seed 0",
+        f"scaling sweep {name}: budgets {', '.join(budgets(spec))} FLOPs "
+        f"({flops_of(ends[-1]) / flops_of(ends[0]):.0f}× span) × {{{', '.join(spec.objectives)}}}"
+        f" × {spec.num_seeds} seed(s)",
+        f"learning rates searched: {', '.join(f'{x:g}' for x in search_lrs(spec))} at "
+        f"{' and '.join(ends)}, seeds 0..{spec.search_seeds - 1}; where an arm's best rate is the "
+        f"lowest or highest it tried at a budget, one step past it (×{grid_step(spec):.3g}) is "
+        f"tried too, at most {spec.search_extend} step(s) per edge (sweeps {name}-lr+<round>-<arm>); "
+        "between the two budgets each arm's rate is interpolated in (ln budget, ln lr)",
+        "",
+        *arm_lines(spec),
         "",
     ]
     total = 0
@@ -194,14 +307,19 @@ def plan_text(spec: SweepSpec, args: argparse.Namespace, name: str) -> str:
         fit = lambda nodes, s=part_spec, n=trials: plan_concurrency(s, n, nodes)  # noqa: E731
         plan = sweep_plan(part_spec, assumptions_from(args), fit=fit, name=part_name)
         lines += [f"== {title}", format_plan(plan), ""]
-    lines.append(f"{total} trials at most (part 3 runs only for an arm whose search chose a rate "
-                 f"other than {lr:g})")  # fmt: skip
+    per_round = 2 * spec.search_seeds
+    lines.append(
+        f"{total} trials, plus {per_round} per grid extension (an arm's {spec.search_seeds} seeds "
+        "at one budget), at most "
+        f"{spec.search_extend * len(ends) * 2 * len(spec.objectives) * spec.search_seeds} "
+        "more in all"
+    )
     return "\n".join(lines)
 
 
 def run_parts(spec: SweepSpec, args: argparse.Namespace, name: str):
-    """The search, the tuned budgets, the shared-rate budgets; the tuned sweep's outcome, its
-    rows joined by the other parts' failed ones (the exit status counts them)."""
+    """The search (and its extensions), then the budgets; the main sweep's outcome, its rows
+    joined by the search's failed ones (the exit status counts them)."""
     from hlm_ray.plan import assumptions_from
     from hlm_ray.tune.sweep import run_sweep
 
@@ -212,20 +330,41 @@ def run_parts(spec: SweepSpec, args: argparse.Namespace, name: str):
     print(f"\n== {part['search']}: the learning-rate search\n{search.table}")
     if search.interrupted:
         return search
-    chosen = choose_lrs(search.rows)
-    print("chosen: " + ", ".join(f"{arm} lr {lr:g}" for arm, lr in chosen.items()))
-    tuned = run_sweep(with_lrs(spec, chosen), name=part["tuned"], **kw)
-    failed = [r for r in search.rows if r["status"] == "FAILED"]
-    shared = shared_spec(spec, chosen)
-    seconds = {"search": search.seconds, "tuned": tuned.seconds, "shared": 0.0}
-    if shared is not None and not tuned.interrupted:
-        other = run_sweep(shared, name=part["shared"], **kw)
-        print(f"\n== {part['shared']}: at the shared lr {shared_lr(spec):g}\n{other.table}")
-        failed += [r for r in other.rows if r["status"] == "FAILED"]
-        tuned.interrupted = other.interrupted
-        seconds["shared"] = other.seconds
+    rows, failed = list(search.rows), [r for r in search.rows if r["status"] == "FAILED"]
+    seconds = {"search": search.seconds}
+    for round_ in range(1, spec.search_extend + 1):
+        found = search_scores(rows)
+        more = extensions(spec, found, choose_lrs(found, spec.objectives, search_budgets(spec)))
+        if not more:
+            break
+        for arm, values in more.items():
+            ext = run_sweep(search_spec(spec, values, (arm,)),
+                            name=extension_name(name, round_, arm), **kw)  # fmt: skip
+            print(f"\n== {ext.name}: {arm}, one step past the grid's edge\n{ext.table}")
+            rows += ext.rows
+            failed += [r for r in ext.rows if r["status"] == "FAILED"]
+            seconds["search"] += ext.seconds
+            if ext.interrupted:
+                return ext
+    found = search_scores(rows)
+    picks = choose_lrs(found, spec.objectives, search_budgets(spec))
+    rates = lr_schedule(spec, picks)
+    print("rates: " + "; ".join(
+        f"{arm} " + ", ".join(f"{b} {lr:g}" for b, lr in at.items()) for arm, at in rates.items()
+    ))  # fmt: skip
+    tuned = run_sweep(with_lrs(spec, rates), name=part["tuned"], **kw)
+    seconds["tuned"] = tuned.seconds
     seconds["all"] = time.perf_counter() - started  # the report's time line reads it
     (tuned.folder / TIMING_FILE).write_text(json.dumps(seconds, indent=1))
+    record = {
+        "scores": {a: {b: {f"{lr:g}": v for lr, v in at.items()} for b, at in by.items()}
+                   for a, by in found.items()},
+        "picks": picks,
+        "edges": {a: {b: edge(found, a, b, lr) for b, lr in at.items()} for a, at in picks.items()},
+        "rates": rates,
+        "extend": spec.search_extend,
+    }  # fmt: skip
+    (tuned.folder / SEARCH_FILE).write_text(json.dumps(record, indent=1))
     tuned.rows = [*tuned.rows, *failed]
     return tuned
 

@@ -8,6 +8,7 @@
     spec.cells()              # [{"value": 512, "objective": "headless", "seed": 0}, ...]
     spec.base_config()        # the validated Config every trial starts from
     SweepSpec(..., arm_overrides=("headless:optim.lr=3e-3", "vanilla:optim.lr=1e-3"))  # per arm
+    SweepSpec(..., arm_overrides=("vanilla@500G:optim.lr=1e-3", ...))   # per arm and value
 
 `--set sweep.FIELD=VALUE` sets a field below; any other `--set KEY=VALUE` is a config override
 on the base preset (`optim.max_steps=20`). Invalid settings raise `HLMError` naming the option.
@@ -56,9 +57,10 @@ class SweepSpec:
     overrides: tuple[str, ...] = ()
     """Dotted config overrides on the base preset, `optim.max_steps=20`."""
     arm_overrides: tuple[str, ...] = ()
-    """Config overrides of one arm, `objective:key=value` (`vanilla:optim.lr=1e-3`), applied
-    after the axis's settings; every arm of the grid must set the same keys (the scaling sweep
-    gives each arm the learning rate its search chose)."""
+    """Config overrides of one arm, `objective:key=value` (`vanilla:optim.lr=1e-3`), or of one
+    arm at one value of the axis, `objective@value:key=value` (`vanilla@500G:optim.lr=1e-3`),
+    applied after the axis's settings; every arm of a value must set the same keys (the scaling
+    sweep gives each arm, at each budget, the learning rate its search found)."""
     recipe: Literal[
         "tiny", "paper", "headline-tiny", "headline-cpu", "headline-paper", "scaling-tiny",
         "scaling-cpu", "scaling-paper", "none",
@@ -83,6 +85,11 @@ class SweepSpec:
     """--search: log-uniform range of optim.lr."""
     search_warmup: tuple[int, ...] = (0, 10, 50)
     """--search: choices of optim.warmup_steps."""
+    search_seeds: int = 2
+    """The scaling sweep's learning-rate search: seeds of each (arm, budget, rate)."""
+    search_extend: int = 2
+    """The scaling sweep's learning-rate search: grid steps tried past an edge where an arm's
+    best rate sits on it, at most, per arm and budget."""
     experiment: str = "hlm_ray-sweeps"
     """MLflow experiment of the parent run and its children."""
     local_trials: bool = True
@@ -120,22 +127,25 @@ class SweepSpec:
             (self.gpus_per_worker >= 0, "gpus_per_worker", "must be >= 0"),
             (self.max_failures >= 0, "max_failures", "must be >= 0"),
             (self.search_samples >= 1, "search_samples", "must be >= 1"),
+            (self.search_seeds >= 1, "search_seeds", "must be >= 1"),
+            (self.search_extend >= 0, "search_extend", "must be >= 0"),
             (0 < self.search_lr[0] <= self.search_lr[1], "search_lr", "must be 0 < low <= high"),
             (bool(self.search_warmup), "search_warmup", "give at least one warm-up"),
         ]
         for ok, name, allowed in checks:
             if not ok:
                 raise HLMError(f"sweep.{name}={getattr(self, name)!r} is not allowed; {allowed}")
-        keys = {o: set(self.arm_settings(o)) for o in self.objectives}
-        if self.arm_overrides and len({frozenset(k) for k in keys.values()}) > 1:
-            raise HLMError(
-                f"sweep.arm_overrides={list(self.arm_overrides)}: every arm must set the same "
-                f"keys ({'; '.join(f'{o}: {sorted(k)}' for o, k in keys.items())})"
-            )
+        for value in self.values:
+            keys = {o: set(self.arm_settings(o, value)) for o in self.objectives}
+            if self.arm_overrides and len({frozenset(k) for k in keys.values()}) > 1:
+                raise HLMError(
+                    f"sweep.arm_overrides={list(self.arm_overrides)}: every arm must set the same "
+                    f"keys ({'; '.join(f'{o}: {sorted(k)}' for o, k in keys.items())})"
+                )
 
-    def arm_settings(self, objective: str) -> dict[str, Any]:
-        """The `arm_overrides` of one arm, {dotted key: value}."""
-        return arm_settings(self.arm_overrides, objective)
+    def arm_settings(self, objective: str, value: Value | None = None) -> dict[str, Any]:
+        """The `arm_overrides` of one arm (at one value of the axis), {dotted key: value}."""
+        return arm_settings(self.arm_overrides, objective, value)
 
     def cells(self) -> list[dict[str, Any]]:
         """Every (value, objective, seed) of the grid, in Tune's order."""
@@ -155,7 +165,7 @@ class SweepSpec:
         """The config of one trial, as Tune resolves `param_space` for it."""
         extra = {
             **self.axis.overrides(value, self.workers_per_trial, objective),
-            **self.arm_settings(objective),
+            **self.arm_settings(objective, value),
             "objective.name": objective,
             "run.seed": seed,
         }
@@ -246,7 +256,8 @@ def with_overrides(spec: SweepSpec, items: list[str]) -> SweepSpec:
     new = build(SweepSpec, data, prefix="sweep.")  # the axis is kept as it is
     base = new.base_config()  # unknown preset, unknown key or invalid value: fail now
     for objective in new.objectives:
-        apply_overrides(base, new.arm_settings(objective))
+        for value in new.values:
+            apply_overrides(base, new.arm_settings(objective, value))
     return new
 
 
@@ -277,22 +288,27 @@ def _cell_overrides(
     presets and price steps (tens of keys × a few ms each, for every cell). Read only: the dict
     is shared."""
     out = dict(axis.overrides(value, workers, objective))
-    return {**out, **arm_settings(arm_overrides, objective)}
+    return {**out, **arm_settings(arm_overrides, objective, value)}
 
 
-def arm_settings(arm_overrides: tuple[str, ...], objective: str) -> dict[str, Any]:
-    """{dotted key: value} of the `objective:key=value` items that name `objective`."""
+def arm_settings(
+    arm_overrides: tuple[str, ...], objective: str, value: Value | None = None
+) -> dict[str, Any]:
+    """{dotted key: value} of the `objective:key=value` items that name `objective`, and of the
+    `objective@value:key=value` items that name it and `value` (matched as text)."""
     out = {}
     for item in arm_overrides:
         arm, colon, setting = item.partition(":")
-        key, eq, value = setting.partition("=")
-        if not colon or not eq or arm.strip() not in OBJECTIVES or not key.strip():
+        arm, at, where = arm.partition("@")
+        key, eq, setting_value = setting.partition("=")
+        if (not colon or not eq or arm.strip() not in OBJECTIVES or not key.strip()
+                or (at and not where.strip())):  # fmt: skip
             raise HLMError(
-                f"sweep.arm_overrides: {item!r} must look like objective:key=value, e.g. "
-                "vanilla:optim.lr=1e-3"
+                f"sweep.arm_overrides: {item!r} must look like objective:key=value or "
+                "objective@value:key=value, e.g. vanilla:optim.lr=1e-3"
             )
-        if arm.strip() == objective:
-            out[key.strip()] = yaml.safe_load(value.strip())
+        if arm.strip() == objective and (not at or str(value) == where.strip()):
+            out[key.strip()] = yaml.safe_load(setting_value.strip())
     return out
 
 

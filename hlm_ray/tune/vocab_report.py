@@ -31,8 +31,14 @@ ARM_COLORS = {"vanilla": "tab:orange", "headless": "tab:blue"}
 
 
 def read_rows(folder: Path) -> list[dict[str, Any]]:
-    """The finished trials of summary.csv: value (the requested size), objective, seed, and the
-    numeric columns as floats."""
+    """The finished trials of summary.csv: value (the requested size), objective, seed, the
+    numeric columns as floats, the steady per-step tokens/s of its training (`steps`) and, for a
+    headless trial, its embedding-update probe (`probe`, or None)."""
+    import json
+
+    from hlm_ray.bench.update_probe import read_probe
+    from hlm_ray.tune.speed import steady_tokens_per_s
+
     rows = []
     with (folder / "summary.csv").open(newline="") as f:
         for r in csv.DictReader(f):
@@ -42,6 +48,12 @@ def read_rows(folder: Path) -> list[dict[str, Any]]:
             row["value"] = int(float(r["vocab_size"]))
             for key in ("downstream/score", "tokens_per_s", "V"):
                 row[key] = float(r[key]) if r.get(key) not in (None, "") else math.nan
+            trial = folder / "trials" / r.get("run", "")
+            summary = trial / "summary.json"
+            row["steps"] = (
+                steady_tokens_per_s(json.loads(summary.read_text())) if summary.is_file() else []
+            )
+            row["probe"] = read_probe(trial / "downstream")
             rows.append(row)
     return rows
 
@@ -68,6 +80,7 @@ def plot_vs_vocab(
     y_label: str,
     labels: dict[str, str] | None = None,
     baseline: tuple[float, str] | None = None,
+    dashed: tuple[str, ...] = (),
 ):
     """One line per arm (mean over seeds, ±1 sd bars, each seed a faint dot) against the size on
     a log axis; `baseline` (value, legend text) dashed, points at chance ringed. Returns the
@@ -83,8 +96,10 @@ def plot_vs_vocab(
         sds = [stats.describe(points[arm][x]).sd for x in xs]
         sds = [s if math.isfinite(s) else 0.0 for s in sds]
         label = (labels or {}).get(arm, arm)
-        color = ARM_COLORS.get(arm)
-        ax.errorbar(xs, means, yerr=sds, fmt="o-", capsize=3, label=label, color=color)
+        color = ARM_COLORS.get(arm.split(" ")[0])
+        style = "o--" if arm in dashed else "o-"
+        ax.errorbar(xs, means, yerr=sds, fmt=style, capsize=3, label=label, color=color,
+                    mfc="white" if arm in dashed else None)  # fmt: skip
         for x in xs:
             ax.scatter([x] * len(points[arm][x]), points[arm][x], color=color, alpha=0.35, s=12)
         if baseline is not None:
@@ -112,6 +127,78 @@ def plot_vs_vocab(
     return fig
 
 
+LAZY_ARM = "headless lazy"
+"""Figure 7b's third line: the headless arm's speed with the lazy embedding update."""
+
+
+def lazy_points(rows: list[dict[str, Any]]) -> dict[int, list[float]]:
+    """{V: [tokens/s]}: each headless trial's training tokens/s (dense update) times its probe's
+    ratio of median step times, dense over lazy (measured side by side in one process)."""
+    import statistics
+
+    out: dict[int, list[float]] = {}
+    for r in rows:
+        probe = r.get("probe")
+        if r["objective"] == "headless" and probe and math.isfinite(r["tokens_per_s"]):
+            t = probe["seconds"]
+            ratio = statistics.median(t["dense"]) / statistics.median(t["lazy"])
+            out.setdefault(r["value"], []).append(r["tokens_per_s"] * ratio)
+    return out
+
+
+def speed_rows_from_steps(rows: list[dict[str, Any]], compared: list[report.Row]) -> list:
+    """The tokens/s rows with their interval from the runs' own step times
+    (`hlm_ray.tune.speed`): over steps with one run per arm, over runs with two or more."""
+    from dataclasses import replace
+
+    from hlm_ray.tune.speed import speed_difference
+
+    out = []
+    for row in compared:
+        runs = {a: [r["steps"] for r in rows if str(r["value"]) == row.score.family
+                    and r["objective"] == a] for a in report.ARMS}  # fmt: skip
+        if all(any(runs[a]) for a in report.ARMS):
+            diff = speed_difference(runs["headless"], runs["vanilla"])
+            verdict = stats.verdict(diff, higher_is_better=True)
+            row = replace(row, diff=diff, verdict=verdict)
+        out.append(row)
+    return out
+
+
+def probe_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The lazy embedding update's row per size: the headless step with each update, timed in
+    alternation in each headless trial (tokens/s of the probe's steps), Welch over the steps
+    (over the trials' means with two or more)."""
+    from hlm_ray.tune.speed import speed_difference
+
+    probes: dict[int, list[dict]] = {}
+    for r in rows:
+        if r["objective"] == "headless" and r.get("probe"):
+            probes.setdefault(r["value"], []).append(r["probe"])
+    if not probes:
+        return []
+    lines = [
+        "The lazy embedding update, its own row (each headless trial times its model's step with "
+        "the dense and the lazy update in alternation: tokens/s of those steps):",
+        "",
+        "| V | headless, dense update | headless, lazy update | Δ lazy − dense [95% CI] | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    for value in sorted(probes):
+        runs = {k: [[p["tokens_per_step"] / t for t in p["seconds"][k]] for p in probes[value]]
+                for k in ("dense", "lazy")}  # fmt: skip
+        d = speed_difference(runs["lazy"], runs["dense"])
+        means = {k: sum(x for r in v for x in r) / sum(len(r) for r in v) for k, v in runs.items()}
+        verdict = {stats.HOLDS: "lazy faster", stats.REVERSED: "dense faster"}.get(
+            stats.verdict(d, higher_is_better=True), "cannot be told apart"
+        )
+        lines.append(
+            f"| {value:,} | {means['dense']:,.0f} | {means['lazy']:,.0f} | {d.estimate:+,.0f} "
+            f"[{d.low:+,.0f}, {d.high:+,.0f}] | {verdict} ({d.method}) |"
+        )
+    return lines
+
+
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
@@ -119,7 +206,7 @@ def _mean(values: list[float]) -> float:
 def speed_sentence(tokens_per_s: dict[str, dict[int, list[float]]], updates: dict[str, str]) -> str:
     """What Figure 7b shows, from the smallest to the largest size of each arm."""
     parts = []
-    for arm in ("vanilla", "headless"):
+    for arm in ("vanilla", "headless", LAZY_ARM):
         points = tokens_per_s.get(arm)
         if not points or len(points) < 2:
             continue
@@ -134,8 +221,10 @@ def speed_sentence(tokens_per_s: dict[str, dict[int, list[float]]], updates: dic
         else:
             trend = (f"ends within 15% of where it starts but is uneven between "
                      f"({min(means):,.0f} to {max(means):,.0f} tokens/s)")  # fmt: skip
+        update = "lazy" if arm == LAZY_ARM else updates.get(arm, "?")
+        name = "headless" if arm == LAZY_ARM else arm
         parts.append(
-            f"{arm}'s training speed ({updates.get(arm, '?')} embedding update) {trend} from "
+            f"{name}'s training speed ({update} embedding update) {trend} from "
             f"V={lo:,} to V={hi:,} ({a:,.0f} to {b:,.0f} tokens/s, {change:+.0%})"
         )
     if not parts:
@@ -220,9 +309,13 @@ def write_vocab_report(spec, name: str, preset: str) -> list[Path]:
                   (baseline, f"{baseline_note} ({baseline:.3f})"))  # fmt: skip
     fig_b = folder / "fig7b_tokens_per_s_vs_vocab.png"
     speed = by_arm(rows, "tokens_per_s")
-    plot_vs_vocab(speed, fig_b, y_label="training tokens / s",
+    lazy = lazy_points(rows)
+    plot_vs_vocab({**speed, **({LAZY_ARM: lazy} if lazy else {})}, fig_b,
+                  y_label="training tokens / s", dashed=(LAZY_ARM,),
                   title=f"Figure 7b: training speed vs V\n{scale}",
-                  labels={o: f"{o} ({u} embedding update)" for o, u in updates.items()})  # fmt: skip
+                  labels={**{o: f"{o} ({u} embedding update)" for o, u in updates.items()},
+                          LAZY_ARM: "headless, lazy embedding update (its probe's ratio × the "
+                                    "dense speed)"})  # fmt: skip
     trials = [report.Trial(str(r["value"]), r["objective"], r["seed"],
                            {"downstream/score": r["downstream/score"],
                             "tokens_per_s": r["tokens_per_s"]}) for r in rows]  # fmt: skip
@@ -230,10 +323,11 @@ def write_vocab_report(spec, name: str, preset: str) -> list[Path]:
     score_rows = report.compare(trials, [
         report.Score("downstream/score", task_label.split(" (")[0], v, baseline=baseline,
                      baseline_note=baseline_note, headline=True) for v in values])  # fmt: skip
-    speed_rows = report.compare(
+    speed_rows = speed_rows_from_steps(rows, report.compare(
         trials, [report.Score("tokens_per_s", "tokens/s", v, fmt="{:,.0f}") for v in values]
-    )
-    closing = [speed_sentence(speed, updates), scores_sentence(score_rows)]
+    ))  # fmt: skip
+    closing = [speed_sentence({**speed, **({LAZY_ARM: lazy} if lazy else {})}, updates),
+               scores_sentence(score_rows)]  # fmt: skip
     if baseline is None:
         score_rows, closing[1] = [], "Scores: none (sweep.recipe=none: pretraining only)."
     title = f"Figure 7 at the {preset} scale: headless vs vanilla per vocabulary size"
@@ -247,6 +341,7 @@ def write_vocab_report(spec, name: str, preset: str) -> list[Path]:
                f"({baseline or 0:.4f})."],
         figure=fig_a.name,
     )  # fmt: skip
+    text += "\n" + "\n".join(probe_table(rows)) + "\n"
     text += f"\n![Figure 7b]({fig_b.name})\n\n" + "\n\n".join(closing) + "\n"
     md = folder / "report.md"
     md.write_text(text)
