@@ -15,7 +15,7 @@ One command runs the learning-rate search (`<name>-lr`, and `<name>-lr+<k>-<arm>
 the grid) and the budgets (`<name>`) (`hlm_ray.tune.scaling`); then `hlm_ray.tune.scaling_report`
 writes runs/sweeps/<name>/report.md and its figures (also on the parent MLflow run). The same
 `--name` resumes every part. The generator fine-tune of the headless arm is the same at every
-budget (`hlm_ray.finetune.generators.GENERATORS`, chosen by `sweeps/generator_grid.py`), and its
+budget (`hlm_ray.finetune.generators.GENERATORS`, chosen by `hlm_ray.tune.generator_grid`), and its
 FLOPs are charged to the headless arm.
 """
 

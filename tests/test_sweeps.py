@@ -75,6 +75,7 @@ ONE_SWEEPS_CODE = (
     "vocab_report.py",
     "scaling.py",
     "scaling_report.py",
+    "generator_grid.py",
 )
 
 

@@ -9,6 +9,7 @@ learning rates searched at the smallest and at the largest budget.
     rates = lr_schedule(spec, picks)         # {arm: {budget: lr}}: found at the ends, between
     main = with_lrs(spec, rates)             #   interpolated in (ln lr, ln budget)
     print(plan_text(spec, args, "scaling-cpu"))   # --dry-run: every trial, steps, head share
+    arm_lines(spec); generator_cost(spec)    # the head's share, each arm's steps; the fine-tune
 
 One run is several sweeps, each its own folder and MLflow parent run: `<name>-lr` (the search:
 both arms, each rate of the grid, `sweep.search_seeds` seeds, at the smallest and the largest
@@ -29,6 +30,7 @@ import dataclasses
 import json
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from hlm_ray.errors import HLMError
@@ -259,6 +261,76 @@ def extension_name(name: str, round_: int, arm: str) -> str:
     return f"{name}-lr+{round_}-{arm}"
 
 
+# ------------------------------------------------------------------------------ the plan
+
+
+@dataclass(frozen=True)
+class GeneratorCost:
+    """The headless arm's generator fine-tune: the same at every budget."""
+
+    steps: int
+    tokens: int
+    flops: float
+    """Its tokens at the vanilla arm's FLOPs per token (a new head of the same vocabulary)."""
+
+
+def generator_cost(spec: SweepSpec) -> GeneratorCost:
+    from hlm_ray.budget import flops_per_step, tokens_per_step
+    from hlm_ray.config import apply_overrides
+    from hlm_ray.downstream import DOWNSTREAM
+    from hlm_ray.finetune.clm import RECIPES
+    from hlm_ray.tune.families import vocab_size_of
+
+    plan = DOWNSTREAM[spec.recipe]
+    settings = {**RECIPES[plan["clm_recipe"]], **plan.get("clm_settings", {})}
+    vanilla = spec.cell_config(budgets(spec)[0], "vanilla", 0)
+    per_token = flops_per_step(vanilla, vocab_size_of(vanilla)) / tokens_per_step(vanilla)
+    clm = apply_overrides(vanilla, {"optim.global_batch_size": settings["optim.global_batch_size"],
+                                    "optim.micro_batch_size": 1})  # fmt: skip
+    steps = int(settings["optim.max_steps"])
+    tokens = steps * tokens_per_step(clm)
+    return GeneratorCost(steps, tokens, tokens * per_token)
+
+
+def arm_lines(spec: SweepSpec) -> list[str]:
+    """The dry run's lines: the head's share of a vanilla step, then per budget each arm's
+    optimizer steps and tokens and the fine-tune's share of the headless arm's FLOPs."""
+    from hlm_ray.budget import flops_per_step
+    from hlm_ray.flops import config_step_flops
+    from hlm_ray.tune.families import flops_steps, vocab_size_of
+
+    first = budgets(spec)[0]
+    vanilla = spec.cell_config(first, "vanilla", 0)
+    headless = spec.cell_config(first, "headless", 0)
+    v = vocab_size_of(vanilla)
+    share = config_step_flops(vanilla, v).head_share
+    ratio = flops_per_step(vanilla, v) / flops_per_step(headless, v)
+    gen = generator_cost(spec)
+    per_step = vanilla.optim.global_batch_size * vanilla.data.seq_len
+    lines = [
+        f"the vocabulary head is {share:.0%} of a vanilla step's FLOPs (V = {v:,}, d = "
+        f"{vanilla.model.hidden_size}, {vanilla.model.num_layers} layers); a vanilla step costs "
+        f"{ratio:.2f}× a headless one; embedding update: headless "
+        f"{headless.optim.embedding_update}, vanilla {vanilla.optim.embedding_update}",
+        f"the headless arm's generator fine-tune: {gen.steps} optimizer steps, {gen.tokens:,} "
+        f"tokens, {gen.flops:.3g} FLOPs (charged to the headless arm)",
+        "",
+        "| budget | vanilla steps | headless steps (bound U) | tokens per step | fine-tune share "
+        "of the headless arm's FLOPs |",
+        "|---|---|---|---|---|",
+    ]
+    for budget in budgets(spec):
+        flops = flops_of(budget)
+        steps = {
+            a: flops_steps(spec.cell_config(budget, a, 0), flops) for a in ("vanilla", "headless")
+        }
+        lines.append(
+            f"| {budget} | {steps['vanilla']:,} | {steps['headless']:,} | {per_step:,} | "
+            f"{gen.flops / (flops + gen.flops):.1%} |"
+        )
+    return lines
+
+
 # ------------------------------------------------------------------------------ the command
 
 
@@ -275,7 +347,6 @@ def plan_text(spec: SweepSpec, args: argparse.Namespace, name: str) -> str:
     arm's optimizer and fine-tune steps, the head's share of a vanilla step, and the cost."""
     from hlm_ray.plan import assumptions_from, format_plan, sweep_plan
     from hlm_ray.tune.placement import plan_concurrency
-    from hlm_ray.tune.scaling_plan import arm_lines
 
     part = names(name)
     ends = search_budgets(spec)
