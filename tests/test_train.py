@@ -339,6 +339,20 @@ def test_skip_mode_drops_a_non_finite_step_and_trains_on(tmp_path, monkeypatch, 
     assert all(math.isfinite(r["train/loss"]) for r in rows)
 
 
+def test_skip_mode_logs_a_window_whose_every_step_was_skipped(tmp_path, monkeypatch):
+    """log_every=1 and a NaN gradient at step 2: that window's one step was skipped, so it has
+    no loss; it is logged without one (the count says why) and the run trains on to its end."""
+    _nan_gradients_at(monkeypatch, {2})
+    out = tmp_path / "skip1"
+    cfg = tiny_run_cfg(out, steps=3, every=(1, 3, 3), **{"optim.on_nonfinite": "skip"})
+    summary = train_worker(cfg.to_dict(), progress=False)
+    rows = {r["step"]: r for r in read_metrics(out) if "train/skipped_steps" in r}
+    assert [(s, rows[s]["train/skipped_steps"]) for s in sorted(rows)] == [(1, 0), (2, 1), (3, 1)]
+    assert "train/loss" not in rows[2]
+    assert all(math.isfinite(rows[s]["train/loss"]) for s in (1, 3))
+    assert summary["steps"] == 3 and (out / "model").is_dir()
+
+
 def test_skip_mode_stops_after_too_many_skipped_steps_in_a_row(tmp_path, monkeypatch):
     _nan_gradients_at(monkeypatch, set(range(3, 100)))
     out = tmp_path / "skips"
