@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from tiny_runs import SHAKESPEARE, tiny_run_cfg
 from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
@@ -364,12 +365,14 @@ def test_skip_mode_stops_after_too_many_skipped_steps_in_a_row(tmp_path, monkeyp
     assert max(ckpt.checkpoint_step(f) for f in ckpt.list_checkpoints(out)) == 4
 
 
-def test_a_diverged_run_stops_at_the_step_and_saves_no_nan_weights(tmp_path):
+@pytest.mark.parametrize("every", [(4, 12, 2), (2, 12, 4)], ids=["ckpt-between-logs", "usual"])
+def test_a_diverged_run_stops_at_the_step_and_saves_no_nan_weights(tmp_path, every):
     """optim.lr=1e30: the weights are NaN within a few steps. The run stops at the first log or
-    checkpoint step that sees the loss, saves no model, and every checkpoint it kept is finite
-    (checkpoints every 2 steps, logs every 4: the checkpoint steps between logs check too)."""
+    checkpoint step that sees the loss, saves no model, and every checkpoint it kept is finite,
+    whatever the layout: checkpoints every 2 steps and logs every 4 (the checkpoint steps
+    between logs check), or the usual one, checkpoints at log steps (the log step checks)."""
     out = tmp_path / "nan"
-    cfg = tiny_run_cfg(out, "tiny-decoder", "headless", steps=12, every=(4, 12, 2), **LR_1E30)
+    cfg = tiny_run_cfg(out, "tiny-decoder", "headless", steps=12, every=every, **LR_1E30)
     with pytest.raises(HLMError, match=r"training diverged: the loss is \w+ at step \d+") as err:
         train_worker(cfg.to_dict(), progress=False)
     assert "\n" not in str(err.value)
@@ -378,3 +381,5 @@ def test_a_diverged_run_stops_at_the_step_and_saves_no_nan_weights(tmp_path):
     assert stopped < 12
     for folder in ckpt.list_checkpoints(out):
         assert ckpt.checkpoint_step(folder) < stopped
+        weights = load_file(folder / "model" / "model.safetensors")
+        assert all(torch.isfinite(w).all() for w in weights.values()), folder.name
