@@ -5,6 +5,7 @@ AdamW (`adamw`) against torch's per-tensor loop."""
 
 import copy
 import io
+import itertools
 import os
 import socket
 
@@ -163,6 +164,71 @@ def test_headless_step_with_lazy_update_keeps_every_table_gradient_sparse() -> N
     untouched[ids.flatten()] = False
     assert torch.equal(table[untouched], before[untouched])
     assert not torch.equal(table[~untouched], before[~untouched])
+
+
+@pytest.mark.parametrize("arch", ["gpt_neox", "gpt2", "bert", "distilbert"])
+def test_biases_and_norm_weights_get_no_weight_decay(arch) -> None:
+    """Expected by module, not by shape: every LayerNorm parameter and every bias is in a group
+    with weight decay 0, every other parameter (linear weights, embedding tables) in one with
+    `optim.weight_decay`, each parameter in exactly one group, for both objectives and both
+    embedding updates; with `optim.decay_bias_and_norm` every parameter decays."""
+    from hlm_ray.models import build_model
+
+    model_cfg = ModelConfig(arch=arch, hidden_size=16, num_layers=1, num_heads=2, max_positions=16)
+    cases = itertools.product(("headless", "vanilla"), ("dense", "lazy"), (False, True))
+    for objective, update, decay_all in cases:
+        if update == "lazy" and objective == "vanilla" and arch != "gpt_neox":
+            continue  # a tied vocabulary head: lazy is refused (test_lazy_update_guards)
+        model = build_model(model_cfg, vocab_size=50, objective=objective, special_ids={})
+        norms = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm)
+                 for p in m.parameters(recurse=False)}  # fmt: skip
+        params = dict(model.named_parameters())  # a tied table once
+        assert norms and any(name.endswith(".bias") for name in params)
+        cfg = OptimConfig(weight_decay=0.1, decay_bias_and_norm=decay_all, embedding_update=update)
+        opt = build_optimizer(model, cfg)
+        grouped = [(id(p), g["weight_decay"]) for g in opt.param_groups for p in g["params"]]
+        assert sorted(i for i, _ in grouped) == sorted(id(p) for p in params.values())
+        decay = dict(grouped)
+        for name, p in params.items():
+            exempt = not decay_all and (id(p) in norms or name.endswith(".bias"))
+            assert decay[id(p)] == (0.0 if exempt else 0.1), (objective, update, decay_all, name)
+
+
+# lr_factor after 4 warm-up steps of 14: steps 4 (the peak), 9 (half-way), 13 (the last), then
+# 14 and 20 (past max_steps: the schedule stays at its end).
+AFTER_WARMUP = {
+    "constant": [1.0, 1.0, 1.0, 1.0, 1.0],
+    "linear": [1.0, 0.5, 0.1, 0.0, 0.0],
+    "cosine": [1.0, 0.5, 0.024471741852423234, 0.0, 0.0],  # (1 + cos(0.9π)) / 2 at step 13
+}
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+def test_the_learning_rate_schedule_at_its_edges(schedule) -> None:
+    """Optimizer step s (0-based) runs at lr·lr_factor(s): warm-up ramps 1/W, 2/W, ..., 1, so
+    the first step already moves and the last warm-up step is at the peak; then the schedule
+    from the peak to its end at max_steps. With no warm-up or one step of it, the first step
+    runs at the peak. Checked through torch's scheduler, as the loop steps it."""
+    from hlm_ray.train.optim import build_scheduler, lr_factor
+
+    cfg = OptimConfig(schedule=schedule, warmup_steps=4, max_steps=14)
+    assert [lr_factor(s, cfg) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    after = [lr_factor(s, cfg) for s in (4, 9, 13, 14, 20)]
+    assert after == pytest.approx(AFTER_WARMUP[schedule], abs=1e-12)
+    for warmup in (0, 1):
+        short = OptimConfig(schedule=schedule, warmup_steps=warmup, max_steps=14)
+        assert lr_factor(0, short) == 1.0
+    weight = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([weight], lr=2.0)
+    scheduler = build_scheduler(opt, cfg)
+    seen = []
+    for _ in range(15):
+        seen.append(opt.param_groups[0]["lr"])  # the lr this optimizer step runs at
+        opt.step()
+        scheduler.step()
+    expected = [0.25, 0.5, 0.75, 1.0] + [lr_factor(s, cfg) for s in range(4, 15)]
+    assert seen == pytest.approx([2.0 * f for f in expected], abs=1e-12)
+    assert seen[9] == pytest.approx(2.0 * AFTER_WARMUP[schedule][1])
 
 
 def test_lazy_update_guards() -> None:
