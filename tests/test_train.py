@@ -191,6 +191,31 @@ def test_each_worker_reads_its_own_shard():
     assert sorted(torch.cat(shards).tolist()) == sorted(sampler.indices(3).tolist())
 
 
+def test_one_step_has_the_same_gradient_with_one_or_four_micro_batches(tmp_path):
+    """Accumulation divides each micro-batch's loss by their number before `backward`, so a
+    step's gradient is the whole batch's whatever `micro_batch_size` (and the world size) is:
+    its norm (`train/grad_norm`, what `optim.grad_clip` clips) and the loss it logs (the
+    vanilla decoder's loss is a mean over equal micro-batches, so both are equal). K stays
+    one micro-batch's row count (63 next-token rows a sequence), the mean over micro-batches."""
+    from hlm_ray.train.setup import setup_run
+    from hlm_ray.train.step import train_step
+
+    seen = {}
+    for micro in (32, 8):
+        out = tmp_path / f"micro{micro}"
+        cfg = tiny_run_cfg(
+            out, "tiny-decoder", "vanilla", steps=1, every=(1, 1, 1), batch=(32, micro)
+        )
+        run = setup_run(cfg, None, None, None, None)
+        assert run.accum == 32 // micro
+        train_step(run, 0)
+        seen[micro] = [float(run.grad_norm), float(run.loss_sum)]
+        assert float(run.rows_sum) == 63 * micro
+        run.tracker.finish()
+    assert seen[8] == pytest.approx(seen[32], rel=1e-5)
+    assert seen[32][0] > 0
+
+
 def test_cli_train_prints_a_summary(tmp_path, capsys):
     out = tmp_path / "cli"
     code = main(
