@@ -130,6 +130,38 @@ def test_block_sampler_epochs_shards_and_purity():
     assert len(first) == 8 and sorted(first[:3]) == sorted(first[3:6]) == [0, 1, 2]
 
 
+def test_w_workers_see_the_micro_batches_one_process_sees_with_w_accumulation_steps():
+    """The expectation is the step's global batch cut in order (not `shard` itself): rank r of
+    W takes the r-th contiguous slice of `indices(step)`, in micro-batches, so W workers'
+    micro-batches, rank after rank, are one process's W·a micro-batches (a accumulation steps
+    each) in the same order: same rows per micro-batch, so the same CWT negatives."""
+    sampler = BlockSampler(num_blocks=37, global_batch=24, seed=5)  # 24 rows cross epochs
+    for step in (0, 1, 7):
+        batch = sampler.indices(step).tolist()
+        for world, micro in ((1, 24), (1, 6), (2, 6), (3, 4), (4, 3), (2, 12), (6, 2)):
+            per_rank = len(batch) // world
+            for rank in range(world):
+                rows = batch[rank * per_rank : (rank + 1) * per_rank]
+                expected = [rows[i : i + micro] for i in range(0, per_rank, micro)]
+                got = [m.tolist() for m in sampler.shard(step, rank, world, micro)]
+                assert got == expected, (step, world, micro, rank)
+        one = [m.tolist() for m in sampler.shard(step, 0, 1, 6)]  # 4 accumulation steps
+        workers = [m.tolist() for r in range(4) for m in sampler.shard(step, r, 4, 6)]
+        assert workers == one
+
+
+def test_every_seed_and_epoch_has_its_own_block_order():
+    """Epoch orders are drawn from a seed mixed from (seed, epoch): no two pairs share one (with
+    seed + epoch, seed s+1's first epoch would be seed s's second)."""
+    orders = {}
+    for seed in range(6):
+        sampler = BlockSampler(num_blocks=50, global_batch=50, seed=seed)  # a step per epoch
+        for epoch in range(6):
+            orders[seed, epoch] = tuple(sampler.indices(epoch).tolist())
+            assert sorted(orders[seed, epoch]) == list(range(50))
+    assert len(set(orders.values())) == len(orders)
+
+
 def _mask_batch(seed=0):
     gen = torch.Generator().manual_seed(seed)
     vocab, specials = 1000, [0, 1, 2, 3, 4]
