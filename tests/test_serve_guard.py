@@ -20,8 +20,9 @@ class App:
     """An ASGI app that reads the whole body, records it, and answers `status` with `body` in
     `chunks` pieces (plain text unless `ctype` says otherwise)."""
 
-    def __init__(self, status=200, body=b"ok", ctype=b"text/plain", chunks=1):
+    def __init__(self, status=200, body=b"ok", ctype=b"text/plain", chunks=1, upper=False):
         self.status, self.body, self.ctype, self.chunks = status, body, ctype, chunks
+        self.upper = upper
         self.seen: list[tuple[str, bytes]] = []
 
     async def __call__(self, scope, receive, send):
@@ -37,6 +38,8 @@ class App:
             return
         headers = [(b"content-type", self.ctype), (b"x-kept", b"1")]
         headers.append((b"content-length", str(len(self.body)).encode()))
+        if self.upper:  # as some servers send them: the guard replaces them all the same
+            headers = [(name.title(), value) for name, value in headers]
         await send({"type": "http.response.start", "status": self.status, "headers": headers})
         size = -(-len(self.body) // self.chunks) or 1
         pieces = [self.body[i : i + size] for i in range(0, len(self.body), size)] or [b""]
@@ -61,12 +64,23 @@ def call(app, path="/v1/completions", messages=None, headers=(), scope_type="htt
     async def send(message):
         sent.append(message)
 
+    if path is None:
+        del scope["path"]
     asyncio.run(BodyGuard(app, **limits)(scope, receive, send))
     starts = [m for m in sent if m["type"] == "http.response.start"]
     if not starts:
         return None, {}, b"", queue
-    assert len(starts) == 1
-    body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+    # A valid response: one start, each header once, the last body message says so.
+    assert len(starts) == 1 and sent[0] is starts[0]
+    names = [name for name, _ in starts[0]["headers"]]
+    lower = [n.lower() for n in names]
+    assert len(lower) == len(set(lower)), names  # no header twice, in any case
+    if starts[0]["status"] >= 400:  # an error the guard wrote or rewrote: its own names
+        assert {b"content-type", b"content-length"} <= set(names), names
+    bodies = sent[1:]
+    assert bodies and all(m["type"] == "http.response.body" for m in bodies)
+    assert bodies[-1]["more_body"] is False and all(m["more_body"] for m in bodies[:-1])
+    body = b"".join(m["body"] for m in bodies)
     return starts[0]["status"], dict(starts[0]["headers"]), body, queue
 
 
@@ -106,6 +120,47 @@ def test_other_scopes_pass_untouched():
     app = App()
     assert call(app, scope_type="lifespan")[0] is None
     assert app.seen == [("/v1/completions", b"")]  # reached the app, nothing read or sent
+    got = []
+
+    async def app_of_its_own(scope, receive, send):
+        got.append((receive, send))
+
+    async def receive():
+        return {}
+
+    async def send(message):
+        pass
+
+    asyncio.run(BodyGuard(app_of_its_own)({"type": "websocket"}, receive, send))
+    assert got == [(receive, send)]  # the client's own channels, not wrapped
+
+
+def test_a_scope_or_message_without_optional_keys_is_read_as_empty():
+    """ASGI's optional keys: no path, no headers, a body message without body or more_body
+    (the end of the body); a response start without headers, body messages without them."""
+    app = App()
+    scope = {"type": "http"}
+
+    async def receive():
+        return {"type": "http.request"}
+
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+
+    asyncio.run(BodyGuard(app)(scope, receive, send))
+    assert app.seen == [("http", b"")] and sent[0]["status"] == 200
+    assert call(App(), path=None)[0] == 200
+
+    async def bare_error(scope, receive, send):
+        await send({"type": "http.response.start", "status": 404})
+        await send({"type": "http.response.body", "body": b"gone", "more_body": True})
+        await send({"type": "http.response.body"})
+
+    status, headers, body, _ = call(bare_error)
+    assert (status, error_of(body)["message"]) == (404, "gone")
+    assert headers[b"content-type"] == b"application/json"
 
 
 @pytest.mark.parametrize(("declared", "status"), [(b"11", 413), (b"10", 200), (b"x", 200)])
@@ -169,8 +224,9 @@ def test_serves_own_routes_need_the_key_when_there_is_one(monkeypatch):
     for path in ("/-/routes", "/-/anything"):
         for headers in ([], [(b"Authorization", b"Bearer ")], [(b"Authorization", KEY.encode())]):
             app = App()
-            status, _, body, _ = call(app, path=path, headers=headers)
+            status, answered, body, _ = call(app, path=path, headers=headers)
             assert (status, app.seen) == (401, []), (path, headers)
+            assert b"connection" not in answered  # the connection may serve the next request
             assert error_of(body)["code"] == "invalid_api_key"
             assert "send 'Authorization: Bearer KEY'" in error_of(body)["message"]
         assert call(App(), path=path, headers=auth)[0] == 200
@@ -178,11 +234,14 @@ def test_serves_own_routes_need_the_key_when_there_is_one(monkeypatch):
     assert call(App(), path="/v1/models")[0] == 200  # the replica checks its own routes
     monkeypatch.setenv(guard.API_KEY_ENV, "")
     assert call(App(), path="/-/routes")[0] == 200  # no key set: no check
+    monkeypatch.delenv(guard.API_KEY_ENV)
+    assert call(App(), path="/-/routes")[0] == 200
 
 
 def test_plain_text_errors_are_rewritten_in_openais_shape_json_ones_pass():
     for chunks in (1, 3):
         app = App(status=503, body=b"  Service Unavailable: queue full \n", chunks=chunks)
+        app.upper = chunks == 3
         status, headers, body, _ = call(app)
         assert status == 503
         assert error_of(body) == {"message": "Service Unavailable: queue full",
@@ -190,7 +249,12 @@ def test_plain_text_errors_are_rewritten_in_openais_shape_json_ones_pass():
                                   "code": "server_overloaded"}  # fmt: skip
         assert headers[b"content-type"] == b"application/json"
         assert headers[b"content-length"] == str(len(body)).encode()
-        assert headers[b"x-kept"] == b"1"  # other headers are kept
+        assert headers[b"x-kept" if chunks == 1 else b"X-Kept"] == b"1"  # others are kept
+    app = App(status=400, body=b"bad \xff request", chunks=2)  # not UTF-8: replaced
+    app.ctype = b"text/plain; charset=latin-1"
+    status, headers, body, _ = call(app)
+    assert (status, error_of(body)["message"]) == (400, "bad \ufffd request")
+    assert b"connection" not in headers  # the app's error keeps the connection
     for status, reason in ((404, "not found"), (405, "method not allowed"),
                            (503, "the server is overloaded"), (502, "HTTP 502")):  # fmt: skip
         got, _, body, _ = call(App(status=status, body=b""))
