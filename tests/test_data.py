@@ -224,3 +224,105 @@ def test_empty_corpus(tmp_path):
     (tmp_path / "empty.jsonl").write_text(json.dumps({"text": ""}) + "\n")
     with pytest.raises(HLMError, match="no text found"):
         load_texts([str(tmp_path / "empty.jsonl")])
+
+
+# ----------------------------------------------------------------------------- edges
+
+
+def test_text_files_rows_and_what_is_not_text(tmp_path):
+    """.txt rows by document, paragraph or line; a bad sample_by, a missing column, a file that
+    is not UTF-8 (where and why, for chunks of any size), each with its own one-line error."""
+    (tmp_path / "t.txt").write_text("a b\nc\n\n  \nd e\n")
+    path = str(tmp_path / "t.txt")
+    assert load_texts([path])["text"] == ["a b\nc\n\n  \nd e\n"]
+    assert load_texts([path], sample_by="paragraph")["text"] == ["a b\nc", "d e\n"]
+    assert load_texts([path], sample_by="line")["text"] == ["a b", "c", "  ", "d e"]
+    with pytest.raises(HLMError, match=r"^sample_by='word': use document, paragraph or line$"):
+        load_texts([path], sample_by="word")
+    with pytest.raises(KeyError, match="title"):
+        load_texts([path])["title"]
+    bad = tmp_path / "bad"
+    cases = {
+        b"ok \xc3\xa9 ok": None,
+        b"abc\0def": "a NUL byte at offset 3: binary data",
+        b"abcdef\xffgh": "byte 0xff at offset 6 is not UTF-8",
+        b"abc \xc3": "it ends inside a UTF-8 sequence",
+    }
+    for raw, why in cases.items():
+        bad.write_bytes(raw)
+        for chunk in (1, 2, 4, 1 << 20):
+            assert datamod.not_utf8(bad, chunk=chunk) == why, (raw, chunk)
+    bad.write_bytes(b"abcdef\xffgh")
+    (tmp_path / "bad.txt").write_bytes(b"abcdef\xffgh")
+    with pytest.raises(HLMError, match=r"bad.txt is not UTF-8 text \(byte 0xff at offset 6 is not"):
+        load_texts([str(tmp_path / "bad.txt")])
+
+
+def test_parquet_and_hub_sources_read_their_text_column(tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["x y", "", None, "z"]}), tmp_path / "p.parquet")
+    assert load_texts([str(tmp_path / "p.parquet")], text_field="body")["text"] == ["x y", "z"]
+    with pytest.raises(HLMError, match=r"p.parquet has no 'text' column \(columns: \['body'\]\)"):
+        load_texts([str(tmp_path / "p.parquet")])
+    calls = []
+
+    class Hub:
+        column_names = ["text", "id"]
+
+        def __getitem__(self, column):
+            return ["hub one", "", None, "hub two"]
+
+    def load_hub(what, name, config, split):
+        calls.append((what, name, config, split))
+        return Hub()
+
+    monkeypatch.setattr(datamod, "load_hub", load_hub)
+    assert load_texts(["someone/corpus:en"])["text"] == ["hub one", "hub two"]
+    assert calls == [("someone/corpus", "someone/corpus", "en", "train")]
+    with pytest.raises(HLMError, match=r"someone/corpus has no 'body' column \(columns: \["):
+        load_texts(["someone/corpus"], text_field="body")
+
+
+@pytest.mark.parametrize("source", ["/no/such.file", "./nope", "../nope", "~/nope", "a/b.jsonl"])
+def test_a_source_that_looks_like_a_path_is_never_tried_on_the_hub(source, monkeypatch):
+    def load_hub(*args):
+        raise AssertionError("a path went to the hub")
+
+    monkeypatch.setattr(datamod, "load_hub", load_hub)
+    with pytest.raises(HLMError, match="^no file or folder .*; pass an existing path or a hub"):
+        load_texts([source])
+
+
+def test_a_sampler_needs_blocks_and_a_batch():
+    for blocks, batch in ((0, 4), (4, 0), (-1, 4), (4, -2)):
+        with pytest.raises(HLMError, match=f"^BlockSampler needs blocks and a batch, got "
+                           f"num_blocks={blocks}, global_batch={batch}$"):  # fmt: skip
+            BlockSampler(blocks, batch, seed=0)
+    assert BlockSampler(1, 1, seed=0).indices(5).tolist() == [0]
+
+
+def test_masking_is_a_function_of_its_generator_and_refuses_all_special_batches():
+    """The same generator seed gives the same masks and replacements whatever the global RNG
+    did in between; with probability 0 exactly one position is still picked; a batch of only
+    special tokens is refused with its own message."""
+    ids_BL = torch.randint(5, 300, (4, 32), generator=torch.Generator().manual_seed(1))
+    ids_BL[:, 0] = 3
+
+    def masked(seed, probability=0.3):
+        torch.manual_seed(seed + 1000)  # the global RNG: must not matter
+        gen = torch.Generator().manual_seed(seed)
+        return mask_tokens(ids_BL, mask_id=2, special_ids=[0, 1, 2, 3], vocab_size=300,
+                           probability=probability, generator=gen)  # fmt: skip
+
+    for probability in (0.3, 0.0):
+        first, again = masked(0, probability), masked(0, probability)
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+        assert not torch.equal(first[1], masked(1, probability)[1])
+    inputs_BL, labels_BL = masked(0, 0.0)
+    assert (labels_BL != -100).sum() == 1 and labels_BL[:, 0].eq(-100).all()
+    with pytest.raises(
+        HLMError, match="^a batch holds only special tokens; nothing can be masked$"
+    ):
+        mask_tokens(torch.tensor([[3, 1, 2]]), mask_id=2, special_ids=[1, 3], vocab_size=10)
