@@ -77,6 +77,7 @@ def call(app, path="/v1/completions", messages=None, headers=(), scope_type="htt
     assert len(lower) == len(set(lower)), names  # no header twice, in any case
     if starts[0]["status"] >= 400:  # an error the guard wrote or rewrote: its own names
         assert {b"content-type", b"content-length"} <= set(names), names
+        assert dict(starts[0]["headers"])[b"content-type"] == b"application/json"
     bodies = sent[1:]
     assert bodies and all(m["type"] == "http.response.body" for m in bodies)
     assert bodies[-1]["more_body"] is False and all(m["more_body"] for m in bodies[:-1])
