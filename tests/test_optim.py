@@ -251,6 +251,79 @@ def test_lazy_update_guards() -> None:
     assert load_config("tiny-encoder", overrides=["optim.embedding_update=lazy"])
 
 
+def test_the_optimizer_carries_the_configs_settings_and_refuses_each_case_in_words(
+    monkeypatch,
+) -> None:
+    """lr, betas and eps reach the optimizer (dense, lazy, and lazy with a frozen table); only
+    the table's group is lazy; each refusal says what was wrong and what to use instead."""
+    import torch.distributed as torch_dist
+
+    from hlm_ray.models import build_model
+    from hlm_ray.train.optim import adamw, uses_sparse_embedding
+
+    cfg = dict(lr=0.02, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1)
+    for update, frozen in (("dense", False), ("lazy", False), ("lazy", True)):
+        model = build_model(TINY, vocab_size=50, objective="headless", special_ids={})
+        model.get_input_embeddings().weight.requires_grad_(not frozen)
+        opt = build_optimizer(model, OptimConfig(embedding_update=update, **cfg))
+        assert isinstance(opt, LazyAdamW) == (update == "lazy" and not frozen)
+        assert uses_sparse_embedding(model) == (update == "lazy" and not frozen)
+        for group in opt.param_groups:
+            assert (group["lr"], group["betas"], group["eps"]) == (0.02, (0.8, 0.9), 1e-6)
+        lazy_flags = [g["lazy"] for g in opt.param_groups if "lazy" in g]
+        table_lazy = update == "lazy" and not frozen
+        assert lazy_flags == [False, False] + ([True] if table_lazy else []), (update, frozen)
+        grouped = {id(p) for g in opt.param_groups for p in g["params"]}
+        table = model.get_input_embeddings().weight
+        assert (id(table) in grouped) == (not frozen)
+        assert len(grouped) == sum(p.requires_grad for p in model.parameters())
+
+    on_meta = nn.Linear(2, 2, device="meta")  # no fused kernel there: torch's own loop
+    assert not adamw([{"params": list(on_meta.parameters())}]).defaults["fused"]
+    assert adamw([{"params": [nn.Parameter(torch.zeros(2))]}]).defaults["fused"]
+
+    lazy = OptimConfig(embedding_update="lazy")
+    mixed = build_model(
+        ModelConfig(arch="gpt2", hidden_size=16, num_layers=1, num_heads=2, max_positions=16),
+        vocab_size=50, objective="mixed", special_ids={},
+    )  # fmt: skip
+    tied = (
+        "optim.embedding_update=lazy: this model's vocabulary head is tied to the input "
+        "embedding, so every step writes all its rows; use optim.embedding_update=dense "
+        "(lazy suits headless models and vanilla gpt_neox, whose head is untied)"
+    )
+    with pytest.raises(HLMError) as err:
+        build_optimizer(mixed, lazy)
+    assert str(err.value) == tied
+
+    class NoTable(nn.Module):
+        def get_input_embeddings(self):
+            return nn.Linear(2, 2)
+
+    with pytest.raises(HLMError) as err:
+        build_optimizer(NoTable(), lazy)
+    assert str(err.value) == (
+        "optim.embedding_update=lazy needs an nn.Embedding input table, not Linear; "
+        "use optim.embedding_update=dense"
+    )
+    # Several workers: gloo averages sparse gradients, another backend (NCCL) cannot.
+    monkeypatch.setattr(torch_dist, "is_initialized", lambda: True)
+    for world, backend, refused in ((2, "nccl", True), (2, "gloo", False), (1, "nccl", False)):
+        monkeypatch.setattr(torch_dist, "get_world_size", lambda world=world: world)
+        monkeypatch.setattr(torch_dist, "get_backend", lambda backend=backend: backend)
+        model = build_model(TINY, vocab_size=50, objective="headless", special_ids={})
+        if not refused:
+            assert isinstance(build_optimizer(model, lazy), LazyAdamW)
+            continue
+        with pytest.raises(HLMError) as err:
+            build_optimizer(model, lazy)
+        assert str(err.value) == (
+            "optim.embedding_update=lazy sends sparse gradients, which the nccl backend cannot "
+            "average; use optim.embedding_update=dense with several GPUs (gloo, on CPU workers, "
+            "supports it)"
+        )
+
+
 # ---- DDP over gloo -------------------------------------------------------------------------
 
 
