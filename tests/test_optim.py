@@ -116,6 +116,21 @@ def test_clip_grad_norm_with_sparse_gradients_matches_the_dense_reference() -> N
     assert ref > 0.05  # the first pass did clip
 
 
+def test_clip_grad_norm_with_dense_gradients_is_torchs() -> None:
+    for max_norm in (0.05, 1e9):
+        ours, ref = Toy(False), Toy(False)
+        ids, targets = next(batches(1, 6))
+        ours(ids, targets).backward()
+        ref(ids, targets).backward()
+        torch.testing.assert_close(
+            clip_grad_norm(ours.parameters(), max_norm),
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm),
+        )
+        for name, param in ours.named_parameters():
+            torch.testing.assert_close(param.grad, ref.get_parameter(name).grad)
+    assert clip_grad_norm(Toy(False).parameters(), 1.0) == 0  # no gradient yet: nothing to clip
+
+
 def test_optimizer_state_survives_a_checkpoint() -> None:
     straight = train(True, 0.1, 4)
     model = Toy(True)
@@ -218,6 +233,8 @@ def test_the_learning_rate_schedule_at_its_edges(schedule) -> None:
     for warmup in (0, 1):
         short = OptimConfig(schedule=schedule, warmup_steps=warmup, max_steps=14)
         assert lr_factor(0, short) == 1.0
+    one_after = OptimConfig(schedule=schedule, warmup_steps=4, max_steps=5)  # a span of 1 step
+    assert lr_factor(5, one_after) == (1.0 if schedule == "constant" else 0.0)
     weight = nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([weight], lr=2.0)
     scheduler = build_scheduler(opt, cfg)
@@ -278,6 +295,11 @@ def test_the_optimizer_carries_the_configs_settings_and_refuses_each_case_in_wor
         assert (id(table) in grouped) == (not frozen)
         assert len(grouped) == sum(p.requires_grad for p in model.parameters())
 
+    class NoTable(nn.Module):
+        def get_input_embeddings(self):
+            return nn.Linear(2, 2)
+
+    assert uses_sparse_embedding(NoTable()) is False
     on_meta = nn.Linear(2, 2, device="meta")  # no fused kernel there: torch's own loop
     assert not adamw([{"params": list(on_meta.parameters())}]).defaults["fused"]
     assert adamw([{"params": [nn.Parameter(torch.zeros(2))]}]).defaults["fused"]
@@ -295,10 +317,6 @@ def test_the_optimizer_carries_the_configs_settings_and_refuses_each_case_in_wor
     with pytest.raises(HLMError) as err:
         build_optimizer(mixed, lazy)
     assert str(err.value) == tied
-
-    class NoTable(nn.Module):
-        def get_input_embeddings(self):
-            return nn.Linear(2, 2)
 
     with pytest.raises(HLMError) as err:
         build_optimizer(NoTable(), lazy)
