@@ -174,6 +174,7 @@ def test_every_field_of_a_summary_and_a_difference_at_their_edges():
     assert same_gap == (pytest.approx(0.1), nan, nan, nan, "paired", stats.ZERO_SPREAD_PAIRED)
     p = stats.paired(A, b4)
     assert (p.df, p.reason, p.method) == (3.0, "", "paired")
+    assert p.estimate == pytest.approx(np.mean(A) - np.mean(b4))
     assert isinstance(p.df, float)
     p90 = stats.difference(A, b4, paired_by_seed=True, level=0.9)
     ci90 = sps.ttest_rel(A, b4).confidence_interval(0.9)
@@ -205,9 +206,9 @@ def test_verdicts_and_baselines_at_their_boundaries():
 
     near = stats.near_baseline
     interval = stats.Summary(3, 2.0, 0.5, 1.0, 3.0)
-    assert near(interval, 1.0) and near(interval, 0.8, tolerance=0.25)  # at / near the low end
+    assert near(interval, 1.0, tolerance=0.0) and near(interval, 0.8, tolerance=0.25)  # low end
     assert not near(interval, 0.7, tolerance=0.25)
-    assert near(interval, 3.0, higher_is_better=False)  # at the high end
+    assert near(interval, 3.0, higher_is_better=False, tolerance=0.0)  # at the high end
     assert near(interval, 3.2, higher_is_better=False, tolerance=0.25)
     assert not near(interval, 3.3, higher_is_better=False, tolerance=0.25)
     single = stats.Summary(1, 2.0, math.nan, math.nan, math.nan)  # one seed: no interval
