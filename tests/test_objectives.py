@@ -241,6 +241,9 @@ def test_missing_target_in_negative_ids_raises() -> None:
     for variant in ("plain", "dedup", "mask_same"):
         with pytest.raises(ValueError, match=r"missing \[9\]"):
             cwt_loss_from_ids(pred, ids, emb, variant=variant, negative_ids=torch.arange(5))
+    pred, _, emb = repeated_ids_problem(K=14, V=20)
+    with pytest.raises(ValueError, match=r"missing \[2, 3, 4, 5, 6, 7, 8, 9, 10, 11\]$"):
+        cwt_loss_from_ids(pred, torch.arange(14), emb, negative_ids=torch.tensor([0, 1]))
 
 
 def test_unknown_variant_lists_the_allowed_ones() -> None:
@@ -482,6 +485,8 @@ def test_sampled_negatives_take_the_temperature_reduction_and_accuracy():
         assert_close(out.accuracy, accuracy)
         assert_close(cwt_loss_sampled(pred_KD, ids_K, emb_VD, rows_N, 0.5, reduction=reduction),
                      expected)  # fmt: skip
-    table = emb_VD.detach().clone().requires_grad_(True)
-    cwt_loss_sampled(pred_KD, ids_K, table, rows_N, sparse_grad=True).backward()
-    assert table.grad.is_sparse
+    for loss_fn in (cwt_loss_sampled, cwt_loss_from_ids):
+        table = emb_VD.detach().clone().requires_grad_(True)
+        args = (rows_N,) if loss_fn is cwt_loss_sampled else ()
+        loss_fn(pred_KD, ids_K, table, *args, sparse_grad=True).backward()
+        assert table.grad.is_sparse, loss_fn.__name__
