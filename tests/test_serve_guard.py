@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import pytest
 
@@ -189,21 +190,37 @@ def test_a_body_that_grows_past_the_limit_is_413():
     assert call(App(), messages=body_of(b"x" * 10, 4), max_body_bytes=10)[0] == 200
 
 
-def test_a_body_not_received_in_time_is_408_and_closed():
+def test_a_body_not_received_in_time_is_408_and_closed(caplog):
+    caplog.set_level(logging.INFO, logger="ray.serve")
     app = App()
     status, headers, body, _ = call(
         app, messages=body_of(b"01234", 2)[:1], body_timeout_s=0.05
     )  # half a body, then nothing
     assert (status, app.seen) == (408, [])
     assert error_of(body)["message"] == "the request body was not received within 0.05 s"
+    assert "client on /v1/completions sent no complete body in 0 s: 408" in caplog.messages
     assert error_of(body)["type"] == "invalid_request_error"
     assert headers[b"connection"] == b"close"
 
 
-def test_a_client_that_leaves_mid_body_gets_nothing_and_reaches_no_app():
+def test_a_client_that_leaves_mid_body_gets_nothing_and_reaches_no_app(caplog):
+    caplog.set_level(logging.INFO, logger="ray.serve")
     app = App()
     messages = [*body_of(b"01234", 2)[:1], {"type": "http.disconnect"}]
     assert call(app, messages=messages)[0] is None and app.seen == []
+    assert caplog.messages == ["client disconnected while sending its request to /v1/completions"]
+
+
+def test_after_the_body_the_app_hears_the_client_leave():
+    heard = []
+
+    async def app(scope, receive, send):
+        heard.append(await receive())  # the buffered body
+        heard.append(await receive())  # then the client's own next message
+
+    call(app, messages=[*body_of(b"abc"), {"type": "http.disconnect"}])
+    assert heard == [{"type": "http.request", "body": b"abc", "more_body": False},
+                     {"type": "http.disconnect"}]  # fmt: skip
 
 
 def test_limits_come_from_the_environment_unless_given(monkeypatch):
@@ -229,7 +246,9 @@ def test_serves_own_routes_need_the_key_when_there_is_one(monkeypatch):
             assert (status, app.seen) == (401, []), (path, headers)
             assert b"connection" not in answered  # the connection may serve the next request
             assert error_of(body)["code"] == "invalid_api_key"
-            assert "send 'Authorization: Bearer KEY'" in error_of(body)["message"]
+            assert error_of(body)["message"] == (
+                "missing or wrong API key: send 'Authorization: Bearer KEY'"
+            )
         assert call(App(), path=path, headers=auth)[0] == 200
     assert call(App(), path="/-/healthz")[0] == 200  # the probes' route stays open
     assert call(App(), path="/v1/models")[0] == 200  # the replica checks its own routes
