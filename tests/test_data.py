@@ -326,3 +326,84 @@ def test_masking_is_a_function_of_its_generator_and_refuses_all_special_batches(
         HLMError, match="^a batch holds only special tokens; nothing can be masked$"
     ):
         mask_tokens(torch.tensor([[3, 1, 2]]), mask_id=2, special_ids=[1, 3], vocab_size=10)
+
+
+def test_json_folders_and_what_cannot_be_read_say_so_in_one_line(tmp_path, monkeypatch):
+    """A .json array, one object, or JSON lines; a folder read in sorted order across file
+    kinds; each refusal word for word."""
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "f"
+    folder.mkdir()
+    (folder / "a.json").write_text(json.dumps([{"text": "a1"}, {"text": "a2"}]))
+    (folder / "b.json").write_text(json.dumps({"text": "b1"}))
+    (folder / "c.json").write_text('{"text": "c1"}\n{"text": "c2"}\n')
+    (folder / "d.jsonl").write_text('{"text": "d1"}\n')
+    pq.write_table(pa.table({"text": ["e1", "e2"]}), folder / "e.parquet")
+    (folder / "f.txt").write_text("f1")
+    (folder / "g.csv").write_text("ignored")
+    assert load_texts(str(folder))["text"] == ["a1", "a2", "b1", "c1", "c2", "d1", "e1", "e2", "f1"]
+    (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n{oops\n')
+    with pytest.raises(HLMError) as err:
+        load_texts([str(tmp_path / "bad.jsonl")])
+    assert str(err.value).endswith("bad.jsonl: line 2 is not JSON (Expecting property name "
+                                   "enclosed in double quotes)")  # fmt: skip
+    (tmp_path / "rows.json").write_text(json.dumps([{"text": "x"}, {"title": "y"}, "z"]))
+    with pytest.raises(HLMError) as err:
+        load_texts([str(tmp_path / "rows.json")])
+    assert str(err.value).endswith("rows.json has rows without a 'text' column; set text_field")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.csv").write_text("x")
+    with pytest.raises(HLMError) as err:
+        load_texts([str(empty)])
+    assert str(err.value) == (f"{empty} holds no .txt/.jsonl/.json/.parquet files; pass a file "
+                              "or a folder with text files")  # fmt: skip
+    with pytest.raises(HLMError) as err:
+        datamod._load_local(empty / "notes.csv", "text", "document")
+    assert (
+        str(err.value)
+        == f"cannot read {empty / 'notes.csv'}: use a .txt, .jsonl, .json or .parquet file"
+    )
+    (tmp_path / "latin.txt").write_bytes(b"caf\xe9")
+    with pytest.raises(HLMError) as err:
+        load_texts(str(tmp_path / "latin.txt"))  # one source as a plain string
+    assert str(err.value).endswith("convert it (e.g. `iconv -f latin1 -t utf-8`) or remove it "
+                                   "from data.sources")  # fmt: skip
+    (tmp_path / "nul.bin").write_bytes(b"ab\0cd\0")
+    assert datamod.not_utf8(tmp_path / "nul.bin") == "a NUL byte at offset 2: binary data"
+
+    def offline(*args):
+        raise ConnectionError("no network\nsecond line")
+
+    monkeypatch.setattr(datamod, "load_hub", offline)
+    monkeypatch.setattr(
+        datamod,
+        "hub_specs",
+        lambda source, field: (
+            datamod.HubDataset("org/a", "cfg", "train"),
+            datamod.HubDataset("org/b", None, "train"),
+        ),
+    )
+    with pytest.raises(HLMError) as err:
+        load_texts(["org/a"])
+    assert str(err.value).startswith("no file or folder org/a here or in the data folder ")
+    assert ", and the hub dataset org/a:cfg, org/b could not be loaded (no network); point " in (
+        str(err.value)
+    )
+    assert str(err.value).endswith("the folder that holds org/a, or pass a local path")
+
+    # The fingerprint: sha256 of each text's UTF-8 length (8 bytes, little-endian), then bytes.
+    expected = hashlib.sha256()
+    for text in ("ab", "é"):
+        raw = text.encode()
+        expected.update(len(raw).to_bytes(8, "little") + raw)
+    assert corpus_fingerprint(datamod.Texts(["ab", "é"])) == expected.hexdigest()
+
+
+def test_an_empty_text_list_tokenizes_to_an_empty_int32_stream(tok):
+    stream = datamod._tokenize(datamod.Texts([]), tok, eos_id=0)
+    assert stream.dtype == np.int32 and stream.shape == (0,)
