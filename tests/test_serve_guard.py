@@ -86,6 +86,20 @@ def call(app, path="/v1/completions", messages=None, headers=(), scope_type="htt
     return starts[0]["status"], dict(starts[0]["headers"]), body, queue
 
 
+@pytest.fixture
+def serve_log(caplog):
+    """The guard's log lines: Ray's "ray.serve" logger does not propagate once Ray Serve is
+    imported, so the capture handler goes on it directly."""
+    logger = logging.getLogger("ray.serve")
+    old = logger.level, logger.propagate
+    logger.addHandler(caplog.handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False  # each line once, imported Ray or not
+    yield caplog
+    logger.removeHandler(caplog.handler)
+    logger.level, logger.propagate = old
+
+
 def body_of(data: bytes, pieces: int = 1) -> list[dict]:
     size = -(-len(data) // pieces) or 1
     parts = [data[i : i + size] for i in range(0, len(data), size)] or [b""]
@@ -190,25 +204,25 @@ def test_a_body_that_grows_past_the_limit_is_413():
     assert call(App(), messages=body_of(b"x" * 10, 4), max_body_bytes=10)[0] == 200
 
 
-def test_a_body_not_received_in_time_is_408_and_closed(caplog):
-    caplog.set_level(logging.INFO, logger="ray.serve")
+def test_a_body_not_received_in_time_is_408_and_closed(serve_log):
     app = App()
     status, headers, body, _ = call(
         app, messages=body_of(b"01234", 2)[:1], body_timeout_s=0.05
     )  # half a body, then nothing
     assert (status, app.seen) == (408, [])
     assert error_of(body)["message"] == "the request body was not received within 0.05 s"
-    assert "client on /v1/completions sent no complete body in 0 s: 408" in caplog.messages
+    assert "client on /v1/completions sent no complete body in 0 s: 408" in serve_log.messages
     assert error_of(body)["type"] == "invalid_request_error"
     assert headers[b"connection"] == b"close"
 
 
-def test_a_client_that_leaves_mid_body_gets_nothing_and_reaches_no_app(caplog):
-    caplog.set_level(logging.INFO, logger="ray.serve")
+def test_a_client_that_leaves_mid_body_gets_nothing_and_reaches_no_app(serve_log):
     app = App()
     messages = [*body_of(b"01234", 2)[:1], {"type": "http.disconnect"}]
     assert call(app, messages=messages)[0] is None and app.seen == []
-    assert caplog.messages == ["client disconnected while sending its request to /v1/completions"]
+    assert serve_log.messages == [
+        "client disconnected while sending its request to /v1/completions"
+    ]
 
 
 def test_after_the_body_the_app_hears_the_client_leave():
