@@ -106,10 +106,14 @@ def _json_rows(path: Path, field: str) -> list:
         if isinstance(rows, dict):
             rows = [rows]
     if rows is None:
-        try:
-            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as err:
-            raise HLMError(f"{path}: line {err.lineno} is not JSON ({err.msg})") from None
+        rows = []
+        for number, line in enumerate(text.splitlines(), start=1):  # the file's line number
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise HLMError(f"{path}: line {number} is not JSON ({err.msg})") from None
     if any(not isinstance(r, dict) or field not in r for r in rows):
         raise HLMError(f"{path} has rows without a {field!r} column; set text_field")
     return [r[field] for r in rows]

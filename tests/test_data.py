@@ -130,6 +130,38 @@ def test_block_sampler_epochs_shards_and_purity():
     assert len(first) == 8 and sorted(first[:3]) == sorted(first[3:6]) == [0, 1, 2]
 
 
+def test_w_workers_see_the_micro_batches_one_process_sees_with_w_accumulation_steps():
+    """The expectation is the step's global batch cut in order (not `shard` itself): rank r of
+    W takes the r-th contiguous slice of `indices(step)`, in micro-batches, so W workers'
+    micro-batches, rank after rank, are one process's W·a micro-batches (a accumulation steps
+    each) in the same order: same rows per micro-batch, so the same CWT negatives."""
+    sampler = BlockSampler(num_blocks=37, global_batch=24, seed=5)  # 24 rows cross epochs
+    for step in (0, 1, 7):
+        batch = sampler.indices(step).tolist()
+        for world, micro in ((1, 24), (1, 6), (2, 6), (3, 4), (4, 3), (2, 12), (6, 2)):
+            per_rank = len(batch) // world
+            for rank in range(world):
+                rows = batch[rank * per_rank : (rank + 1) * per_rank]
+                expected = [rows[i : i + micro] for i in range(0, per_rank, micro)]
+                got = [m.tolist() for m in sampler.shard(step, rank, world, micro)]
+                assert got == expected, (step, world, micro, rank)
+        one = [m.tolist() for m in sampler.shard(step, 0, 1, 6)]  # 4 accumulation steps
+        workers = [m.tolist() for r in range(4) for m in sampler.shard(step, r, 4, 6)]
+        assert workers == one
+
+
+def test_every_seed_and_epoch_has_its_own_block_order():
+    """Epoch orders are drawn from a seed mixed from (seed, epoch): no two pairs share one (with
+    seed + epoch, seed s+1's first epoch would be seed s's second)."""
+    orders = {}
+    for seed in range(6):
+        sampler = BlockSampler(num_blocks=50, global_batch=50, seed=seed)  # a step per epoch
+        for epoch in range(6):
+            orders[seed, epoch] = tuple(sampler.indices(epoch).tolist())
+            assert sorted(orders[seed, epoch]) == list(range(50))
+    assert len(set(orders.values())) == len(orders)
+
+
 def _mask_batch(seed=0):
     gen = torch.Generator().manual_seed(seed)
     vocab, specials = 1000, [0, 1, 2, 3, 4]
@@ -192,3 +224,186 @@ def test_empty_corpus(tmp_path):
     (tmp_path / "empty.jsonl").write_text(json.dumps({"text": ""}) + "\n")
     with pytest.raises(HLMError, match="no text found"):
         load_texts([str(tmp_path / "empty.jsonl")])
+
+
+# ----------------------------------------------------------------------------- edges
+
+
+def test_text_files_rows_and_what_is_not_text(tmp_path):
+    """.txt rows by document, paragraph or line; a bad sample_by, a missing column, a file that
+    is not UTF-8 (where and why, for chunks of any size), each with its own one-line error."""
+    (tmp_path / "t.txt").write_text("a b\nc\n\n  \nd e\n")
+    path = str(tmp_path / "t.txt")
+    assert load_texts([path])["text"] == ["a b\nc\n\n  \nd e\n"]
+    assert load_texts([path], sample_by="paragraph")["text"] == ["a b\nc", "d e\n"]
+    assert load_texts([path], sample_by="line")["text"] == ["a b", "c", "  ", "d e"]
+    with pytest.raises(HLMError, match=r"^sample_by='word': use document, paragraph or line$"):
+        load_texts([path], sample_by="word")
+    with pytest.raises(KeyError, match="title"):
+        load_texts([path])["title"]
+    bad = tmp_path / "bad"
+    cases = {
+        b"ok \xc3\xa9 ok": None,
+        b"abc\0def": "a NUL byte at offset 3: binary data",
+        b"abcdef\xffgh": "byte 0xff at offset 6 is not UTF-8",
+        b"abc \xc3": "it ends inside a UTF-8 sequence",
+    }
+    for raw, why in cases.items():
+        bad.write_bytes(raw)
+        for chunk in (1, 2, 4, 1 << 20):
+            assert datamod.not_utf8(bad, chunk=chunk) == why, (raw, chunk)
+    bad.write_bytes(b"abcdef\xffgh")
+    (tmp_path / "bad.txt").write_bytes(b"abcdef\xffgh")
+    with pytest.raises(HLMError, match=r"bad.txt is not UTF-8 text \(byte 0xff at offset 6 is not"):
+        load_texts([str(tmp_path / "bad.txt")])
+
+
+def test_parquet_and_hub_sources_read_their_text_column(tmp_path, monkeypatch):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"body": ["x y", "", None, "z"]}), tmp_path / "p.parquet")
+    assert load_texts([str(tmp_path / "p.parquet")], text_field="body")["text"] == ["x y", "z"]
+    with pytest.raises(HLMError, match=r"p.parquet has no 'text' column \(columns: \['body'\]\)"):
+        load_texts([str(tmp_path / "p.parquet")])
+    calls = []
+
+    class Hub:
+        column_names = ["text", "id"]
+
+        def __getitem__(self, column):
+            return ["hub one", "", None, "hub two"]
+
+    def load_hub(what, name, config, split):
+        calls.append((what, name, config, split))
+        return Hub()
+
+    monkeypatch.setattr(datamod, "load_hub", load_hub)
+    assert load_texts(["someone/corpus:en"])["text"] == ["hub one", "hub two"]
+    assert calls == [("someone/corpus", "someone/corpus", "en", "train")]
+    with pytest.raises(HLMError, match=r"someone/corpus has no 'body' column \(columns: \["):
+        load_texts(["someone/corpus"], text_field="body")
+
+
+@pytest.mark.parametrize("source", ["/no/such.file", "./nope", "../nope", "~/nope", "a/b.jsonl"])
+def test_a_source_that_looks_like_a_path_is_never_tried_on_the_hub(source, monkeypatch):
+    def load_hub(*args):
+        raise AssertionError("a path went to the hub")
+
+    monkeypatch.setattr(datamod, "load_hub", load_hub)
+    with pytest.raises(HLMError, match="^no file or folder .*; pass an existing path or a hub"):
+        load_texts([source])
+
+
+def test_a_sampler_needs_blocks_and_a_batch():
+    for blocks, batch in ((0, 4), (4, 0), (-1, 4), (4, -2)):
+        with pytest.raises(HLMError, match=f"^BlockSampler needs blocks and a batch, got "
+                           f"num_blocks={blocks}, global_batch={batch}$"):  # fmt: skip
+            BlockSampler(blocks, batch, seed=0)
+    assert BlockSampler(1, 1, seed=0).indices(5).tolist() == [0]
+
+
+def test_masking_is_a_function_of_its_generator_and_refuses_all_special_batches():
+    """The same generator seed gives the same masks and replacements whatever the global RNG
+    did in between; with probability 0 exactly one position is still picked; a batch of only
+    special tokens is refused with its own message."""
+    ids_BL = torch.randint(5, 300, (4, 32), generator=torch.Generator().manual_seed(1))
+    ids_BL[:, 0] = 3
+
+    def masked(seed, probability=0.3):
+        torch.manual_seed(seed + 1000)  # the global RNG: must not matter
+        gen = torch.Generator().manual_seed(seed)
+        return mask_tokens(ids_BL, mask_id=2, special_ids=[0, 1, 2, 3], vocab_size=300,
+                           probability=probability, generator=gen)  # fmt: skip
+
+    for probability in (0.3, 0.0):
+        first, again = masked(0, probability), masked(0, probability)
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+        assert not torch.equal(first[1], masked(1, probability)[1])
+    inputs_BL, labels_BL = masked(0, 0.0)
+    assert (labels_BL != -100).sum() == 1 and labels_BL[:, 0].eq(-100).all()
+    with pytest.raises(
+        HLMError, match="^a batch holds only special tokens; nothing can be masked$"
+    ):
+        mask_tokens(torch.tensor([[3, 1, 2]]), mask_id=2, special_ids=[1, 3], vocab_size=10)
+
+
+def test_json_folders_and_what_cannot_be_read_say_so_in_one_line(tmp_path, monkeypatch):
+    """A .json array, one object, or JSON lines; a folder read in sorted order across file
+    kinds; each refusal word for word."""
+    import hashlib
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "f"
+    folder.mkdir()
+    (folder / "a.json").write_text(json.dumps([{"text": "a1"}, {"text": "a2"}]))
+    (folder / "b.json").write_text(json.dumps({"text": "b1"}))
+    (folder / "c.json").write_text('{"text": "c1"}\n{"text": "c2"}\n')
+    (folder / "d.jsonl").write_text('{"text": "d1"}\n')
+    pq.write_table(pa.table({"text": ["e1", "e2"]}), folder / "e.parquet")
+    (folder / "f.txt").write_text("f1")
+    (folder / "g.csv").write_text("ignored")
+    assert load_texts(str(folder))["text"] == ["a1", "a2", "b1", "c1", "c2", "d1", "e1", "e2", "f1"]
+    (tmp_path / "bad.jsonl").write_text('{"text": "x"}\n{oops\n')
+    with pytest.raises(HLMError) as err:
+        load_texts([str(tmp_path / "bad.jsonl")])
+    assert str(err.value).endswith("bad.jsonl: line 2 is not JSON (Expecting property name "
+                                   "enclosed in double quotes)")  # fmt: skip
+    (tmp_path / "rows.json").write_text(json.dumps([{"text": "x"}, {"title": "y"}, "z"]))
+    with pytest.raises(HLMError) as err:
+        load_texts([str(tmp_path / "rows.json")])
+    assert str(err.value).endswith("rows.json has rows without a 'text' column; set text_field")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.csv").write_text("x")
+    with pytest.raises(HLMError) as err:
+        load_texts([str(empty)])
+    assert str(err.value) == (f"{empty} holds no .txt/.jsonl/.json/.parquet files; pass a file "
+                              "or a folder with text files")  # fmt: skip
+    with pytest.raises(HLMError) as err:
+        datamod._load_local(empty / "notes.csv", "text", "document")
+    assert (
+        str(err.value)
+        == f"cannot read {empty / 'notes.csv'}: use a .txt, .jsonl, .json or .parquet file"
+    )
+    (tmp_path / "latin.txt").write_bytes(b"caf\xe9")
+    with pytest.raises(HLMError) as err:
+        load_texts(str(tmp_path / "latin.txt"))  # one source as a plain string
+    assert str(err.value).endswith("convert it (e.g. `iconv -f latin1 -t utf-8`) or remove it "
+                                   "from data.sources")  # fmt: skip
+    (tmp_path / "nul.bin").write_bytes(b"ab\0cd\0")
+    assert datamod.not_utf8(tmp_path / "nul.bin") == "a NUL byte at offset 2: binary data"
+
+    def offline(*args):
+        raise ConnectionError("no network\nsecond line")
+
+    monkeypatch.setattr(datamod, "load_hub", offline)
+    monkeypatch.setattr(
+        datamod,
+        "hub_specs",
+        lambda source, field: (
+            datamod.HubDataset("org/a", "cfg", "train"),
+            datamod.HubDataset("org/b", None, "train"),
+        ),
+    )
+    with pytest.raises(HLMError) as err:
+        load_texts(["org/a"])
+    assert str(err.value).startswith("no file or folder org/a here or in the data folder ")
+    assert ", and the hub dataset org/a:cfg, org/b could not be loaded (no network); point " in (
+        str(err.value)
+    )
+    assert str(err.value).endswith("the folder that holds org/a, or pass a local path")
+
+    # The fingerprint: sha256 of each text's UTF-8 length (8 bytes, little-endian), then bytes.
+    expected = hashlib.sha256()
+    for text in ("ab", "é"):
+        raw = text.encode()
+        expected.update(len(raw).to_bytes(8, "little") + raw)
+    assert corpus_fingerprint(datamod.Texts(["ab", "é"])) == expected.hexdigest()
+
+
+def test_an_empty_text_list_tokenizes_to_an_empty_int32_stream(tok):
+    stream = datamod._tokenize(datamod.Texts([]), tok, eos_id=0)
+    assert stream.dtype == np.int32 and stream.shape == (0,)

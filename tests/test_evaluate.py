@@ -176,6 +176,61 @@ def test_encoding_is_lm_evals(tok):
     assert tok.decode(ctx + cont) == "He walked to the  river"
 
 
+class Ramp(nn.Module):
+    """A fake causal LM whose logits at input position t are `slope`·(t + 1) on token 0 and 0
+    elsewhere: the log-likelihood of any other token there, -log(e^(slope·(t+1)) + V - 1),
+    says which position scored it."""
+
+    def __init__(self, vocab_size, slope=1.0):
+        super().__init__()
+        self.vocab_size, self.slope = vocab_size, slope
+        self.anchor = nn.Parameter(torch.zeros(()))
+
+    def forward(self, input_ids, attention_mask=None):
+        batch, length = input_ids.shape
+        logits = torch.zeros(batch, length, self.vocab_size)
+        logits[:, :, 0] = self.slope * torch.arange(1, length + 1, dtype=torch.float32)
+        return SimpleNamespace(logits=logits)
+
+
+def test_exactly_the_continuations_tokens_are_scored(tok, passages):
+    """The scored tokens spell the final word, and each is scored at the input position that
+    predicts it: one context token more (or a span shifted by one) changes every sum."""
+    requests = make_requests(tok, passages)
+    for passage, request in zip(passages, requests, strict=True):
+        scored = request.tokens[-request.num_continuation :]
+        assert tok.decode(scored).strip() == passage["continuation"]
+        assert (
+            tok.decode(request.tokens[: -request.num_continuation]).strip()
+            == passage["context"].strip()
+        )
+        assert 0 not in scored  # Ramp's favourite token is never a target
+    vocab = len(tok)
+    expected = []
+    for request in requests:
+        n, c = len(request.tokens) - 1, request.num_continuation  # input length, scored tokens
+        expected.append(sum(-math.log(math.exp(t + 1) + vocab - 1) for t in range(n - c, n)))
+    model = Ramp(vocab)
+    batched = score_lambada(model, tok, passages, batch_size=7, progress=False,
+                            return_per_example=True)  # fmt: skip
+    one_by_one = score_lambada_reference(model, tok, passages, return_per_example=True)
+    for out in (batched, one_by_one):
+        assert [ll for ll, _ in out["per_example"]] == pytest.approx(expected, rel=1e-5)
+        assert out["lambada/accuracy"] == 0.0
+
+
+def test_perplexity_past_the_largest_float_is_inf(tok, passages):
+    """A model sure of a wrong token: every continuation token costs thousands of nats, so
+    exp(-mean log-likelihood) is past the largest float; the perplexity is inf (no
+    OverflowError), the accuracy still 0."""
+    model = Ramp(len(tok), slope=1000.0)
+    batched = score_lambada(model, tok, passages[:4], batch_size=4, progress=False)
+    one_by_one = score_lambada_reference(model, tok, passages[:4])
+    for out in (batched, one_by_one):
+        assert out["lambada/perplexity"] == math.inf
+        assert out["lambada/accuracy"] == 0.0
+
+
 def test_bf16_model_scores_close_to_fp32(tok, passages):
     model = tiny(tok)
     fp32 = score_lambada(

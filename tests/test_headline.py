@@ -108,6 +108,115 @@ def test_near_baseline_uses_the_interval_or_the_single_score():
     assert not stats.near_baseline(stats.describe([0.7, 0.8]), None)
 
 
+def _fields(x) -> tuple:
+    """A Summary's or Difference's fields, NaN as the string "nan" (NaN != NaN)."""
+    return tuple("nan" if isinstance(v, float) and math.isnan(v) else v for v in vars(x).values())
+
+
+def test_every_field_of_a_summary_and_a_difference_at_their_edges():
+    """No score, one score, one seed per arm, one gap, zero spread: each field of the result
+    (NaN, not None, where there is no number), its method and reason word for word; the
+    confidence level reaches the quantile on every path, 95% by default."""
+    nan = "nan"
+    assert _fields(stats.describe([])) == (0, nan, nan, nan, nan)
+    assert _fields(stats.describe([None, math.nan, math.inf])) == (0, nan, nan, nan, nan)
+    assert _fields(stats.describe([0.5, None, -math.inf])) == (1, 0.5, nan, nan, nan)
+    s90 = stats.describe(A, level=0.9)
+    low, high = sps.t.interval(0.9, len(A) - 1, loc=np.mean(A), scale=sps.sem(A))
+    assert (s90.low, s90.high) == (pytest.approx(low), pytest.approx(high))
+    assert stats.t_quantile(7) == pytest.approx(sps.t.ppf(0.975, 7))
+    assert stats.t_quantile(7, 0.9) == pytest.approx(sps.t.ppf(0.95, 7))
+
+    no_score = (nan, nan, nan, nan, "welch", "an arm has no score")
+    assert _fields(stats.welch([], B)) == _fields(stats.welch(A, [math.nan])) == no_score
+    one_each = _fields(stats.welch([0.9], [0.1]))
+    assert one_each == (
+        pytest.approx(0.8),
+        nan,
+        nan,
+        nan,
+        "welch",
+        "one seed per arm gives no interval",
+    )
+    few = "1 seed(s) in an arm: an interval needs 2 or more per arm"
+    assert _fields(stats.welch([0.9], B)) == (
+        pytest.approx(0.9 - np.mean(B)),
+        nan,
+        nan,
+        nan,
+        "welch",
+        few,
+    )
+    flat = _fields(stats.welch([0.6, 0.6], [0.5, 0.5]))
+    assert flat == (pytest.approx(0.1), nan, nan, nan, "welch", stats.ZERO_SPREAD)
+    w = stats.welch(A, B)
+    va, vb = np.var(A, ddof=1) / len(A), np.var(B, ddof=1) / len(B)
+    df = (va + vb) ** 2 / (va**2 / (len(A) - 1) + vb**2 / (len(B) - 1))
+    assert isinstance(w.df, float) and w.df == pytest.approx(df) and w.reason == ""
+    w90 = stats.difference(A, B, level=0.9)
+    ci90 = sps.ttest_ind(A, B, equal_var=False).confidence_interval(0.9)
+    assert (w90.low, w90.high) == (pytest.approx(ci90.low), pytest.approx(ci90.high))
+    assert _fields(stats.welch(A, B)) == _fields(stats.difference(A, B))  # 95% by default
+
+    b4 = [0.79, 0.80, 0.78, 0.82]
+    none = (nan, nan, nan, nan, "paired", "no seed scored in both arms")
+    assert _fields(stats.paired([math.nan, 0.5], [0.4, None])) == none
+    one_gap = stats.paired([0.9, math.nan, 0.3], [0.5, 0.2, None])
+    assert _fields(one_gap) == (
+        pytest.approx(0.4),
+        nan,
+        nan,
+        nan,
+        "paired",
+        "one seed per arm gives no interval",
+    )
+    same_gap = _fields(stats.paired([0.6, 0.7], [0.5, 0.6]))
+    assert same_gap == (pytest.approx(0.1), nan, nan, nan, "paired", stats.ZERO_SPREAD_PAIRED)
+    p = stats.paired(A, b4)
+    assert (p.df, p.reason, p.method) == (3.0, "", "paired")
+    assert p.estimate == pytest.approx(np.mean(A) - np.mean(b4))
+    assert isinstance(p.df, float)
+    p90 = stats.difference(A, b4, paired_by_seed=True, level=0.9)
+    ci90 = sps.ttest_rel(A, b4).confidence_interval(0.9)
+    assert (p90.low, p90.high) == (pytest.approx(ci90.low), pytest.approx(ci90.high))
+    assert _fields(p) == _fields(stats.difference(A, b4, paired_by_seed=True))
+
+
+def test_verdicts_and_baselines_at_their_boundaries():
+    """An interval that touches 0 is noise, not a verdict, either way; so is one with a reason,
+    one with a missing end, and a zero-width one. A baseline at an end of the interval, or
+    within the tolerance of it, counts as reached; a gain of exactly the tolerance too."""
+
+    def d(low, high, reason=""):
+        return stats.Difference((low + high) / 2, low, high, 3.0, "welch", reason)
+
+    def verdicts(diff):
+        return (stats.verdict(diff, higher_is_better=True),
+                stats.verdict(diff, higher_is_better=False))  # fmt: skip
+
+    holds_up, holds_down = (stats.HOLDS, stats.REVERSED), (stats.REVERSED, stats.HOLDS)
+    assert verdicts(d(0.5, 0.8)) == holds_up and verdicts(d(-0.8, -0.5)) == holds_down
+    assert verdicts(d(0.0, 0.8)) == verdicts(d(-0.8, 0.0)) == (stats.NOISE, stats.NOISE)
+    assert verdicts(d(-0.3, 0.5)) == verdicts(d(-0.5, 0.3)) == (stats.NOISE, stats.NOISE)
+    assert verdicts(d(1.5, 1.5)) == (stats.NOISE, stats.NOISE)  # zero width
+    assert verdicts(d(0.5, 0.8, reason="x")) == (stats.NOISE, stats.NOISE)
+    for low, high in ((math.nan, -0.5), (0.5, math.nan), (math.nan, math.nan), (None, 0.5)):
+        diff = stats.Difference(0.0, low, high, 3.0, "welch")
+        assert verdicts(diff) == (stats.NOISE, stats.NOISE), (low, high)
+
+    near = stats.near_baseline
+    interval = stats.Summary(3, 2.0, 0.5, 1.0, 3.0)
+    assert near(interval, 1.0, tolerance=0.0) and near(interval, 0.8, tolerance=0.25)  # low end
+    assert not near(interval, 0.7, tolerance=0.25)
+    assert near(interval, 3.0, higher_is_better=False, tolerance=0.0)  # at the high end
+    assert near(interval, 3.2, higher_is_better=False, tolerance=0.25)
+    assert not near(interval, 3.3, higher_is_better=False, tolerance=0.25)
+    single = stats.Summary(1, 2.0, math.nan, math.nan, math.nan)  # one seed: no interval
+    assert near(single, 1.5, tolerance=0.5) and not near(single, 1.5, tolerance=0.4)
+    assert not near(stats.Summary(0, math.nan, math.nan, math.nan, math.nan), 0.5)
+    assert not near(stats.Summary(3, 2.0, 0.1, math.nan, 2.1), 1.0)
+
+
 # ------------------------------------------------------------------------------ baselines
 
 

@@ -114,6 +114,64 @@ def test_objective_num_negatives_seeding_survives_a_resume(tmp_path):
     assert resumed == pytest.approx(full, rel=1e-6)
 
 
+def test_every_step_masks_and_samples_anew_and_a_resume_draws_the_same(tmp_path, monkeypatch):
+    """An encoder with sampled negatives, fed the same blocks at every step (so only the random
+    stream can differ): each step masks other positions and samples other negative rows than
+    the step before (one stream per step, not one per run), and a run resumed from step 2's
+    checkpoint draws exactly what the straight run drew at steps 3-4."""
+    from hlm_ray import objectives
+    from hlm_ray.train import step as step_mod
+
+    drawn: dict[str, dict] = {}  # run -> {(step, micro): [masked positions, negative rows]}
+    current: list = [None, None]  # [run, (step, micro)] of the micro-batch in the loop
+    first_idx: dict[int, torch.Tensor] = {}  # micro -> the blocks of step 0's micro-batch
+    real_load, real_seed = step_mod.load_batch, step_mod.stream_seed
+    real_sample = objectives.sample_negative_rows
+
+    def load_batch(blocks, idx, env, masking, seed, step, micro):
+        idx = first_idx.setdefault(micro, idx)
+        input_ids, labels = real_load(blocks, idx, env, masking, seed, step, micro)
+        drawn[current[0]][step, micro] = [labels != -100, None]
+        return input_ids, labels
+
+    def stream_seed(seed, step, rank, micro):  # the train step's, just before the forward
+        current[1] = (step, micro)
+        return real_seed(seed, step, rank, micro)
+
+    def sample_negative_rows(num_rows, num_negatives, generator):
+        rows = real_sample(num_rows, num_negatives, generator)
+        if current[1] is not None:  # a validation batch's draw is not recorded
+            drawn[current[0]][current[1]][1] = rows
+            current[1] = None
+        return rows
+
+    monkeypatch.setattr(step_mod, "load_batch", load_batch)
+    monkeypatch.setattr(step_mod, "stream_seed", stream_seed)
+    monkeypatch.setattr(objectives, "sample_negative_rows", sample_negative_rows)
+    extra = {"objective.num_negatives": 16, "optim.max_steps": 4, "run.checkpoint_every": 2}
+    for run in ("full", "resumed"):
+        cfg = knob_cfg(tmp_path / run, "tiny-encoder", **extra)
+        current[0], drawn[run] = run, {}
+        if run == "full":
+            train_worker(cfg.to_dict(), progress=False)
+            continue
+        [folder] = [
+            f for f in ckpt.list_checkpoints(tmp_path / "full") if ckpt.checkpoint_step(f) == 2
+        ]
+        train_worker(cfg.to_dict(), resume_from=folder, progress=False)
+    full, resumed = drawn["full"], drawn["resumed"]
+    assert sorted(full) == [(s, m) for s in range(4) for m in range(2)]
+    assert sorted(resumed) == [(s, m) for s in (2, 3) for m in range(2)]
+    for (step, micro), (mask, rows) in full.items():
+        assert mask.any() and rows is not None and len(rows) == 16
+        if step:
+            before_mask, before_rows = full[step - 1, micro]
+            assert not torch.equal(mask, before_mask), (step, micro)
+            assert not torch.equal(rows, before_rows), (step, micro)
+    for key, (mask, rows) in resumed.items():
+        assert torch.equal(mask, full[key][0]) and torch.equal(rows, full[key][1]), key
+
+
 def test_objective_cwt_chunk_size_reaches_the_loss(tmp_path, default_losses, monkeypatch):
     """Chunking is exact: the default's loss, computed in chunks of 100 rows (K = 1008)."""
     calls = spy(monkeypatch, "cwt_loss_from_ids")

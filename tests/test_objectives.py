@@ -241,6 +241,9 @@ def test_missing_target_in_negative_ids_raises() -> None:
     for variant in ("plain", "dedup", "mask_same"):
         with pytest.raises(ValueError, match=r"missing \[9\]"):
             cwt_loss_from_ids(pred, ids, emb, variant=variant, negative_ids=torch.arange(5))
+    pred, _, emb = repeated_ids_problem(K=14, V=20)
+    with pytest.raises(ValueError, match=r"missing \[2, 3, 4, 5, 6, 7, 8, 9, 10, 11\]$"):
+        cwt_loss_from_ids(pred, torch.arange(14), emb, negative_ids=torch.tensor([0, 1]))
 
 
 def test_unknown_variant_lists_the_allowed_ones() -> None:
@@ -457,3 +460,33 @@ def test_the_negative_set_is_seeded_and_reaches_the_decoder_loss():
     rows_N = sample_negative_rows(16, 5, torch.Generator().manual_seed(1))
     pred_KD, ids_K = hidden_BLD[:, :-1].reshape(-1, 8), ids_BL[:, 1:].reshape(-1)
     assert_close(loss(1).loss, cwt_loss_sampled(pred_KD, ids_K, emb_VD, rows_N))
+
+
+def test_sampled_negatives_take_the_temperature_reduction_and_accuracy():
+    """`headless_loss` hands the sampled loss its own options (temperature, reduction,
+    return_accuracy, sparse_grad) and no other; the sampled loss reduces as asked."""
+    from hlm_ray.objectives import headless_loss
+
+    pred_KD, ids_K, emb_VD = repeated_ids_problem(K=16, V=12, D=8, id_range=6)
+    rows_N = sample_negative_rows(16, 5, torch.Generator().manual_seed(2))
+    per_row = ref_sampled(pred_KD, ids_K, emb_VD, rows_N, 0.5)
+    for reduction, expected in (
+        ("sum", per_row.sum()),
+        ("none", per_row),
+        ("mean", per_row.mean()),
+    ):
+        out = headless_loss(
+            pred_KD, ids_K, emb_VD, num_negatives=5, generator=torch.Generator().manual_seed(2),
+            temperature=0.5, reduction=reduction, variant="dedup", chunk_size=4,
+            return_accuracy=True,
+        )  # fmt: skip
+        assert_close(out.loss, expected)
+        _, accuracy = cwt_loss_sampled(pred_KD, ids_K, emb_VD, rows_N, 0.5, return_accuracy=True)
+        assert_close(out.accuracy, accuracy)
+        assert_close(cwt_loss_sampled(pred_KD, ids_K, emb_VD, rows_N, 0.5, reduction=reduction),
+                     expected)  # fmt: skip
+    for loss_fn in (cwt_loss_sampled, cwt_loss_from_ids):
+        table = emb_VD.detach().clone().requires_grad_(True)
+        args = (rows_N,) if loss_fn is cwt_loss_sampled else ()
+        loss_fn(pred_KD, ids_K, table, *args, sparse_grad=True).backward()
+        assert table.grad.is_sparse, loss_fn.__name__

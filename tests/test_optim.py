@@ -5,6 +5,7 @@ AdamW (`adamw`) against torch's per-tensor loop."""
 
 import copy
 import io
+import itertools
 import os
 import socket
 
@@ -115,6 +116,21 @@ def test_clip_grad_norm_with_sparse_gradients_matches_the_dense_reference() -> N
     assert ref > 0.05  # the first pass did clip
 
 
+def test_clip_grad_norm_with_dense_gradients_is_torchs() -> None:
+    for max_norm in (0.05, 1e9):
+        ours, ref = Toy(False), Toy(False)
+        ids, targets = next(batches(1, 6))
+        ours(ids, targets).backward()
+        ref(ids, targets).backward()
+        torch.testing.assert_close(
+            clip_grad_norm(ours.parameters(), max_norm),
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm),
+        )
+        for name, param in ours.named_parameters():
+            torch.testing.assert_close(param.grad, ref.get_parameter(name).grad)
+    assert clip_grad_norm(Toy(False).parameters(), 1.0) == 0  # no gradient yet: nothing to clip
+
+
 def test_optimizer_state_survives_a_checkpoint() -> None:
     straight = train(True, 0.1, 4)
     model = Toy(True)
@@ -165,6 +181,73 @@ def test_headless_step_with_lazy_update_keeps_every_table_gradient_sparse() -> N
     assert not torch.equal(table[~untouched], before[~untouched])
 
 
+@pytest.mark.parametrize("arch", ["gpt_neox", "gpt2", "bert", "distilbert"])
+def test_biases_and_norm_weights_get_no_weight_decay(arch) -> None:
+    """Expected by module, not by shape: every LayerNorm parameter and every bias is in a group
+    with weight decay 0, every other parameter (linear weights, embedding tables) in one with
+    `optim.weight_decay`, each parameter in exactly one group, for both objectives and both
+    embedding updates; with `optim.decay_bias_and_norm` every parameter decays."""
+    from hlm_ray.models import build_model
+
+    model_cfg = ModelConfig(arch=arch, hidden_size=16, num_layers=1, num_heads=2, max_positions=16)
+    cases = itertools.product(("headless", "vanilla"), ("dense", "lazy"), (False, True))
+    for objective, update, decay_all in cases:
+        if update == "lazy" and objective == "vanilla" and arch != "gpt_neox":
+            continue  # a tied vocabulary head: lazy is refused (test_lazy_update_guards)
+        model = build_model(model_cfg, vocab_size=50, objective=objective, special_ids={})
+        norms = {id(p) for m in model.modules() if isinstance(m, nn.LayerNorm)
+                 for p in m.parameters(recurse=False)}  # fmt: skip
+        params = dict(model.named_parameters())  # a tied table once
+        assert norms and any(name.endswith(".bias") for name in params)
+        cfg = OptimConfig(weight_decay=0.1, decay_bias_and_norm=decay_all, embedding_update=update)
+        opt = build_optimizer(model, cfg)
+        grouped = [(id(p), g["weight_decay"]) for g in opt.param_groups for p in g["params"]]
+        assert sorted(i for i, _ in grouped) == sorted(id(p) for p in params.values())
+        decay = dict(grouped)
+        for name, p in params.items():
+            exempt = not decay_all and (id(p) in norms or name.endswith(".bias"))
+            assert decay[id(p)] == (0.0 if exempt else 0.1), (objective, update, decay_all, name)
+
+
+# lr_factor after 4 warm-up steps of 14: steps 4 (the peak), 9 (half-way), 13 (the last), then
+# 14 and 20 (past max_steps: the schedule stays at its end).
+AFTER_WARMUP = {
+    "constant": [1.0, 1.0, 1.0, 1.0, 1.0],
+    "linear": [1.0, 0.5, 0.1, 0.0, 0.0],
+    "cosine": [1.0, 0.5, 0.024471741852423234, 0.0, 0.0],  # (1 + cos(0.9π)) / 2 at step 13
+}
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+def test_the_learning_rate_schedule_at_its_edges(schedule) -> None:
+    """Optimizer step s (0-based) runs at lr·lr_factor(s): warm-up ramps 1/W, 2/W, ..., 1, so
+    the first step already moves and the last warm-up step is at the peak; then the schedule
+    from the peak to its end at max_steps. With no warm-up or one step of it, the first step
+    runs at the peak. Checked through torch's scheduler, as the loop steps it."""
+    from hlm_ray.train.optim import build_scheduler, lr_factor
+
+    cfg = OptimConfig(schedule=schedule, warmup_steps=4, max_steps=14)
+    assert [lr_factor(s, cfg) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    after = [lr_factor(s, cfg) for s in (4, 9, 13, 14, 20)]
+    assert after == pytest.approx(AFTER_WARMUP[schedule], abs=1e-12)
+    for warmup in (0, 1):
+        short = OptimConfig(schedule=schedule, warmup_steps=warmup, max_steps=14)
+        assert lr_factor(0, short) == 1.0
+    one_after = OptimConfig(schedule=schedule, warmup_steps=4, max_steps=5)  # a span of 1 step
+    assert lr_factor(5, one_after) == (1.0 if schedule == "constant" else 0.0)
+    weight = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([weight], lr=2.0)
+    scheduler = build_scheduler(opt, cfg)
+    seen = []
+    for _ in range(15):
+        seen.append(opt.param_groups[0]["lr"])  # the lr this optimizer step runs at
+        opt.step()
+        scheduler.step()
+    expected = [0.25, 0.5, 0.75, 1.0] + [lr_factor(s, cfg) for s in range(4, 15)]
+    assert seen == pytest.approx([2.0 * f for f in expected], abs=1e-12)
+    assert seen[9] == pytest.approx(2.0 * AFTER_WARMUP[schedule][1])
+
+
 def test_lazy_update_guards() -> None:
     from hlm_ray.models import build_model
 
@@ -183,6 +266,80 @@ def test_lazy_update_guards() -> None:
     with pytest.raises(HLMError, match="embedding_update"):
         load_config("tiny-encoder", objective="vanilla", overrides=["optim.embedding_update=lazy"])
     assert load_config("tiny-encoder", overrides=["optim.embedding_update=lazy"])
+
+
+def test_the_optimizer_carries_the_configs_settings_and_refuses_each_case_in_words(
+    monkeypatch,
+) -> None:
+    """lr, betas and eps reach the optimizer (dense, lazy, and lazy with a frozen table); only
+    the table's group is lazy; each refusal says what was wrong and what to use instead."""
+    import torch.distributed as torch_dist
+
+    from hlm_ray.models import build_model
+    from hlm_ray.train.optim import adamw, uses_sparse_embedding
+
+    cfg = dict(lr=0.02, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.1)
+    for update, frozen in (("dense", False), ("lazy", False), ("lazy", True)):
+        model = build_model(TINY, vocab_size=50, objective="headless", special_ids={})
+        model.get_input_embeddings().weight.requires_grad_(not frozen)
+        opt = build_optimizer(model, OptimConfig(embedding_update=update, **cfg))
+        assert isinstance(opt, LazyAdamW) == (update == "lazy" and not frozen)
+        assert uses_sparse_embedding(model) == (update == "lazy" and not frozen)
+        for group in opt.param_groups:
+            assert (group["lr"], group["betas"], group["eps"]) == (0.02, (0.8, 0.9), 1e-6)
+        lazy_flags = [g["lazy"] for g in opt.param_groups if "lazy" in g]
+        table_lazy = update == "lazy" and not frozen
+        assert lazy_flags == [False, False] + ([True] if table_lazy else []), (update, frozen)
+        grouped = {id(p) for g in opt.param_groups for p in g["params"]}
+        table = model.get_input_embeddings().weight
+        assert (id(table) in grouped) == (not frozen)
+        assert len(grouped) == sum(p.requires_grad for p in model.parameters())
+
+    class NoTable(nn.Module):
+        def get_input_embeddings(self):
+            return nn.Linear(2, 2)
+
+    assert uses_sparse_embedding(NoTable()) is False
+    on_meta = nn.Linear(2, 2, device="meta")  # no fused kernel there: torch's own loop
+    assert not adamw([{"params": list(on_meta.parameters())}]).defaults["fused"]
+    assert adamw([{"params": [nn.Parameter(torch.zeros(2))]}]).defaults["fused"]
+
+    lazy = OptimConfig(embedding_update="lazy")
+    mixed = build_model(
+        ModelConfig(arch="gpt2", hidden_size=16, num_layers=1, num_heads=2, max_positions=16),
+        vocab_size=50, objective="mixed", special_ids={},
+    )  # fmt: skip
+    tied = (
+        "optim.embedding_update=lazy: this model's vocabulary head is tied to the input "
+        "embedding, so every step writes all its rows; use optim.embedding_update=dense "
+        "(lazy suits headless models and vanilla gpt_neox, whose head is untied)"
+    )
+    with pytest.raises(HLMError) as err:
+        build_optimizer(mixed, lazy)
+    assert str(err.value) == tied
+
+    with pytest.raises(HLMError) as err:
+        build_optimizer(NoTable(), lazy)
+    assert str(err.value) == (
+        "optim.embedding_update=lazy needs an nn.Embedding input table, not Linear; "
+        "use optim.embedding_update=dense"
+    )
+    # Several workers: gloo averages sparse gradients, another backend (NCCL) cannot.
+    monkeypatch.setattr(torch_dist, "is_initialized", lambda: True)
+    for world, backend, refused in ((2, "nccl", True), (2, "gloo", False), (1, "nccl", False)):
+        monkeypatch.setattr(torch_dist, "get_world_size", lambda world=world: world)
+        monkeypatch.setattr(torch_dist, "get_backend", lambda backend=backend: backend)
+        model = build_model(TINY, vocab_size=50, objective="headless", special_ids={})
+        if not refused:
+            assert isinstance(build_optimizer(model, lazy), LazyAdamW)
+            continue
+        with pytest.raises(HLMError) as err:
+            build_optimizer(model, lazy)
+        assert str(err.value) == (
+            "optim.embedding_update=lazy sends sparse gradients, which the nccl backend cannot "
+            "average; use optim.embedding_update=dense with several GPUs (gloo, on CPU workers, "
+            "supports it)"
+        )
 
 
 # ---- DDP over gloo -------------------------------------------------------------------------

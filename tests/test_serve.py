@@ -235,6 +235,35 @@ def test_where_hlm_serve_answers(monkeypatch):
 # ----------------------------------------------------------------------------- over HTTP
 
 
+def test_bearer_matches_the_whole_key_and_nothing_else():
+    """The one check behind every /v1 route and Serve's /-/ routes: `Bearer <key>`, the scheme
+    in any case, whitespace around the key ignored; an empty credential, a prefix or a suffix
+    of the key, the key with anything added or changed, or another scheme never match."""
+    from hlm_ray.serve.guard import bearer_matches
+
+    key = API_KEY.encode()
+    right = [f"Bearer {API_KEY}", f"bearer {API_KEY}", f"BEARER {API_KEY}", f"bEaReR {API_KEY}"]
+    right += [f"Bearer  {API_KEY}", f"Bearer {API_KEY} ", f"Bearer {API_KEY}\t"]
+    assert [h for h in right if not bearer_matches(h, key)] == []
+    wrong = ["", "Bearer", "Bearer ", "Bearer   ", API_KEY, f"Bearer{API_KEY}"]
+    wrong += [
+        f"Basic {API_KEY}",
+        f"Token {API_KEY}",
+        f"Bearer: {API_KEY}",
+        f"Bearer Bearer {API_KEY}",
+    ]
+    wrong += [f"Bearer {API_KEY[:n]}" for n in (1, 2, len(API_KEY) // 2, len(API_KEY) - 1)]
+    wrong += [f"Bearer {API_KEY[n:]}" for n in (1, len(API_KEY) // 2, len(API_KEY) - 1)]
+    wrong += [f"Bearer {API_KEY}x", f"Bearer x{API_KEY}", f"Bearer {API_KEY} {API_KEY}"]
+    wrong += [f"Bearer {API_KEY[:4]} {API_KEY[4:]}", f"Bearer {API_KEY.upper()}"]
+    # Non-ASCII: a look-alike key (Cyrillic "е" for "e"), accents, the key then a non-ASCII
+    # character: no match, and no exception (hmac.compare_digest raises on non-ASCII str).
+    wrong += [f"Bearer {API_KEY.replace('e', 'е')}", f"Bearer {API_KEY}é", "Bearer clé"]
+    assert [h for h in wrong if bearer_matches(h, key)] == []
+    assert bearer_matches("Bearer clé", "clé".encode())  # a non-ASCII key compares as UTF-8
+    assert not bearer_matches("Bearer ", b"") and not bearer_matches("", b"")  # no key: no match
+
+
 def test_completion_routes_skip_fastapi_but_keep_their_paths_and_docs():
     """The two completion routes are dispatched past FastAPI's router (`_CompletionRoutes`),
     under any route prefix Serve gives the app; FastAPI still documents both."""
@@ -552,11 +581,20 @@ def test_api_key_is_required_and_checked(server):
     """The session's replicas read the key from their environment (`api_key_env`, as
     deploy/serve.yaml reads HLM_API_KEY), not from their args: enforced over HTTP."""
     body = {"prompt": "x", "max_tokens": 2}
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+    # One of each kind `test_bearer_matches_the_whole_key_and_nothing_else` checks: none, the
+    # bare key, another key, an empty credential, a prefix, a suffix, the key with one more
+    # character, another scheme; on the replica's routes and on Serve's own /-/routes.
+    wrong = ["Bearer wrong", API_KEY, "Bearer ", f"Bearer {API_KEY[0]}", f"Bearer {API_KEY[1:]}"]
+    wrong += [f"Bearer {API_KEY}x", f"Basic {API_KEY}"]
+    for headers in [{}] + [{"Authorization": h} for h in wrong]:
         r = requests.post(f"{server}/v1/completions", json=body, headers=headers, timeout=30)
-        assert r.status_code == 401, r.text
+        assert r.status_code == 401, (headers, r.text)
         assert r.json()["error"]["type"] == "authentication_error"
-        assert requests.get(f"{server}/v1/models", headers=headers, timeout=30).status_code == 401
+        for path in ("/v1/models", "/-/routes"):
+            r = requests.get(f"{server}{path}", headers=headers, timeout=30)
+            assert r.status_code == 401, (headers, path, r.status_code)
+    lower = {"Authorization": f"bearer  {API_KEY} "}  # the scheme's case, spaces: the same key
+    assert _post(server, body, headers=lower).status_code == 200
     assert _post(server, body).status_code == 200
     assert requests.get(f"{server}/healthz", timeout=30).status_code == 200  # probes need no key
     assert requests.get(f"{server}/-/healthz", timeout=30).status_code == 200

@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from tiny_runs import SHAKESPEARE, tiny_run_cfg
 from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
 
@@ -194,6 +195,31 @@ def test_each_worker_reads_its_own_shard():
     assert sorted(torch.cat(shards).tolist()) == sorted(sampler.indices(3).tolist())
 
 
+def test_one_step_has_the_same_gradient_with_one_or_four_micro_batches(tmp_path):
+    """Accumulation divides each micro-batch's loss by their number before `backward`, so a
+    step's gradient is the whole batch's whatever `micro_batch_size` (and the world size) is:
+    its norm (`train/grad_norm`, what `optim.grad_clip` clips) and the loss it logs (the
+    vanilla decoder's loss is a mean over equal micro-batches, so both are equal). K stays
+    one micro-batch's row count (63 next-token rows a sequence), the mean over micro-batches."""
+    from hlm_ray.train.setup import setup_run
+    from hlm_ray.train.step import train_step
+
+    seen = {}
+    for micro in (32, 8):
+        out = tmp_path / f"micro{micro}"
+        cfg = tiny_run_cfg(
+            out, "tiny-decoder", "vanilla", steps=1, every=(1, 1, 1), batch=(32, micro)
+        )
+        run = setup_run(cfg, None, None, None, None)
+        assert run.accum == 32 // micro
+        train_step(run, 0)
+        seen[micro] = [float(run.grad_norm), float(run.loss_sum)]
+        assert float(run.rows_sum) == 63 * micro
+        run.tracker.finish()
+    assert seen[8] == pytest.approx(seen[32], rel=1e-5)
+    assert seen[32][0] > 0
+
+
 def test_cli_train_prints_a_summary(tmp_path, capsys):
     out = tmp_path / "cli"
     code = main(
@@ -343,6 +369,20 @@ def test_skip_mode_drops_a_non_finite_step_and_trains_on(tmp_path, monkeypatch, 
     assert all(math.isfinite(r["train/loss"]) for r in rows)
 
 
+def test_skip_mode_logs_a_window_whose_every_step_was_skipped(tmp_path, monkeypatch):
+    """log_every=1 and a NaN gradient at step 2: that window's one step was skipped, so it has
+    no loss; it is logged without one (the count says why) and the run trains on to its end."""
+    _nan_gradients_at(monkeypatch, {2})
+    out = tmp_path / "skip1"
+    cfg = tiny_run_cfg(out, steps=3, every=(1, 3, 3), **{"optim.on_nonfinite": "skip"})
+    summary = train_worker(cfg.to_dict(), progress=False)
+    rows = {r["step"]: r for r in read_metrics(out) if "train/skipped_steps" in r}
+    assert [(s, rows[s]["train/skipped_steps"]) for s in sorted(rows)] == [(1, 0), (2, 1), (3, 1)]
+    assert "train/loss" not in rows[2]
+    assert all(math.isfinite(rows[s]["train/loss"]) for s in (1, 3))
+    assert summary["steps"] == 3 and (out / "model").is_dir()
+
+
 def test_skip_mode_stops_after_too_many_skipped_steps_in_a_row(tmp_path, monkeypatch):
     _nan_gradients_at(monkeypatch, set(range(3, 100)))
     out = tmp_path / "skips"
@@ -354,12 +394,14 @@ def test_skip_mode_stops_after_too_many_skipped_steps_in_a_row(tmp_path, monkeyp
     assert max(ckpt.checkpoint_step(f) for f in ckpt.list_checkpoints(out)) == 4
 
 
-def test_a_diverged_run_stops_at_the_step_and_saves_no_nan_weights(tmp_path):
+@pytest.mark.parametrize("every", [(4, 12, 2), (2, 12, 4)], ids=["ckpt-between-logs", "usual"])
+def test_a_diverged_run_stops_at_the_step_and_saves_no_nan_weights(tmp_path, every):
     """optim.lr=1e30: the weights are NaN within a few steps. The run stops at the first log or
-    checkpoint step that sees the loss, saves no model, and every checkpoint it kept is finite
-    (checkpoints every 2 steps, logs every 4: the checkpoint steps between logs check too)."""
+    checkpoint step that sees the loss, saves no model, and every checkpoint it kept is finite,
+    whatever the layout: checkpoints every 2 steps and logs every 4 (the checkpoint steps
+    between logs check), or the usual one, checkpoints at log steps (the log step checks)."""
     out = tmp_path / "nan"
-    cfg = tiny_run_cfg(out, "tiny-decoder", "headless", steps=12, every=(4, 12, 2), **LR_1E30)
+    cfg = tiny_run_cfg(out, "tiny-decoder", "headless", steps=12, every=every, **LR_1E30)
     with pytest.raises(HLMError, match=r"training diverged: the loss is \w+ at step \d+") as err:
         train_worker(cfg.to_dict(), progress=False)
     assert "\n" not in str(err.value)
@@ -368,3 +410,5 @@ def test_a_diverged_run_stops_at_the_step_and_saves_no_nan_weights(tmp_path):
     assert stopped < 12
     for folder in ckpt.list_checkpoints(out):
         assert ckpt.checkpoint_step(folder) < stopped
+        weights = load_file(folder / "model" / "model.safetensors")
+        assert all(torch.isfinite(w).all() for w in weights.values()), folder.name

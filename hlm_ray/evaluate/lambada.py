@@ -247,7 +247,7 @@ def _aggregate(results, requests: list[Request], per_example: bool) -> dict:
     logliks = [ll for ll, _ in results]
     out = {
         "lambada/accuracy": sum(g for _, g in results) / len(results),
-        "lambada/perplexity": math.exp(-sum(logliks) / len(logliks)),
+        "lambada/perplexity": _perplexity(sum(logliks) / len(logliks)),
         "lambada/num_examples": len(results),
         "lambada/mean_continuation_tokens": sum(r.num_continuation for r in requests)
         / len(requests),
@@ -255,6 +255,15 @@ def _aggregate(results, requests: list[Request], per_example: bool) -> dict:
     if per_example:
         out["per_example"] = list(results)
     return out
+
+
+def _perplexity(mean_loglik: float) -> float:
+    """exp(-mean log-likelihood), or inf where that is past the largest float (a mean below
+    about -709 nats: a badly trained model, or a long enough continuation)."""
+    try:
+        return math.exp(-mean_loglik)
+    except OverflowError:
+        return math.inf
 
 
 def score_lambada_reference(

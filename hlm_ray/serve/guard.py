@@ -119,9 +119,12 @@ class _TooLarge(Exception):
 
 def bearer_matches(authorization: str, key: bytes) -> bool:
     """Whether an `Authorization` header value is `Bearer <key>`, compared in constant time
-    (the replica's routes and this guard's /-/ routes check the key the same way)."""
+    (the replica's routes and this guard's /-/ routes check the key the same way). The scheme's
+    case and whitespace around the key do not matter; anything else about the key does, and an
+    empty `key` matches nothing."""
     scheme, _, given = authorization.partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), key)
+    given_ok = hmac.compare_digest(given.strip().encode(), key)
+    return bool(key) and scheme.lower() == "bearer" and given_ok
 
 
 def _header(scope, name: bytes) -> str | None:

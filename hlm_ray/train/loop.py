@@ -73,7 +73,8 @@ def train_worker(
         final = done == cfg.optim.max_steps or out_of_time
         if done % cfg.run.log_every == 0 or final:
             log_window(run, done)
-            bar.set_postfix(loss=f"{run.last['train/loss']:.3f}")
+            if "train/loss" in run.last:  # absent when every step of the window was skipped
+                bar.set_postfix(loss=f"{run.last['train/loss']:.3f}")
         if done % cfg.run.eval_every == 0 or final:
             _evaluate_now(run, done)
         if done % cfg.run.checkpoint_every == 0 or final:

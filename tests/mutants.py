@@ -1,0 +1,290 @@
+"""Mutation testing of the core modules against their fast tests: `make mutants` (not part of
+`make test` or CI). Each planted bug (a mutant: `<` for `<=`, `+ 1` for `- 1`, a string or a
+constant changed, ...) should make some test fail; a mutant no test notices is a promise that
+nothing guards. tests/README.md has the last run's kill rate per module and why each survivor
+that is left is equivalent (it cannot change what the code does).
+
+    python tests/mutants.py                     # every module of MODULES, one after another
+    python tests/mutants.py data optim          # some of them, by key
+    python tests/mutants.py --children 1        # mutmut's --max-children (default: 2)
+
+Each module runs mutmut (3.x, the `mutants` extra) in a folder of its own, build/mutants/<key>/,
+with only that module mutated and only its own fast tests (no Ray) selected, so a mutant runs
+the tests of that selection that call the mutated function, nothing slower. mutmut keeps its
+results there: a second run re-tests only functions that changed (delete the folder to start
+over). `mutmut show <name>` / `mutmut browse` in that folder show a mutant.
+
+Prints a table (module, mutants, killed, equivalent, kill rate of the others, wall time, load
+average) and lists every survivor that is not in EQUIVALENT; exits 1 when a module is under
+GOAL. Killed counts what mutmut calls killed, timeout and segfault (the tests noticed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "build" / "mutants"
+GOAL = 0.90
+NO_RAY = ["-m", "not ray"]
+ALSO = ("sweeps",)  # copied beside the mutated package: tests load the sweep scripts
+
+# key: (module, the pytest arguments that select its fast tests). A test file's Ray tests are
+# left out (`-m "not ray"`), and so are tests that train through the whole loop for longer than
+# a few seconds where plain-function tests cover the same code.
+LAMBADA_BPB = "lambada or scored or largest or oracle or batched or truncation or encoding"
+LAMBADA_BPB += " or bits_per_byte or bf16_model or trained_context_length or refuse"
+MODULES: dict[str, tuple[str, list[str]]] = {
+    "cwt": ("hlm_ray/cwt.py", ["tests/test_objectives.py", *NO_RAY]),
+    "objectives": ("hlm_ray/objectives.py", ["tests/test_objectives.py", *NO_RAY]),
+    "cross_entropy": (
+        "hlm_ray/cross_entropy.py",
+        ["tests/test_objectives.py", "tests/test_fused_ce.py", *NO_RAY, "-k", "not compiled"],
+    ),
+    "data": ("hlm_ray/data.py", ["tests/test_data.py", *NO_RAY]),
+    "optim": (
+        "hlm_ray/train/optim.py",
+        ["tests/test_optim.py", *NO_RAY, "-k", "not ddp and not training_with_lazy_update"],
+    ),
+    "step": (
+        "hlm_ray/train/step.py",
+        [
+            "tests/test_train.py",
+            "tests/test_knobs.py",
+            *NO_RAY,
+            "-k",
+            "skip_mode or four_micro or diverged or anew",
+        ],
+    ),  # fmt: skip
+    "bpb": ("hlm_ray/evaluate/bpb.py", ["tests/test_evaluate.py", *NO_RAY, "-k", LAMBADA_BPB]),
+    "lambada": (
+        "hlm_ray/evaluate/lambada.py",
+        ["tests/test_evaluate.py", *NO_RAY, "-k", LAMBADA_BPB],
+    ),
+    "stats": (
+        "hlm_ray/tune/stats.py",
+        ["tests/test_headline.py", "tests/test_scaling.py", *NO_RAY],
+    ),
+    "scaling_fit": ("hlm_ray/tune/scaling_fit.py", ["tests/test_scaling.py", *NO_RAY]),
+    "guard": (
+        "hlm_ray/serve/guard.py",
+        ["tests/test_serve_guard.py", "tests/test_serve.py", *NO_RAY, "-k", "guard or bearer"],
+    ),
+}
+
+# Survivors that cannot change what the code does, each with one line of why. A name is
+# mutmut's (`hlm_ray.cwt.x_cwt_loss__mutmut_3`): it changes when its function is edited, and
+# then the mutant shows up as a survivor again, to be looked at again.
+_CPU = "a device argument: None is the CPU on this machine (the GPU check runs the losses on CUDA)"
+_NO_RNG = "_cwt_rows draws no random numbers: there is no RNG state to preserve"
+_FALSY = "None and False are both falsy where the value is only tested for truth"
+EQUIVALENT: dict[str, str] = {
+    # tune/stats.py
+    "hlm_ray.tune.stats.x__clean__mutmut_3": "scores are Python floats or ints: numpy's own "
+    "dtype for them gives the same mean and variance as float64",
+    "hlm_ray.tune.stats.x__clean__mutmut_5": "the same: numpy's default dtype for the scores",
+    "hlm_ray.tune.stats.x_paired__mutmut_9": "the lengths are checked just above: zip never "
+    "sees unequal ones",
+    "hlm_ray.tune.stats.x_paired__mutmut_12": "the same: zip's strict= after the length check",
+    "hlm_ray.tune.stats.x_paired__mutmut_13": "the same: zip's strict= after the length check",
+    # cwt.py
+    "hlm_ray.cwt.x__cwt_rows__mutmut_23": _CPU,
+    "hlm_ray.cwt.x__cwt_rows__mutmut_25": _CPU,
+    "hlm_ray.cwt.x__cwt_per_row__mutmut_5": "chunk_size == K: one checkpointed chunk of all K "
+    "rows is the unchunked loss",
+    "hlm_ray.cwt.x__cwt_per_row__mutmut_33": _NO_RNG,
+    "hlm_ray.cwt.x__cwt_per_row__mutmut_40": _NO_RNG,
+    "hlm_ray.cwt.x__cwt_per_row__mutmut_42": _NO_RNG,
+    "hlm_ray.cwt.x__cwt_per_row__mutmut_48": "with two chunks or more, every chunk's accuracy "
+    "is None or none is: corrects[1] says what corrects[0] says",
+    "hlm_ray.cwt.x_cwt_loss__mutmut_6": _CPU,
+    "hlm_ray.cwt.x_cwt_loss__mutmut_8": _CPU,
+    "hlm_ray.cwt.x_cwt_loss__mutmut_11": "chunking bounds memory, not the value (chunked == "
+    "unchunked is tested)",
+    "hlm_ray.cwt.x_cwt_loss__mutmut_16": "mask_same is read only with log counts (dedup), "
+    "which cwt_loss never passes",
+    "hlm_ray.cwt.x_cwt_loss__mutmut_27": "the same: mask_same without log counts is unread",
+    "hlm_ray.cwt.x_cwt_loss_from_ids__mutmut_20": _CPU,
+    "hlm_ray.cwt.x_cwt_loss_from_ids__mutmut_22": _CPU,
+    "hlm_ray.cwt.x_cwt_loss_from_ids__mutmut_87": "the accuracy is then computed and thrown "
+    "away: more work, the same loss",
+    "hlm_ray.cwt.x_cwt_loss_sampled__mutmut_10": _CPU,
+    "hlm_ray.cwt.x_cwt_loss_sampled__mutmut_27": _CPU,
+    "hlm_ray.cwt.x_cwt_loss_sampled__mutmut_29": _CPU,
+    "hlm_ray.cwt.x_cwt_loss_sampled__mutmut_44": _CPU,
+    "hlm_ray.cwt.x_cwt_loss_sampled__mutmut_47": _CPU,
+    "hlm_ray.cwt.x_cwt_loss_sampled__mutmut_69": "the positive column is recognised by its "
+    "position (top == 0), never by this placeholder id",
+    "hlm_ray.cwt.x_cwt_loss_sampled__mutmut_70": "the same placeholder id, never compared",
+    # serve/guard.py
+    "hlm_ray.serve.guard.xǁBodyGuardǁ__call____mutmut_19": "a scope without a path: neither "
+    "'' nor 'XXXX' starts with /-/",
+    "hlm_ray.serve.guard.xǁBodyGuardǁ_key_ok__mutmut_3": "no HLM_API_KEY: `not None` is True "
+    "as `not ''` is",
+    "hlm_ray.serve.guard.xǁBodyGuardǁ_key_ok__mutmut_5": "the same: the default None",
+    "hlm_ray.serve.guard.xǁBodyGuardǁ_key_ok__mutmut_20": "no Authorization header: neither "
+    "'' nor 'XXXX' is `Bearer <key>`",
+    "hlm_ray.serve.guard.xǁBodyGuardǁ_read__mutmut_25": _FALSY,
+    "hlm_ray.serve.guard.xǁBodyGuardǁ_read__mutmut_27": _FALSY,
+    "hlm_ray.serve.guard.x__header__mutmut_11": "codec names are case-insensitive",
+    "hlm_ray.serve.guard.x__replay__mutmut_1": _FALSY,
+    "hlm_ray.serve.guard.x__openai_errors__mutmut_22": "no content type: neither b'' nor "
+    "b'XXXX' starts with application/json",
+    "hlm_ray.serve.guard.x__openai_errors__mutmut_57": _FALSY,
+    "hlm_ray.serve.guard.x__openai_errors__mutmut_59": _FALSY,
+    # objectives.py
+    "hlm_ray.objectives.x_vanilla_causal_loss__mutmut_3": "the chunk size bounds memory, not "
+    "the value",
+    "hlm_ray.objectives.x_vanilla_masked_loss__mutmut_4": "the chunk size bounds memory, not "
+    "the value",
+    "hlm_ray.objectives.x_vanilla_masked_loss__mutmut_2": "every caller passes impl: the "
+    "default is never read",
+    "hlm_ray.objectives.x_vanilla_masked_loss__mutmut_3": "every caller passes impl: the "
+    "default is never read",
+}
+
+# mutmut's exit codes (its `status_by_exit_code`) that mean the tests noticed the mutant.
+KILLED = {1, 3, 36, -24, 24, 152, 255, -11, -9}  # killed, timeout (SIGXCPU), segfault
+
+
+@dataclass
+class Result:
+    key: str
+    module: str
+    total: int
+    killed: int
+    equivalent: int
+    survivors: list[str]
+    stale: list[str]  # listed as equivalent but killed: the list needs updating
+    seconds: float
+    load: tuple[float, float]  # 1-minute load average before and after
+
+    @property
+    def rate(self) -> float:
+        counted = self.total - self.equivalent
+        return self.killed / counted if counted else 1.0
+
+
+def setup_cfg(module: str, tests: list[str]) -> str:
+    """mutmut's config (setup.cfg: mutmut reads it where there is no pyproject.toml) and
+    pytest's (the project's markers and warning filters, from pyproject.toml)."""
+    import tomllib
+
+    pytest_cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]
+    pytest_cfg = pytest_cfg["ini_options"]
+    lines = ["[mutmut]", "source_paths = hlm_ray", f"only_mutate = {module}"]
+    lines += ["also_copy =", *(f"    {name}" for name in ALSO)]
+    lines += ["pytest_add_cli_args_test_selection =", *(f"    {t}" for t in tests)]
+    lines += ["pytest_add_cli_args =", "    -p", "    no:cacheprovider", "", "[tool:pytest]"]
+    lines += ["markers =", *(f"    {m}" for m in pytest_cfg["markers"])]
+    lines += ["filterwarnings =", *(f"    {f}" for f in pytest_cfg["filterwarnings"])]
+    return "\n".join(lines) + "\n"
+
+
+def prepare(key: str) -> Path:
+    """build/mutants/<key>/ with the package and the tests linked in and its own config."""
+    folder = WORK / key
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in ("hlm_ray", "tests", *ALSO):
+        link = folder / name
+        if not link.is_symlink():
+            link.symlink_to(ROOT / name, target_is_directory=True)
+    module, tests = MODULES[key]
+    (folder / "setup.cfg").write_text(setup_cfg(module, tests))
+    return folder
+
+
+def environment() -> dict[str, str]:
+    """One torch thread (mutmut forks its workers from a process that ran torch: OpenMP's
+    thread pool does not survive a fork) and the data folder wherever the package is copied."""
+    from hlm_ray.paths import DATA_ENV, data_dir
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env[DATA_ENV] = str(data_dir())
+    return env
+
+
+def run_module(key: str, children: int, survivors_only: bool = False) -> Result:
+    """mutmut on one module; `survivors_only`: re-test only the last run's survivors (after
+    adding tests: mutmut itself re-tests only the mutants of functions that changed)."""
+    folder = prepare(key)
+    mutmut = Path(sys.executable).with_name("mutmut")
+    names = []
+    if survivors_only:
+        names = summarise(key, folder, 0.0, (0.0, 0.0)).survivors
+        if not names:
+            return summarise(key, folder, 0.0, (os.getloadavg()[0],) * 2)
+    load_before, start = os.getloadavg()[0], time.perf_counter()
+    print(f"== {key}: mutmut on {MODULES[key][0]} ({folder.relative_to(ROOT)})", flush=True)
+    command = [str(mutmut), "run", "--max-children", str(children), *names]
+    subprocess.run(command, cwd=folder, env=environment())
+    seconds, load_after = time.perf_counter() - start, os.getloadavg()[0]
+    return summarise(key, folder, seconds, (load_before, load_after))
+
+
+def summarise(key: str, folder: Path, seconds: float, load: tuple[float, float]) -> Result:
+    module = MODULES[key][0]
+    meta = folder / "mutants" / f"{module}.meta"
+    codes = json.loads(meta.read_text())["exit_code_by_key"] if meta.exists() else {}
+    killed = [name for name, code in codes.items() if code in KILLED]
+    equivalent = [name for name in codes if name in EQUIVALENT and name not in killed]
+    survivors = sorted(n for n in codes if n not in killed and n not in EQUIVALENT)
+    stale = sorted(n for n in killed if n in EQUIVALENT)
+    return Result(key, module, len(codes), len(killed), len(equivalent), survivors, stale,
+                  seconds, load)  # fmt: skip
+
+
+def table(results: list[Result]) -> str:
+    lines = [
+        "| module | mutants | killed | equivalent | kill rate | wall time | load average |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        minutes = f"{r.seconds / 60:.1f} min" if r.seconds == r.seconds else "-"  # NaN: not run
+        load = f"{r.load[0]:.1f} → {r.load[1]:.1f}" if r.load[0] == r.load[0] else "-"
+        lines.append(f"| `{r.module}` | {r.total} | {r.killed} | {r.equivalent} | "
+                     f"{r.rate:.1%} | {minutes} | {load} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("keys", nargs="*", choices=[[], *MODULES], metavar="MODULE",
+                        help=f"modules to test (default: all): {', '.join(MODULES)}")  # fmt: skip
+    parser.add_argument("--children", type=int, default=2, help="mutmut's --max-children")
+    parser.add_argument("--survivors", action="store_true",
+                        help="re-test only the last run's survivors (after adding tests)")  # fmt: skip
+    parser.add_argument("--summary-only", action="store_true",
+                        help="print the table of the last runs without running mutmut")  # fmt: skip
+    args = parser.parse_args(argv)
+    keys = args.keys or list(MODULES)
+    results = []
+    for key in keys:
+        if args.summary_only:
+            results.append(summarise(key, WORK / key, float("nan"), (float("nan"),) * 2))
+        else:
+            results.append(run_module(key, args.children, args.survivors))
+        print(table(results[-1:]).splitlines()[-1], flush=True)
+    print("\n" + table(results))
+    for r in results:
+        for name in r.survivors:
+            print(
+                f"survived: {name}   (cd {(WORK / r.key).relative_to(ROOT)} && mutmut show {name})"
+            )
+        for name in r.stale:
+            print(f"killed, but listed in EQUIVALENT: {name}")
+    under = [r.key for r in results if r.rate < GOAL]
+    if under:
+        print(f"under the {GOAL:.0%} goal: {', '.join(under)}")
+    return 1 if under else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
