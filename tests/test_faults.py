@@ -149,6 +149,63 @@ def test_resume_keeps_the_runs_launch_settings_unless_given_again(tmp_path):
     assert launch_settings(tmp_path / "no-launch-file", none_given) == LAUNCH_DEFAULTS
 
 
+TORN = '{"step": 45, "train/lo'  # what a write cut by a full disk or a power loss leaves
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume_and_sync_sends_the_rest(
+    tmp_path, caplog, mlflow_store
+):
+    """A torn tail of metrics.jsonl made the run impossible to resume (a traceback through
+    truncate_metrics) or to sync (`hlm sync` said to retry, which could never succeed)."""
+    from mlflow import MlflowClient
+
+    from hlm_ray.tracking import MlflowTracker, read_metrics, write_run_ref
+    from hlm_ray.tracking.sync import sync_run
+    from hlm_ray.train.run_checkpoints import truncate_metrics
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "train/loss": 5.0 - s / 10} for s in (10, 20, 30, 40)]
+    lines = "".join(json.dumps(r) + "\n" for r in rows)
+    (run / "metrics.jsonl").write_text(lines + TORN)
+    with caplog.at_level(logging.WARNING):
+        assert read_metrics(run) == rows
+    assert "line 5 ({\"step\": 45, \"train/lo) is not a whole metrics row" in caplog.text
+
+    tracker = MlflowTracker("torn-tail", "run", tracking_uri=mlflow_store)
+    write_run_ref(run, tracker.run_id, mlflow_store)
+    report = sync_run(run)  # what can be read is sent
+    assert report["metrics_logged"] == 4
+    history = MlflowClient(mlflow_store).get_metric_history(tracker.run_id, "train/loss")
+    assert sorted(m.step for m in history) == [10, 20, 30, 40]
+
+    truncate_metrics(run, 30)  # a resume from checkpoint 30: the torn tail is gone for good
+    assert (run / "metrics.jsonl").read_text() == "".join(json.dumps(r) + "\n" for r in rows[:3])
+
+
+@pytest.mark.parametrize(
+    ("name", "damage", "message"),
+    [
+        ("launch.json", '{"local": tr', "launch.json is damaged (not JSON at line 1, column 11"),
+        ("launch.json", "", "launch.json is damaged (it is empty); it holds how the run was"),
+        ("mlflow_run.json", "\x00\x00garbage", "mlflow_run.json is damaged (not JSON at line 1"),
+        ("mlflow_run.json", "[1, 2]", "mlflow_run.json is damaged (it holds list, not an object)"),
+    ],
+    ids=["launch-truncated", "launch-empty", "ref-garbage", "ref-list"],
+)
+def test_damaged_small_files_of_a_run_folder_are_one_line_on_resume(
+    name, damage, message, tmp_path, capsys
+):
+    """A truncated launch.json or a garbage mlflow_run.json was a raw JSONDecodeError
+    traceback on `--resume`; now one line that names the file and what to do."""
+    fake_checkpoint(tmp_path / "run", 10)
+    (tmp_path / "run" / name).write_text(damage)
+    assert main(["train", "--resume", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("error: ") and message in err, err
+    assert ("delete it" in err) and ("restore it" in err or "give the launch flags" in err)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

@@ -79,6 +79,9 @@ def cmd_train(args, argv: list[str]) -> int:
         resume_from = resume if named else None
         args.output = args.output or str(resume.parent)
         launch_settings(args, resume.parent)
+        from hlm_ray.tracking.base import read_run_ref
+
+        read_run_ref(resume.parent)  # a damaged one is one line now, not after Ray's start
         output = args.output
         overrides = [
             *device_overrides(args),

@@ -51,7 +51,13 @@ def launch_settings(out_dir: str | Path | None, given: dict[str, Any]) -> dict[s
     """The run's saved launch settings (none without `out_dir`), overridden by the flags given
     now (those not None)."""
     path = Path(out_dir) / LAUNCH_FILE if out_dir else None
-    saved = json.loads(path.read_text()) if path and path.is_file() else {}
+    saved = {}
+    if path and path.is_file():
+        from hlm_ray.jsonl import json_file
+
+        flags = "--local, --num-workers, --cpus-per-worker, --gpu, --experiment, --storage-path"
+        saved = json_file(path, fix=f"it holds how the run was launched: delete it and give "
+                                    f"the launch flags again ({flags})")  # fmt: skip
     merged = {**LAUNCH_DEFAULTS, **saved}
     merged.update({k: v for k, v in given.items() if k in LAUNCH_DEFAULTS and v is not None})
     return merged
