@@ -136,6 +136,18 @@ def test_a_worker_restarted_elsewhere_from_the_last_checkpoint_finishes_with_the
     ).read_bytes()
     assert "| training steps | 20 |" in (model / "README.md").read_text()
 
+    # Nothing left to train blanked the summary: "tokens_per_s": NaN (not JSON) and no metrics.
+    def strict(path):
+        return json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in {path}"))
+
+    earlier = strict(tmp_path / "lost-node" / "summary.json")
+    written = strict(tmp_path / "other-node" / "summary.json")
+    assert written["metrics"] == earlier["metrics"] and "val/loss" in written["metrics"]
+    assert written["tokens_per_s"] == earlier["metrics"]["train/tokens_per_s"]  # the last window's
+    again = train_worker(cfg.to_dict(), resume_from=final, progress=False)  # a finished run resumed
+    assert again["tokens_per_s"] == earlier["tokens_per_s"]
+    assert strict(tmp_path / "lost-node" / "summary.json")["metrics"] == earlier["metrics"]
+
 
 def test_interrupted_checkpoint_save_leaves_the_last_one_intact(tmp_path, monkeypatch):
     cfg = tiny_cfg("tiny-decoder", "headless", tmp_path / "run", **{"optim.max_steps": 20})

@@ -2,7 +2,7 @@
 restore one on resume. The folder format itself (manifest, atomic writes) is `checkpoint.py`.
 
     save_checkpoint(run, done, final)     # every rank; rank 0 writes, every rank reports
-    step, seconds = restore(folder, model, optimizer, scheduler)
+    step, seconds, metrics = restore(folder, model, optimizer, scheduler)
     clear_stale(out_dir, reporter.root)   # a fresh start: no old checkpoints to mix in
     truncate_metrics(out_dir, step)       # metric lines after the resumed step are redone
 
@@ -74,8 +74,9 @@ def _save(folder: Path, run: TrainRun, step: int) -> Path | None:
     )
 
 
-def restore(folder: Path, model, optimizer, scheduler) -> tuple[int, float]:
-    """Load the checkpoint; (its step, the training seconds before it)."""
+def restore(folder: Path, model, optimizer, scheduler) -> tuple[int, float, dict[str, float]]:
+    """Load the checkpoint; (its step, the training seconds before it, the metrics it was saved
+    with: what a resumed run with no step left to train reports)."""
     from safetensors.torch import load_file
 
     folder = ckpt.resolve_resume(folder)
@@ -95,7 +96,7 @@ def restore(folder: Path, model, optimizer, scheduler) -> tuple[int, float]:
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     ckpt.set_rng_state(state["rng"])
-    return int(state["step"]), float(state.get("train_seconds", 0.0))
+    return int(state["step"]), float(state.get("train_seconds", 0.0)), state.get("metrics") or {}
 
 
 def best_val_loss(out_dir: Path) -> float:

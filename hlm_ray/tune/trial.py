@@ -238,9 +238,10 @@ def _finished_summary(out_dir: Path, max_steps: int) -> dict[str, Any] | None:
         max_steps = summary.get("steps")  # stopped at its deadline (or at optim.max_steps)
     elif budget:
         max_steps = budget.get("budget/steps", max_steps)
-    if summary.get("steps") != max_steps or not math.isfinite(
-        summary.get("tokens_per_s", math.nan)
-    ):
+    speed = summary.get("tokens_per_s")
+    if summary.get("steps") != max_steps or not isinstance(speed, int | float):
+        return None
+    if not math.isfinite(speed):
         return None
     return summary
 
