@@ -108,9 +108,11 @@ def best_val_loss(out_dir: Path) -> float:
 
 
 def clear_stale(out_dir: Path, checkpoints_root: Path) -> None:
-    """A fresh start: remove the checkpoints and best copy of an earlier run in the folder."""
+    """A fresh start: remove the checkpoints and best copy of an earlier run in the folder, and
+    what a cut-off save left half written."""
     for old in [*ckpt.list_checkpoints(checkpoints_root), out_dir / BEST]:
         shutil.rmtree(old, ignore_errors=True)
+    ckpt.remove_leftovers(out_dir)
 
 
 def truncate_metrics(out_dir: Path, step: int) -> None:
@@ -123,7 +125,7 @@ def truncate_metrics(out_dir: Path, step: int) -> None:
 
 def copy_tree(src: Path, dst: Path) -> None:
     """Replace `dst` with a copy of `src`, never leaving a half-copied `dst` behind."""
-    tmp = dst.with_name(f".tmp-{dst.name}")
+    tmp = dst.with_name(f"{ckpt.TMP_PREFIX}{dst.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(src, tmp)
     shutil.rmtree(dst, ignore_errors=True)
