@@ -149,6 +149,91 @@ def test_resume_keeps_the_runs_launch_settings_unless_given_again(tmp_path):
     assert launch_settings(tmp_path / "no-launch-file", none_given) == LAUNCH_DEFAULTS
 
 
+HOLDER = """
+import sys, time
+from hlm_ray.train import run_lock
+run_lock.acquire(sys.argv[1])
+print(run_lock.token(sys.argv[1]), flush=True)
+time.sleep(600)
+"""
+
+
+def a_driver(folder):
+    """A process holding `folder`'s writer lock, as `hlm train` does (the lock, not the run):
+    (its Popen, the token its workers are given)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    driver = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder)],
+                              stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    return driver, driver.stdout.readline().strip()
+
+
+def test_one_writer_per_run_folder_and_a_dead_drivers_lock_is_free(tmp_path, capsys):
+    """Two writers could hold one run folder: a second `hlm train` on it while the first ran,
+    and the workers of a SIGKILLed driver, which outlive it, finishing the run meanwhile."""
+    from hlm_ray.train import run_lock
+
+    run = tmp_path / "run"
+    driver, token = a_driver(run)
+    try:
+        argv = ["train", "--local", "--output", str(run), "--set", f"data.sources=[{SHAKESPEARE}]"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: {run} is being written by another process (pid "
+                              f"{driver.pid} on ") and "\n" not in err  # fmt: skip
+        assert not (run / "launch.json").exists()
+        run_lock.watch(run, token)  # a worker of that driver: it writes while the driver lives
+        run_lock.check_writer()
+    finally:
+        driver.kill()  # SIGKILL: the kernel releases the lock, nothing is left to clean
+        driver.wait()
+    try:
+        with pytest.raises(run_lock.WriterGone, match="is gone .* stops without writing"):
+            run_lock.check_writer()
+        release = run_lock.acquire(run)  # the resume takes the folder at once
+        with pytest.raises(run_lock.WriterGone, match="another process has taken"):
+            run_lock.check_writer()
+        release()
+    finally:
+        run_lock.watch(run, None)
+
+
+def test_an_orphaned_worker_stops_writing_the_run_folder(tmp_path):
+    """Rank 0's writes in the real loop (metrics lines, checkpoints, the model, summary.json)
+    stop once its driver is SIGKILLed mid-run (the driver here holds only the lock)."""
+    from tiny_runs import tiny_run_cfg
+
+    from hlm_ray.tracking import read_metrics
+    from hlm_ray.train import run_lock
+    from hlm_ray.train.loop import train_worker
+
+    run = tmp_path / "run"
+    driver, token = a_driver(run)
+
+    def kill_after_step_3():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if any(r["step"] >= 3 for r in read_metrics(run)):
+                driver.kill()
+                return
+            time.sleep(0.02)
+
+    run_lock.watch(run, token)
+    killer = threading.Thread(target=kill_after_step_3, daemon=True)
+    killer.start()
+    try:
+        cfg = tiny_run_cfg(run, steps=200, every=(1, 200, 20))
+        with pytest.raises(run_lock.WriterGone, match="is gone"):
+            train_worker(cfg.to_dict(), progress=False)
+    finally:
+        run_lock.watch(run, None)
+        driver.kill()
+        driver.wait()
+    steps = [r["step"] for r in read_metrics(run) if "train/loss" in r]
+    assert 3 <= max(steps) < 20, steps  # stopped at the kill, long before the first checkpoint
+    assert not ckpt.folders(run) and not (run / "summary.json").exists()
+    assert not (run / "model").exists()
+
+
 TORN = '{"step": 45, "train/lo'  # what a write cut by a full disk or a power loss leaves
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from hlm_ray.budget import budget_params, flops_per_step
 from hlm_ray.models import num_parameters
+from hlm_ray.train.run_lock import check_writer
 from hlm_ray.train.run_state import TrainRun
 from hlm_ray.train.run_tracking import log_artifacts
 
@@ -49,6 +50,7 @@ def finish_run(run: TrainRun) -> dict[str, Any]:
     if run.budget is not None:
         summary["budget"] = budget_outcome(run)
     if run.env.is_main:  # NaN is not JSON: a number that could not be measured is null
+        check_writer()  # an orphaned worker (its driver gone) leaves the run unfinished
         (out_dir / "summary.json").write_text(json.dumps(_no_nan(summary), indent=1))
         log_artifacts(run.tracker, out_dir, cfg)  # after summary.json: the model card reads it
     return summary

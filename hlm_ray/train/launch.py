@@ -31,6 +31,7 @@ from hlm_ray.config import Config, apply_overrides
 from hlm_ray.errors import HLMError, one_line
 from hlm_ray.paths import CACHE_ENV
 from hlm_ray.train import checkpoint as ckpt
+from hlm_ray.train import run_lock
 from hlm_ray.train.inputs import build_corpus, build_prepared, build_tokenizer
 from hlm_ray.train.ray_worker import ray_worker
 from hlm_ray.train.run_mirror import PROGRESS, RESULTS, RUN_REF, RunMirror
@@ -301,6 +302,7 @@ def open_mlflow_run(
     return tracker, {"experiment": experiment, "uri": uri, "run_id": tracker.run_id}
 
 
+@run_lock.holding(check_output)
 def train_local(
     cfg: Config,
     *,
@@ -342,6 +344,7 @@ def train_local(
     return summary
 
 
+@run_lock.holding(check_output)  # one writer per run folder, its workers included
 def launch(
     cfg: Config,
     *,
@@ -431,6 +434,7 @@ def launch(
         "tracking": tracking,
         "env": env,
         "mirror": mirror.uri if mirror else None,
+        "writer": run_lock.token(out_dir),  # rank 0 stops writing once this driver is gone
     }
     workers, worker_fn = (0, local_worker) if local else (num_workers, ray_worker)
     trainer = None

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from hlm_ray.train import checkpoint as ckpt
+from hlm_ray.train import run_lock
 from hlm_ray.train.run_mirror import PROGRESS, RESULTS, RunMirror
 
 
@@ -65,6 +66,8 @@ def ray_worker(loop_config: dict[str, Any]) -> None:
         nodes = ", ".join(f"rank {r} {ip}" for r, ip in enumerate(env.nodes))
         print("workers on nodes: " + nodes, flush=True)
     out_dir = Path(loop_config["config"]["run"]["output_dir"])
+    if env.is_main:  # the one rank that writes the run folder: only while its driver lives
+        run_lock.watch(out_dir, loop_config.get("writer"))
     mirror = RunMirror(loop_config["mirror"]) if loop_config.get("mirror") else None
     reporter = RayReporter(out_dir, mirror if env.is_main else None)
     kwargs = dict(env=env, reporter=reporter, tracking=loop_config["tracking"])

@@ -41,9 +41,12 @@ def save_launch(out_dir: str | Path, settings: dict[str, Any]) -> None:
 def discard_launch(out_dir: str | Path) -> None:
     """Undo `save_launch` for a run that failed before it wrote anything else (bad input found
     while preparing): no lone launch.json, and no folder if that was all it held."""
+    from hlm_ray.train.run_lock import LOCK_FILE  # held by this process until it returns
+
     out = Path(out_dir)
-    if out.is_dir() and [p.name for p in out.iterdir()] == [LAUNCH_FILE]:
-        (out / LAUNCH_FILE).unlink()
+    if out.is_dir() and {p.name for p in out.iterdir()} <= {LAUNCH_FILE, LOCK_FILE}:
+        for name in (LAUNCH_FILE, LOCK_FILE):
+            (out / name).unlink(missing_ok=True)
         out.rmdir()
 
 

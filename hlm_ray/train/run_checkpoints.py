@@ -21,6 +21,7 @@ from pathlib import Path
 from hlm_ray.errors import HLMError
 from hlm_ray.tracking import read_metrics
 from hlm_ray.train import checkpoint as ckpt
+from hlm_ray.train.run_lock import check_writer
 from hlm_ray.train.run_state import TrainRun
 
 BEST = "best_checkpoint"  # a copy of the checkpoint with the lowest validation loss
@@ -29,6 +30,8 @@ BEST = "best_checkpoint"  # a copy of the checkpoint with the lowest validation 
 def save_checkpoint(run: TrainRun, done: int, final: bool = False) -> None:
     """Write the step's checkpoint (rank 0), keep the final model and the best checkpoint
     beside it, and report to Ray (every rank)."""
+    if run.env.is_main:
+        check_writer()  # an orphaned worker (its driver gone) writes no checkpoint
     saving = time.perf_counter()
     folder = _save(run.reporter.checkpoint_folder(done), run, done)
     if folder is not None and final:
@@ -47,6 +50,7 @@ def keep_final_model(out_dir: Path, checkpoint: Path) -> None:
     own node, and a rank 0 restarted elsewhere (that node lost while the run was finishing)
     would otherwise finish without one."""
     if not (out_dir / "model" / "config.json").is_file():
+        check_writer()
         copy_tree(checkpoint / "model", out_dir / "model")
 
 
