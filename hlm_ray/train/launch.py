@@ -28,12 +28,12 @@ from typing import Any
 
 from hlm_ray.cluster import alive_nodes, check_tracking, machines, worker_paths
 from hlm_ray.config import Config, apply_overrides
-from hlm_ray.errors import HLMError, one_line
+from hlm_ray.errors import HLMError, TrainingDiverged, one_line
 from hlm_ray.paths import CACHE_ENV
 from hlm_ray.train import checkpoint as ckpt
 from hlm_ray.train import run_lock
 from hlm_ray.train.inputs import build_corpus, build_prepared, build_tokenizer
-from hlm_ray.train.ray_worker import ray_worker
+from hlm_ray.train.ray_worker import ray_worker, take_divergence
 from hlm_ray.train.run_mirror import PROGRESS, RESULTS, RUN_REF, RunMirror
 
 # Ray Train settings for short runs, unless the user set them: the controller polls its workers
@@ -483,6 +483,10 @@ def launch(
     except BaseException:
         finish(tracker, out_dir, "FAILED", mirror)
         raise
+    diverged = take_divergence(out_dir, loop_config["writer"], mirror)
+    if diverged is not None:  # every worker stopped at that step: no restart, no retry
+        finish(tracker, out_dir, "FAILED", mirror)
+        raise TrainingDiverged(diverged)
     fit_s = time.time() - fit_at
     if mirror is not None:  # rank 0's results, from whichever node it ran on
         mirror.pull(out_dir, RESULTS)

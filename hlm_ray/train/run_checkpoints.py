@@ -120,8 +120,10 @@ def clear_stale(out_dir: Path, checkpoints_root: Path) -> None:
 
 
 def truncate_metrics(out_dir: Path, step: int) -> None:
-    """Drop metric lines logged after the checkpoint we resume from (they will be redone)."""
-    rows = [r for r in read_metrics(out_dir) if r["step"] <= step]
+    """Drop metric lines logged after the checkpoint we resume from (they will be redone); a
+    fresh start (`step` 0) drops them all, its step-0 line included (a worker group restarted
+    before its first checkpoint wrote that line once more each time)."""
+    rows = [r for r in read_metrics(out_dir) if r["step"] <= step] if step else []
     path = out_dir / "metrics.jsonl"
     if path.exists():
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
