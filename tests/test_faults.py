@@ -255,7 +255,7 @@ def test_a_torn_last_metrics_line_is_dropped_on_resume_and_sync_sends_the_rest(
     (run / "metrics.jsonl").write_text(lines + TORN)
     with caplog.at_level(logging.WARNING):
         assert read_metrics(run) == rows
-    assert "line 5 ({\"step\": 45, \"train/lo) is not a whole metrics row" in caplog.text
+    assert 'line 5 ({"step": 45, "train/lo) is not a whole metrics row' in caplog.text
 
     tracker = MlflowTracker("torn-tail", "run", tracking_uri=mlflow_store)
     write_run_ref(run, tracker.run_id, mlflow_store)

@@ -181,7 +181,9 @@ def test_a_damaged_shard_is_found_before_training_and_prepared_again(
     del tokens
     val = copy / "val-00000.bin"
     val.write_bytes(val.read_bytes()[:10])
-    with pytest.raises(HLMError, match=r"val-00000.bin has 10 bytes, the manifest says .*cut short"):
+    with pytest.raises(
+        HLMError, match=r"val-00000.bin has 10 bytes, the manifest says .*cut short"
+    ):
         open_prepared(copy)
 
     again = prepare(request, copy, workers=0, progress=False)  # the command that made it

@@ -163,8 +163,14 @@ def test_cli_parser_and_early_errors(model_dir, monkeypatch):
         (["--num-cpus", "-1"], "--num-cpus=-1 is not allowed; use a number >= 0"),
         (["--num-gpus", "nan"], "--num-gpus=nan is not allowed"),
         (["--max-ongoing-requests", "0"], "--max-ongoing-requests=0 is not allowed"),
-        (["--max-queued-requests", "0"], "--max-queued-requests=0 is not allowed; use 1 or more, or -1"),
-        (["--host", "8.8.8.8"], "--host 8.8.8.8 is not an address of this machine"),  # blamed the port
+        (
+            ["--max-queued-requests", "0"],
+            "--max-queued-requests=0 is not allowed; use 1 or more, or -1",
+        ),
+        (
+            ["--host", "8.8.8.8"],
+            "--host 8.8.8.8 is not an address of this machine",
+        ),  # blamed the port
         (["--api-key", ""], "--api-key is empty"),
     ],
 )

@@ -352,8 +352,12 @@ def test_two_runs_started_at_once_on_a_new_store_are_both_tracked(tmp_path):
     with tracking off ("duplicate column name: step": seen in 3 of 3 tries before the fix): the
     first to take the store's lock creates it, the other waits for it."""
     racers = [
-        subprocess.Popen([sys.executable, "-c", RACER, str(tmp_path), name],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, str(tmp_path), name],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for name in ("a", "b")
     ]
     deadline = time.monotonic() + 120

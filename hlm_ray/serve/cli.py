@@ -225,7 +225,9 @@ def check_host(host: str) -> None:
     try:
         infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError) as err:
-        raise HLMError(f"--host {host!r} is not an address ({err}); use 127.0.0.1 or 0.0.0.0") from None
+        raise HLMError(
+            f"--host {host!r} is not an address ({err}); use 127.0.0.1 or 0.0.0.0"
+        ) from None
     family, _, _, _, address = infos[0]
     with socket.socket(family, socket.SOCK_STREAM) as sock:
         try:

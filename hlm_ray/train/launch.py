@@ -103,7 +103,7 @@ def startup_timeout_message() -> str:
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     return (
         f"the local Ray cluster did not start: Ray's processes did not register within its 30 s "
-        f"(\"The current node timed out during startup\"), twice; the machine is busy (load "
+        f'("The current node timed out during startup"), twice; the machine is busy (load '
         f"average {load} on {os.cpu_count()} CPUs); nothing was lost: run the same command again "
         "when it is quieter (a run or a sweep continues where it stopped)"
     )
