@@ -656,7 +656,7 @@ def test_a_sweep_whose_trial_diverges_fails_once_and_says_why(
     argv = ["--preset", "tiny", "--name", "div", "--max-failures", "1", *_set(items)]
     assert _sweep_main("temperature")(argv) == 1
     out = capsys.readouterr().out
-    assert out.count("started: temperature=1.0") == 1  # not retried
+    assert out.count("started: temperature=1 headless") == 1, out  # not retried
     assert "failed: training diverged: the loss is" in out
     assert "1 trial(s) diverged" in out and "re-run the same command" not in out
     client, (parent,), (child,) = _runs(sweep_server, "div")

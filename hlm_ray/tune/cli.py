@@ -294,9 +294,10 @@ def failure_advice(failed: list[dict]) -> str:
     lines = []
     if diverged:
         lines.append(
-            f"{len(diverged)} trial(s) diverged ({diverged[0]['error']}); the same settings "
-            "diverge again: lower optim.lr or set optim.grad_clip with --set, under another "
-            "--name (a sweep's settings are fixed by its name)"
+            f"{len(diverged)} trial(s) diverged (their error is in the table): the same "
+            "settings diverge again, and re-running this sweep keeps them failed; lower optim.lr "
+            "or set optim.grad_clip with --set, under another --name (a sweep's settings are "
+            "fixed by its name)"
         )
     if others:
         lines.append(
