@@ -187,6 +187,18 @@ def test_bad_flags_are_one_line_naming_the_flag_before_the_model_or_ray(
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
 
 
+def test_ray_address_local_is_a_ray_started_here_with_direct_ingress(monkeypatch):
+    """`RAY_ADDRESS=local` (start a Ray here, never join another on the machine) was taken for
+    a cluster: the server went through Serve's proxy, without direct ingress."""
+    from hlm_ray.serve.cli import add_arguments, plan_ports
+    from hlm_ray.tracking.server import free_port
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    assert plan_ports(parser.parse_args(["--model", "m", "--port", str(free_port())])).direct
+
+
 def test_an_api_key_variable_set_but_empty_is_refused(capsys, monkeypatch):
     """`HLM_API_KEY=$(cat missing-file)` started an open server whose banner said only "no API
     key"; unset, the server is open as documented (here: the missing model is the error)."""

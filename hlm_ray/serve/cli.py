@@ -278,6 +278,8 @@ def plan_ports(args: argparse.Namespace):
     from hlm_ray.serve.launch import Ports
 
     cluster = args.address or os.environ.get("RAY_ADDRESS")
+    if cluster == "local":  # Ray's name for "start one here, whatever runs beside it"
+        cluster = None
     if args.direct_ingress and cluster:
         raise HLMError(
             f"--direct-ingress needs a Ray that starts here, not the cluster at {cluster}: "
