@@ -320,7 +320,7 @@ def test_a_diverged_trial_fails_the_sweep_and_the_advice_fits(tmp_path):
     the same command, which diverges again. A diverged trial ends without Tune's retries and
     reports why; the parent is FAILED and says what happened; the advice depends on the error."""
     from hlm_ray.tune.cli import failure_advice
-    from hlm_ray.tune.sweep import sweep_status
+    from hlm_ray.tune.summary import sweep_status
 
     spec = get_sweep("vocab", "tiny")
     runtime = TrialRuntime("s", "vocab", EXPERIMENT, None, str(tmp_path), "tiny", 1, 1.0, 0.0)

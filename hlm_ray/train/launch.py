@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hlm_ray import cluster
 from hlm_ray.cluster import alive_nodes, check_tracking, machines, worker_paths
 from hlm_ray.config import Config, apply_overrides
 from hlm_ray.errors import HLMError, TrainingDiverged, one_line
@@ -68,11 +69,11 @@ def connect() -> None:
             return
         except Exception as err:
             first = one_line(err)
-            if local and STARTUP_TIMEOUT in first:  # a plain Exception from Ray's node start
+            if local and cluster.STARTUP_TIMEOUT in first:  # Ray's bare Exception: a busy machine
                 ray.shutdown()
                 if attempt < attempts:
                     continue
-                raise HLMError(startup_timeout_message()) from None
+                raise HLMError(cluster.startup_timeout_message()) from None
             if not isinstance(err, ConnectionError | TimeoutError | RuntimeError | ValueError):
                 raise
             if not local:
@@ -93,20 +94,6 @@ def connect() -> None:
 
 
 LOCAL_START_ATTEMPTS = 2
-STARTUP_TIMEOUT = "timed out during startup"
-"""What Ray 2.60 says (a bare `Exception`) when its raylet has not registered within 30 s."""
-
-
-def startup_timeout_message() -> str:
-    """Ray's start-up timeout, which only a busy machine causes, in one line: the load, and
-    that the same command loses nothing (a run or sweep continues where it stopped)."""
-    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
-    return (
-        f"the local Ray cluster did not start: Ray's processes did not register within its 30 s "
-        f'("The current node timed out during startup"), twice; the machine is busy (load '
-        f"average {load} on {os.cpu_count()} CPUs); nothing was lost: run the same command again "
-        "when it is quieter (a run or a sweep continues where it stopped)"
-    )
 
 
 def stop_own_cluster() -> None:

@@ -263,7 +263,7 @@ def run_sweep(
             phases["after_trials"] = seconds - phases["before_trials"] - phases["trials"]
             parent.log_metrics(plan_mod.measured_metrics(rows, seconds), step=0)
             parent.log_metrics({f"sweep/{k}_s": v for k, v in phases.items()}, step=0)
-            status, outcome = sweep_status(rows, stop.interrupted)
+            status, outcome = summary_mod.sweep_status(rows, stop.interrupted)
             parent.set_tags({"sweep_outcome": outcome})
             parent.finish(status)
         except (KeyboardInterrupt, SystemExit):
@@ -292,18 +292,6 @@ def run_sweep(
         interrupted=stop.interrupted,
         link=link,
     )
-
-
-def sweep_status(rows: list[dict], interrupted: bool) -> tuple[str, str]:
-    """The parent run's status and a line saying what happened to its trials: FAILED when a
-    trial failed (its cell is missing from the comparison; every failed one ended FINISHED
-    before), KILLED after Ctrl-C, else FINISHED."""
-    failed = sum(r["status"] == "FAILED" for r in rows)
-    done = sum(r["status"] == "FINISHED" for r in rows)
-    outcome = f"{done} of {len(rows)} trial(s) finished, {failed} failed"
-    if interrupted:
-        return "KILLED", outcome + "; interrupted"
-    return ("FAILED" if failed else "FINISHED"), outcome
 
 
 def _open_parent(spec, name, uri, state, search, concurrency, real_vocab):
