@@ -177,8 +177,11 @@ def run(args) -> dict:
         model = tiny_model(Path(tempfile.mkdtemp(prefix="hlm-flood-")))
     key, port = secrets.token_hex(16), free_port()
     server = serve(model, port, key, out / "serve.log")
+    say = lambda line: print(f"[flood] {line}", file=sys.stderr, flush=True)  # noqa: E731
+    say(f"starting hlm serve on port {port} (its log: {out / 'serve.log'})")
     try:
         wait_ready(port, server)
+        say(f"serving; keyed completions for {args.phase_s:g} s before the flood")
         result = {"load_before": os.getloadavg(), "cpus": os.cpu_count(),
                   "connections_per_attacker": args.connections, "flood_s": args.flood_s,
                   "interval_s": args.interval_s}  # fmt: skip
@@ -214,12 +217,14 @@ def run(args) -> dict:
             )
             for source in ATTACKERS
         ]
+        say(f"flood: 2 attackers × {args.connections:,} connections for {args.flood_s:g} s")
         time.sleep(2)  # the attackers' connections are open before the first keyed one
         result["flood"] = phase(keyed(port, key, args.flood_s - 4, args.interval_s))
         result["attackers"] = [json.loads(a.communicate(timeout=120)[0] or "{}") for a in attackers]
         flood_on.clear()
         result["load_during"] = {"mean": sum(loads) / max(1, len(loads)), "max": max(loads or [0])}
         time.sleep(args.interval_s)
+        say(f"flood over; keyed completions for {args.phase_s:g} s after it")
         result["after"] = phase(keyed(port, key, args.phase_s, args.interval_s))
         result["load_after"] = os.getloadavg()
     finally:
