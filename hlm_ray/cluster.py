@@ -37,6 +37,22 @@ INPUTS_DIR = "_inputs"
 """The run storage's folder of published input folders (a fine-tune's source model)."""
 
 
+STARTUP_TIMEOUT = "timed out during startup"
+"""What Ray 2.60 says (a bare `Exception`) when its raylet has not registered within 30 s."""
+
+
+def startup_timeout_message() -> str:
+    """Ray's start-up timeout, which only a busy machine causes, in one line: the load, and
+    that the same command loses nothing (a run or sweep continues where it stopped)."""
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (
+        f"the local Ray cluster did not start: Ray's processes did not register within its 30 s "
+        f'("The current node timed out during startup"), twice; the machine is busy (load '
+        f"average {load} on {os.cpu_count()} CPUs); nothing was lost: run the same command again "
+        "when it is quieter (a run or a sweep continues where it stopped)"
+    )
+
+
 def alive_nodes() -> list[dict]:
     """The cluster's alive nodes (`ray.nodes()` entries); Ray must be connected."""
     import ray

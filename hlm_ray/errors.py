@@ -24,6 +24,21 @@ class HLMError(Exception):
     """Bad input or an unusable environment, explained in one line."""
 
 
+class TrainingDiverged(HLMError):
+    """The loss (or the gradient) of a run is not finite: a property of its settings and data,
+    not a transient fault, so it is never retried (a restart diverges again)."""
+
+
+DIVERGED = "training diverged:"
+"""How every divergence error begins (`train.log_window.check_finite_loss`, `train.step`)."""
+
+
+def is_divergence(err: BaseException) -> bool:
+    return isinstance(err, TrainingDiverged) or (
+        isinstance(err, HLMError) and str(err).startswith(DIVERGED)
+    )
+
+
 class TorchTooOld(HLMError, RuntimeError):
     """An option needs a newer torch than the one installed (a RuntimeError too: a benchmark
     records the arm as unsupported and goes on)."""

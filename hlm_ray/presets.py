@@ -15,9 +15,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from hlm_ray.config import OBJECTIVES, Config, apply_overrides, flatten
+from hlm_ray.config.parse import read_yaml
 from hlm_ray.errors import HLMError
 
 _TINY_RUN = {"log_every": 10, "eval_every": 50, "eval_batches": 4, "checkpoint_every": 50}
@@ -147,10 +146,12 @@ def load_config(
             raise HLMError(f"config file {path} not found")
         if not path.is_file():
             raise HLMError(f"--config {path} is not a regular file; pass one YAML file")
-        try:
-            loaded = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as err:
-            raise HLMError(f"config file {path} is not valid YAML: {err}".splitlines()[0]) from None
+        loaded = read_yaml(path, path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise HLMError(
+                f"config file {path} holds a {type(loaded).__name__}, not a mapping of sections; "
+                "write it as `optim:` / `  lr: 3e-4` lines (the sections of `hlm presets`)"
+            )
         flat = dict(flatten(loaded))
         cfg = apply_overrides(cfg, flat)
     if overrides:

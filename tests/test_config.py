@@ -52,6 +52,29 @@ def test_a_config_that_is_not_a_file_says_what_it_is(tmp_path):
         load_config("tiny-decoder", yaml_file=tmp_path / "missing.yaml")
 
 
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        # PyYAML kept the last of two values without a word: the run trained at lr 0.5.
+        ("optim:\n  lr: 0.001\n  lr: 0.5\n", "key 'lr' is given twice (lines 2 and 3); keep one"),
+        ("optim:\n  lr: 0.1\noptim:\n  warmup_steps: 3\n", "key 'optim' is given twice (lines 1"),
+        # A list at the top: AttributeError: 'list' object has no attribute 'items'.
+        ("- optim.lr: 0.1\n", "holds a list, not a mapping of sections"),
+        # A tab: "while scanning for the next token", the line and column lost.
+        ("optim:\n\tlr: 0.1\n", "not valid YAML at line 2, column 1: found character '\\t'"),
+        ("optim: [1, 2\n", "not valid YAML at line 2, column 1"),
+    ],
+    ids=["duplicate-key", "duplicate-section", "top-level-list", "tab", "unclosed"],
+)
+def test_a_bad_config_file_fails_in_one_line_naming_the_line(text, message, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(HLMError) as err:
+        load_config("tiny-decoder", yaml_file=path)
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
+    assert str(path) in str(err.value)
+
+
 def test_grad_accumulation_is_derived_and_checked():
     cfg = load_config(
         "tiny-decoder", overrides=["optim.global_batch_size=64", "optim.micro_batch_size=8"]

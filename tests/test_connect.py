@@ -73,3 +73,27 @@ def test_a_port_taken_during_a_local_start_is_tried_once_more_on_new_ports(monke
     with pytest.raises(HLMError, match="could not start a local Ray cluster.*already occupied"):
         launch.connect()
     assert len(calls) == launch.LOCAL_START_ATTEMPTS
+
+
+def test_a_start_that_times_out_under_load_is_tried_again_then_one_line(monkeypatch, no_cluster):
+    """Ray raises a bare Exception when its raylet has not registered within 30 s (seen with
+    the load average at 17): it was a 30-line traceback through the sweep, with no word that the
+    same command loses nothing. A second try often starts; a second timeout is one line."""
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    calls: list[dict] = []
+    slow = Exception(
+        "The current node timed out during startup. This could happen because some of the "
+        "raylet failed to startup or the GCS has become overloaded."
+    )
+    monkeypatch.setattr(ray, "init", fake_init([slow], calls))
+    launch.connect()
+    assert len(calls) == 2
+
+    calls.clear()
+    monkeypatch.setattr(ray, "init", fake_init([slow, slow], calls))
+    with pytest.raises(HLMError) as info:
+        launch.connect()
+    message = str(info.value)
+    assert "\n" not in message and "timed out during startup" in message
+    assert "load average" in message and "run the same command again" in message
+    assert "continues where it stopped" in message

@@ -149,6 +149,148 @@ def test_resume_keeps_the_runs_launch_settings_unless_given_again(tmp_path):
     assert launch_settings(tmp_path / "no-launch-file", none_given) == LAUNCH_DEFAULTS
 
 
+HOLDER = """
+import sys, time
+from hlm_ray.train import run_lock
+run_lock.acquire(sys.argv[1])
+print(run_lock.token(sys.argv[1]), flush=True)
+time.sleep(600)
+"""
+
+
+def a_driver(folder):
+    """A process holding `folder`'s writer lock, as `hlm train` does (the lock, not the run):
+    (its Popen, the token its workers are given)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    driver = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder)],
+                              stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+    return driver, driver.stdout.readline().strip()
+
+
+def test_one_writer_per_run_folder_and_a_dead_drivers_lock_is_free(tmp_path, capsys):
+    """Two writers could hold one run folder: a second `hlm train` on it while the first ran,
+    and the workers of a SIGKILLed driver, which outlive it, finishing the run meanwhile."""
+    from hlm_ray.train import run_lock
+
+    run = tmp_path / "run"
+    driver, token = a_driver(run)
+    try:
+        argv = ["train", "--local", "--output", str(run), "--set", f"data.sources=[{SHAKESPEARE}]"]
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: {run} is being written by another process (pid "
+                              f"{driver.pid} on ") and "\n" not in err  # fmt: skip
+        assert not (run / "launch.json").exists()
+        run_lock.watch(run, token)  # a worker of that driver: it writes while the driver lives
+        run_lock.check_writer()
+    finally:
+        driver.kill()  # SIGKILL: the kernel releases the lock, nothing is left to clean
+        driver.wait()
+    try:
+        with pytest.raises(run_lock.WriterGone, match="is gone .* stops without writing"):
+            run_lock.check_writer()
+        release = run_lock.acquire(run)  # the resume takes the folder at once
+        with pytest.raises(run_lock.WriterGone, match="another process has taken"):
+            run_lock.check_writer()
+        release()
+    finally:
+        run_lock.watch(run, None)
+
+
+def test_an_orphaned_worker_stops_writing_the_run_folder(tmp_path):
+    """Rank 0's writes in the real loop (metrics lines, checkpoints, the model, summary.json)
+    stop once its driver is SIGKILLed mid-run (the driver here holds only the lock)."""
+    from tiny_runs import tiny_run_cfg
+
+    from hlm_ray.tracking import read_metrics
+    from hlm_ray.train import run_lock
+    from hlm_ray.train.loop import train_worker
+
+    run = tmp_path / "run"
+    driver, token = a_driver(run)
+
+    def kill_after_step_3():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if any(r["step"] >= 3 for r in read_metrics(run)):
+                driver.kill()
+                return
+            time.sleep(0.02)
+
+    run_lock.watch(run, token)
+    killer = threading.Thread(target=kill_after_step_3, daemon=True)
+    killer.start()
+    try:
+        cfg = tiny_run_cfg(run, steps=200, every=(1, 200, 20))
+        with pytest.raises(run_lock.WriterGone, match="is gone"):
+            train_worker(cfg.to_dict(), progress=False)
+    finally:
+        run_lock.watch(run, None)
+        driver.kill()
+        driver.wait()
+    steps = [r["step"] for r in read_metrics(run) if "train/loss" in r]
+    assert 3 <= max(steps) < 20, steps  # stopped at the kill, long before the first checkpoint
+    assert not ckpt.folders(run) and not (run / "summary.json").exists()
+    assert not (run / "model").exists()
+
+
+TORN = '{"step": 45, "train/lo'  # what a write cut by a full disk or a power loss leaves
+
+
+def test_a_torn_last_metrics_line_is_dropped_on_resume_and_sync_sends_the_rest(
+    tmp_path, caplog, mlflow_store
+):
+    """A torn tail of metrics.jsonl made the run impossible to resume (a traceback through
+    truncate_metrics) or to sync (`hlm sync` said to retry, which could never succeed)."""
+    from mlflow import MlflowClient
+
+    from hlm_ray.tracking import MlflowTracker, read_metrics, write_run_ref
+    from hlm_ray.tracking.sync import sync_run
+    from hlm_ray.train.run_checkpoints import truncate_metrics
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"step": s, "train/loss": 5.0 - s / 10} for s in (10, 20, 30, 40)]
+    lines = "".join(json.dumps(r) + "\n" for r in rows)
+    (run / "metrics.jsonl").write_text(lines + TORN)
+    with caplog.at_level(logging.WARNING):
+        assert read_metrics(run) == rows
+    assert 'line 5 ({"step": 45, "train/lo) is not a whole metrics row' in caplog.text
+
+    tracker = MlflowTracker("torn-tail", "run", tracking_uri=mlflow_store)
+    write_run_ref(run, tracker.run_id, mlflow_store)
+    report = sync_run(run)  # what can be read is sent
+    assert report["metrics_logged"] == 4
+    history = MlflowClient(mlflow_store).get_metric_history(tracker.run_id, "train/loss")
+    assert sorted(m.step for m in history) == [10, 20, 30, 40]
+
+    truncate_metrics(run, 30)  # a resume from checkpoint 30: the torn tail is gone for good
+    assert (run / "metrics.jsonl").read_text() == "".join(json.dumps(r) + "\n" for r in rows[:3])
+
+
+@pytest.mark.parametrize(
+    ("name", "damage", "message"),
+    [
+        ("launch.json", '{"local": tr', "launch.json is damaged (not JSON at line 1, column 11"),
+        ("launch.json", "", "launch.json is damaged (it is empty); it holds how the run was"),
+        ("mlflow_run.json", "\x00\x00garbage", "mlflow_run.json is damaged (not JSON at line 1"),
+        ("mlflow_run.json", "[1, 2]", "mlflow_run.json is damaged (it holds list, not an object)"),
+    ],
+    ids=["launch-truncated", "launch-empty", "ref-garbage", "ref-list"],
+)
+def test_damaged_small_files_of_a_run_folder_are_one_line_on_resume(
+    name, damage, message, tmp_path, capsys
+):
+    """A truncated launch.json or a garbage mlflow_run.json was a raw JSONDecodeError
+    traceback on `--resume`; now one line that names the file and what to do."""
+    fake_checkpoint(tmp_path / "run", 10)
+    (tmp_path / "run" / name).write_text(damage)
+    assert main(["train", "--resume", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and err.startswith("error: ") and message in err, err
+    assert ("delete it" in err) and ("restore it" in err or "give the launch flags" in err)
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

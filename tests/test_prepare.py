@@ -142,6 +142,56 @@ def test_an_interrupted_preparation_resumes(corpus, tmp_path):
         prepare(replace(request, val_fraction=0.2), out, workers=0, progress=False)
 
 
+def test_a_damaged_shard_is_found_before_training_and_prepared_again(
+    corpus, tmp_path, monkeypatch, capsys
+):
+    """A copy of a prepared folder with every 7th token of a shard overwritten was trained on
+    without a word (another loss, the clean data's fingerprint in MLflow); out-of-range ids were
+    a 70-line IndexError, a truncated shard an mmap error. Each is now one line naming the
+    shard, and the command that prepared the folder remakes it."""
+    import shutil
+
+    from hlm_ray.prepare import verify
+
+    request = _request(corpus)
+    clean = prepare(request, tmp_path / "p1", workers=0, progress=False)
+    copy = tmp_path / "p2"
+    shutil.copytree(tmp_path / "p1", copy)
+    assert open_prepared(copy).fingerprint == clean.fingerprint  # an intact copy passes
+
+    # Read once per file and machine: the verdict is cached by the file's identity.
+    verify._seen.clear()
+    monkeypatch.setattr(verify, "_scan", lambda *a: pytest.fail("read again"))
+    open_prepared(copy)
+    monkeypatch.undo()
+
+    shard = copy / "train-00000.bin"
+    tokens = np.memmap(shard, dtype=np.uint16, mode="r+")
+    tokens[::7] = (tokens[::7] + 1) % 300  # still in the vocabulary: only the checksum tells
+    tokens.flush()
+    with pytest.raises(HLMError) as err:
+        open_prepared(copy)
+    message = str(err.value)
+    assert message.startswith(f"prepared shard {shard}: its content does not match the manifest")
+    assert f"`hlm data prepare --output {copy}`" in message and "\n" not in message
+    tokens[0] = 65535
+    tokens.flush()
+    with pytest.raises(HLMError, match="it holds token id 65535, outside the vocabulary of 300"):
+        open_prepared(copy)
+    del tokens
+    val = copy / "val-00000.bin"
+    val.write_bytes(val.read_bytes()[:10])
+    with pytest.raises(
+        HLMError, match=r"val-00000.bin has 10 bytes, the manifest says .*cut short"
+    ):
+        open_prepared(copy)
+
+    again = prepare(request, copy, workers=0, progress=False)  # the command that made it
+    assert "val-00000.bin has 10 bytes, the manifest says" in capsys.readouterr().err
+    assert again.fingerprint == clean.fingerprint
+    assert open_prepared(copy).fingerprint == clean.fingerprint
+
+
 def test_memory_mapped_batches_equal_the_in_memory_path(corpus, tmp_path):
     prepared = prepare(_request(corpus, shard_tokens=777), tmp_path / "out", progress=False)
     stream = np.array(_tokens(prepared, "train"), dtype=np.int32)

@@ -92,6 +92,29 @@ def test_a_run_that_keeps_failing_reports_the_error_and_keeps_its_checkpoints(
     assert run.info.status == "FAILED"
 
 
+def test_a_diverged_run_fails_at_once_and_is_not_retried(ray_cluster, mlflow_store, tmp_path):
+    """A divergence on Ray Train was handled as a lost node: `--max-failures 2` started the run
+    three times (173 s, 134 lines, 7 tracebacks before the one-line error) and metrics.jsonl
+    held the step-0 row three times. Now both workers stop at the step and the run fails once."""
+    from mlflow import MlflowClient
+
+    out = tmp_path / "nan"
+    with pytest.raises(HLMError) as err:
+        launch(cfg_for(out, **{"optim.lr": 1e30}), num_workers=2, max_failures=2,
+               experiment="test-ray-diverged")  # fmt: skip
+    message = str(err.value)
+    assert type(err.value).__name__ == "TrainingDiverged", message
+    assert message.startswith("training diverged: the loss is ") and "\n" not in message
+    assert "restart" not in message  # not "training failed after 2 restart(s): ..."
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows].count(0) == 1
+    assert not ckpt.folders(out) and not (out / "summary.json").exists()
+    assert not (out / "diverged.json").exists()  # read and removed by the driver
+    client = MlflowClient(mlflow_store)
+    (run,) = client.search_runs([client.get_experiment_by_name("test-ray-diverged").experiment_id])
+    assert run.info.status == "FAILED"
+
+
 def test_ctrl_c_damaged_checkpoints_and_resume_on_ray(ray_cluster, mlflow_store, tmp_path, capsys):
     """Issue 14's Ray faults in one run: Ctrl-C (KILLED, no traceback), a damaged newest
     checkpoint and a half-copied one (skipped, set aside; Ray's snapshot does not decide), the

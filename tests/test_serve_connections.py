@@ -261,3 +261,25 @@ def test_a_flood_that_never_finishes_its_headers_leaves_others_answered(guarded_
     median, slowest = times[len(times) // 2], times[-1]
     assert median < 10 * before + 0.05, f"median {median:.3f} s in the flood, {before:.3f} s before"
     assert slowest < 7, f"{slowest:.3f} s during the flood, {before:.3f} s before"
+
+
+@pytest.mark.parametrize("guarded_server", ["h11"], indirect=True)
+def test_the_flood_benchmarks_attacker_is_answered_408_and_503_and_reopens(guarded_server):
+    """`python -m hlm_ray.bench.flood`'s attacker, bounded: 30 connections from 127.0.0.2 that
+    never finish their headers, for 2.5 s, against a per-client limit of 10 and a 1 s header
+    deadline: 20 are answered 503 at once (and reopened, again and again), 10 are held until the
+    deadline answers them 408, and an ordinary request meanwhile is answered 200."""
+    from hlm_ray.bench.flood import _hold
+
+    port, _ = guarded_server
+    _limits(header_timeout_s=1.0, per_client=10)
+    result = {}
+    attack = threading.Thread(
+        target=lambda: result.update(asyncio.run(_hold(ATTACKER, port, 30, 2.5)))
+    )
+    attack.start()
+    time.sleep(0.5)
+    assert _get(port)[0] == b"HTTP/1.1 200 OK"
+    attack.join(30)
+    assert result["answered 408"] >= 10 and result["answered 503"] >= 20, result
+    assert result["opened"] > 30, result  # the closed ones were opened again

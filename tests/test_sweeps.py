@@ -316,6 +316,42 @@ def test_the_summary_keeps_failed_trials(tmp_path):
     assert all(p.stat().st_size > 0 for p in files)
 
 
+def test_a_diverged_trial_fails_the_sweep_and_the_advice_fits(tmp_path):
+    """A sweep whose every trial diverged ended with its parent run FINISHED, and said to re-run
+    the same command, which diverges again. A diverged trial ends without Tune's retries and
+    reports why; the parent is FAILED and says what happened; the advice depends on the error."""
+    from hlm_ray.tune.cli import failure_advice
+    from hlm_ray.tune.summary import sweep_status
+
+    spec = get_sweep("vocab", "tiny")
+    runtime = TrialRuntime("s", "vocab", EXPERIMENT, None, str(tmp_path), "tiny", 1, 1.0, 0.0)
+    nan = "training diverged: the loss is nan at step 2 (first non-finite in steps 2..2); ..."
+
+    def result(value, metrics, error=None):
+        config = {"config": spec.cell_config(value, "headless", 0).to_dict(), "value": value}
+        return SimpleNamespace(metrics=metrics, config=config, error=error, path=str(tmp_path))
+
+    rows = _rows([result(512, {"trial_id": "t1", "trial/error": nan}),
+                  result(1024, {"trial_id": "t2", "trial/error": nan})], spec, runtime,
+                 search=False)  # fmt: skip
+    assert [(r["status"], r["error"][:30]) for r in rows] == [("FAILED", nan[:30])] * 2
+    assert sweep_status(rows, interrupted=False) == ("FAILED", "0 of 2 trial(s) finished, 2 failed")
+    assert sweep_status(rows, interrupted=True)[0] == "KILLED"
+    advice = failure_advice(rows)
+    assert "2 trial(s) diverged" in advice and "lower optim.lr" in advice
+    assert "another --name" in advice and "re-run the same command" not in advice
+
+    lost = {"trial_id": "t3"}
+    mixed = _rows([result(512, {"trial_id": "t1", "trial/error": nan}),
+                   result(1024, lost, RuntimeError("node lost"))], spec, runtime, search=False)  # fmt: skip
+    advice = failure_advice([r for r in mixed if r["status"] == "FAILED"])
+    assert "1 trial(s) diverged" in advice and "1 trial(s) did not finish" in advice
+    ok = {"trial_id": "t1", "downstream/score": 0.5}
+    assert sweep_status(_rows([result(512, ok)], spec, runtime, search=False), False)[0] == (
+        "FINISHED"
+    )
+
+
 def test_sweep_spec_validates_settings():
     with pytest.raises(HLMError, match="sweep.num_seeds=0"):
         SweepSpec(axis=VOCAB.AXIS, base="tiny-encoder", values=(512,), num_seeds=0)
@@ -606,6 +642,27 @@ def test_batch_size_sweep_retries_a_failed_trial_from_its_checkpoint(
         steps = {m.step for m in client.get_metric_history(child.info.run_id, "train/loss")}
         assert steps == {4, 8}
         assert "lambada/accuracy" in child.data.metrics
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+def test_a_sweep_whose_trial_diverges_fails_once_and_says_why(
+    ray_cluster, sweep_server, tmp_path, monkeypatch, capsys
+):
+    """`python sweeps/temperature.py --preset tiny --set optim.lr=1e4`: each trial diverged,
+    was started twice, and the parent ended FINISHED with advice to re-run the same command. One
+    trial here (local mode: no worker group to start), `--max-failures 1`."""
+    monkeypatch.chdir(tmp_path)
+    items = [*FAST, "optim.lr=1e30", "sweep.values=[1.0]"]
+    argv = ["--preset", "tiny", "--name", "div", "--max-failures", "1", *_set(items)]
+    assert _sweep_main("temperature")(argv) == 1
+    out = capsys.readouterr().out
+    assert out.count("started: temperature=1 headless") == 1, out  # not retried
+    assert "failed: training diverged: the loss is" in out
+    assert "1 trial(s) diverged" in out and "re-run the same command" not in out
+    client, (parent,), (child,) = _runs(sweep_server, "div")
+    assert parent.info.status == "FAILED" and child.info.status == "FAILED"
+    assert parent.data.tags["sweep_outcome"] == "0 of 1 trial(s) finished, 1 failed"
 
 
 @pytest.mark.ray

@@ -333,6 +333,44 @@ def test_resume_of_unknown_run_degrades(experiment, caplog):
     assert len(warnings) == 1 and "resuming run" in warnings[0] and "not found" in warnings[0]
 
 
+RACER = """
+import sys, time
+from pathlib import Path
+from hlm_ray.tracking import MlflowTracker
+import mlflow  # imported before the start: the race is in the store's first use
+folder = Path(sys.argv[1])
+(folder / f"ready-{sys.argv[2]}").touch()
+while not (folder / "go").exists():
+    time.sleep(0.005)
+tracker = MlflowTracker("race", sys.argv[2], tracking_uri=f"sqlite:///{folder}/mlflow.db")
+print(tracker.run_id, tracker.disabled_reason)
+"""
+
+
+def test_two_runs_started_at_once_on_a_new_store_are_both_tracked(tmp_path):
+    """Two `hlm train` at once on a new sqlite store both ran MLflow's migrations and one ran
+    with tracking off ("duplicate column name: step": seen in 3 of 3 tries before the fix): the
+    first to take the store's lock creates it, the other waits for it."""
+    racers = [
+        subprocess.Popen(
+            [sys.executable, "-c", RACER, str(tmp_path), name],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in ("a", "b")
+    ]
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"ready-{n}").exists() for n in "ab"):
+        assert time.monotonic() < deadline and all(r.poll() is None for r in racers)
+        time.sleep(0.05)
+    (tmp_path / "go").touch()
+    outs = [r.communicate(timeout=180) for r in racers]
+    for out, err in outs:
+        run_id, _, reason = out.strip().partition(" ")
+        assert reason == "None" and len(run_id) == 32, (out, err[-300:])
+
+
 def test_parent_run_id(client, experiment):
     parent = MlflowTracker(experiment, run_name="sweep")
     child = MlflowTracker(experiment, run_name="trial-0", parent_run_id=parent.run_id)

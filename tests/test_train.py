@@ -2,6 +2,8 @@
 
 import json
 import math
+import os
+import subprocess
 
 import pytest
 import torch
@@ -141,6 +143,18 @@ def test_a_worker_restarted_elsewhere_from_the_last_checkpoint_finishes_with_the
     ).read_bytes()
     assert "| training steps | 20 |" in (model / "README.md").read_text()
 
+    # Nothing left to train blanked the summary: "tokens_per_s": NaN (not JSON) and no metrics.
+    def strict(path):
+        return json.loads(path.read_text(), parse_constant=lambda c: pytest.fail(f"{c} in {path}"))
+
+    earlier = strict(tmp_path / "lost-node" / "summary.json")
+    written = strict(tmp_path / "other-node" / "summary.json")
+    assert written["metrics"] == earlier["metrics"] and "val/loss" in written["metrics"]
+    assert written["tokens_per_s"] == earlier["metrics"]["train/tokens_per_s"]  # the last window's
+    again = train_worker(cfg.to_dict(), resume_from=final, progress=False)  # a finished run resumed
+    assert again["tokens_per_s"] == earlier["tokens_per_s"]
+    assert strict(tmp_path / "lost-node" / "summary.json")["metrics"] == earlier["metrics"]
+
 
 def test_interrupted_checkpoint_save_leaves_the_last_one_intact(tmp_path, monkeypatch):
     cfg = tiny_cfg("tiny-decoder", "headless", tmp_path / "run", **{"optim.max_steps": 20})
@@ -167,6 +181,43 @@ def test_interrupted_checkpoint_save_leaves_the_last_one_intact(tmp_path, monkey
         )
     assert [p.name for p in ckpt.list_checkpoints(root)] == before
     assert ckpt.resolve_resume(tmp_path / "run").name == before[-1]
+    assert not list(root.glob(".tmp-*"))  # the half-written folder went with the interrupt
+
+    # A full disk: torch said `basic_ios::clear: iostream error` and `unexpected pos ...`, with
+    # no word of the disk. A 128 kB tmpfs (root mounts it; the suite runs as root) fills up.
+    monkeypatch.undo()
+    small = tmp_path / "small-disk"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "tmpfs", str(small)],
+                             capture_output=True)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        with pytest.raises(HLMError) as err:
+            ckpt.write_checkpoint(small / "checkpoint_00000030", model=model,
+                                  tokenizer=build_tokenizer(cfg), config_yaml="",
+                                  train_state={}, meta={"step": 30})  # fmt: skip
+        message = str(err.value)
+        assert message.startswith(f"no space left on device writing checkpoint_00000030 in {small}")
+        assert "free space there, then resume" in message and "\n" not in message
+        assert os.listdir(small) == []  # nothing half written stays
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+
+def test_a_resume_removes_what_a_cut_off_save_left_half_written(tmp_path):
+    """A save SIGKILLed mid-write (or cut by a full disk before this fix) left its
+    `.tmp-checkpoint_*` folder in the run folder forever."""
+    good = tmp_path / "checkpoint_00000010"
+    good.mkdir()
+    (good / "train_state.pt").write_bytes(b"s")
+    ckpt.write_manifest(good, {"step": 10})
+    (tmp_path / ".tmp-checkpoint_00000020-4242" / "model").mkdir(parents=True)
+    (tmp_path / ".tmp-model").mkdir()
+    notes = ckpt.prepare_resume(tmp_path, good)
+    assert notes == ["removed what a cut-off save left half written: .tmp-checkpoint_00000020-4242, "
+                     ".tmp-model"]  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint_00000010"]
 
 
 def test_a_half_copied_marker_is_not_listed_but_still_refuses_a_fresh_run(tmp_path):

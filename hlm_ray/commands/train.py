@@ -70,6 +70,7 @@ def cmd_train(args, argv: list[str]) -> int:
     from hlm_ray.train.checkpoint import refuse_existing, resolve_resume
     from hlm_ray.train.launch import check_output, check_workers
     from hlm_ray.train.resume import discard_launch, resumed_config, save_launch
+    from hlm_ray.train.run_lock import acquire
     from hlm_ray.train.summary import format_summary
 
     resume = resume_from = None
@@ -79,6 +80,9 @@ def cmd_train(args, argv: list[str]) -> int:
         resume_from = resume if named else None
         args.output = args.output or str(resume.parent)
         launch_settings(args, resume.parent)
+        from hlm_ray.tracking.base import read_run_ref
+
+        read_run_ref(resume.parent)  # a damaged one is one line now, not after Ray's start
         output = args.output
         overrides = [
             *device_overrides(args),
@@ -104,6 +108,7 @@ def cmd_train(args, argv: list[str]) -> int:
     if not args.local:
         check_workers(args.num_workers)
     check_output(Path(cfg.run.output_dir))
+    release = acquire(cfg.run.output_dir)  # one writer per run folder, from launch.json on
     save_launch(cfg.run.output_dir, vars(args))
     where = "this process" if args.local else f"Ray Train, {args.num_workers} worker(s)"
     print(f"training {cfg.preset} ({cfg.model.arch}, {cfg.objective.name}) on {where} -> {output}")
@@ -130,6 +135,8 @@ def cmd_train(args, argv: list[str]) -> int:
                 discard_launch(cfg.run.output_dir)
         print(f"\ninterrupted: {said}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        release()
     print(format_summary([summary]))
     return 0
 

@@ -126,6 +126,45 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
     return value
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, refusing a key given twice in one mapping (PyYAML keeps the last
+    value without a word: `lr: 0.001` then `lr: 0.5` trains at 0.5)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            line = key_node.start_mark.line + 1
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise HLMError(
+                    f"{self.name}: key {key!r} is given twice (lines {seen[key]} and {line}); "
+                    "keep one"
+                )
+            if isinstance(key, typing.Hashable):
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
+def read_yaml(path, text: str) -> Any:
+    """The YAML document `text` (read from `path`, named in errors): a key given twice, or text
+    that is not YAML, raises `HLMError` naming the line and column (a tab in the indentation
+    says so)."""
+    loader = _UniqueKeyLoader(text)
+    loader.name = str(path)
+    try:
+        return loader.get_single_data()
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        what = err.problem or err.context or "not YAML"
+        hint = "; indent with spaces, not tabs" if "'\\t'" in what else ""
+        raise HLMError(f"config file {path} is not valid YAML{where}: {what}{hint}") from None
+    except yaml.YAMLError as err:
+        raise HLMError(f"config file {path} is not valid YAML: {err}".splitlines()[0]) from None
+    finally:
+        loader.dispose()
+
+
 def apply_overrides(cfg: C, overrides: list[str] | dict[str, Any]) -> C:
     """Apply dotted overrides (``optim.lr=3e-4`` strings or a ``{"optim.lr": 3e-4}`` dict) to a
     `Config`; the result is parsed and checked again (`Config.from_dict`)."""

@@ -8,7 +8,9 @@ On a synthetic corpus (the shared corpus/en paragraphs shuffled and repeated int
   - the same against raw `tokenizers` `encode_batch` of one process over the same documents
     with every CPU (target ≥ 0.7: Ray Data's overhead stays small);
   - peak RSS of `hlm train --local` reading a prepared folder of the full corpus against one
-    100× smaller (target ≤ 1.1).
+    100× smaller (target ≤ 1.1);
+  - what checking the shards against the manifest costs (`prepare.verify`): the first open on a
+    machine, which reads every shard, and later ones.
 The figures go to <output>/data_bench.json and .md (docs/benchmarks.md quotes them).
 """
 
@@ -94,6 +96,37 @@ def _peak_rss_mb(prepared: Path, out: Path, steps: int = 5) -> float:
     return usage.ru_maxrss / 1024
 
 
+def _shard_check(folder: Path) -> dict:
+    """What checking a prepared folder's shards costs training (`prepare.verify`): the first
+    open on this machine (one read of every shard: sha256 and largest id) and a later one (the
+    cached verdicts), in a cache of its own. The shards were just written: the page cache holds
+    them, so a first check after a reboot adds the disk's read time."""
+    import tempfile
+
+    from hlm_ray.paths import CACHE_ENV
+    from hlm_ray.prepare import verify
+
+    manifest = json.loads((folder / "manifest.json").read_text())
+    nbytes = sum(p.stat().st_size for p in folder.glob("*.bin"))
+    saved = os.environ.get(CACHE_ENV)
+    out = {"shard_bytes": nbytes, "shards": len(list(folder.glob("*.bin")))}
+    with tempfile.TemporaryDirectory() as cache:
+        os.environ[CACHE_ENV] = cache
+        try:
+            for when in ("first", "cached"):
+                verify._seen.clear()  # a new process: only the cache on disk is kept
+                start = time.perf_counter()
+                verify.check_shards(folder, manifest)
+                out[f"{when}_s"] = time.perf_counter() - start
+        finally:
+            if saved is None:
+                os.environ.pop(CACHE_ENV, None)
+            else:
+                os.environ[CACHE_ENV] = saved
+    out["first_mb_per_s"] = nbytes / out["first_s"] / 1e6
+    return out
+
+
 def run_bench(args) -> int:
     import shutil
 
@@ -128,6 +161,7 @@ def run_bench(args) -> int:
     finally:
         ray.shutdown()
     results["raw_encode_batch"] = _raw_encode(prepared, big)
+    results["shard_check"] = _shard_check(work / "prepared-2")
     w1, w2 = results["workers_1"]["mb_per_s"], results["workers_2"]["mb_per_s"]
     results["ratio_2_vs_1"] = w2 / w1
     results["ratio_vs_raw"] = w2 / results["raw_encode_batch"]["mb_per_s"]
@@ -157,6 +191,14 @@ def _markdown(r: dict) -> str:
         f"| 2 workers / 1 worker | {r['ratio_2_vs_1']:.2f}× | ≥ 1.7× |",
         f"| 2 workers / raw encode_batch | {r['ratio_vs_raw']:.2f}× | ≥ 0.7× |",
     ]
+    check = r.get("shard_check")
+    if check:
+        mb = check["shard_bytes"] / 1e6
+        rows += [
+            f"| shard check, first open on this machine ({mb:.0f} MB of shards) | "
+            f"{check['first_s']:.2f} s ({check['first_mb_per_s']:.0f} MB/s) | |",
+            f"| shard check, every later open (cached) | {check['cached_s'] * 1e3:.1f} ms | |",
+        ]
     if "ratio_rss" in r:
         rows += [
             f"| training peak RSS, {r['size_mb'] / 100:g} MB corpus | {r['rss_small_mb']:.0f} MB | |",

@@ -101,8 +101,17 @@ def _prepare_locked(
                 f"{store.uri} holds a prepared corpus made from other sources or settings; "
                 "choose another --output or delete it"
             )
-        _say(progress, f"reusing {store.uri} (its manifest matches)")
-        return Prepared(store.uri, manifest)
+        problem = None
+        if store.local_path is not None:  # an object store's copy is checked where it is read
+            from hlm_ray.prepare.verify import shard_problem
+
+            problem = shard_problem(store.local_path, manifest)
+        if problem is None:
+            _say(progress, f"reusing {store.uri} (its manifest matches)")
+            return Prepared(store.uri, manifest)
+        print(f"warning: {store.uri}: {problem}; preparing it again", file=sys.stderr)
+        for name in store.names():
+            store.delete(name)
     state = store.read_json(STATE)
     if state is not None and state.get("key") != key:
         raise HLMError(

@@ -1,7 +1,7 @@
 """Training reads a prepared folder by memory map: blocks of seq_len tokens, as int64 rows.
 
     from hlm_ray.prepare import open_prepared
-    prepared = open_prepared("/data/owt2")              # checks the manifest
+    prepared = open_prepared("/data/owt2")              # checks the manifest and the shards
     train = TokenBlocks.open(prepared, "train", seq_len=128, max_tokens=None)
     rows_BL = train[torch.tensor([5, 1, 9])]             # (3, 128) int64, copied from the map
 
@@ -58,6 +58,9 @@ def open_prepared(folder: str | Path) -> Prepared:
             f"{folder} has format version {manifest.get('format_version')}; this "
             f"hlm_ray reads version {FORMAT_VERSION}: prepare it again"
         )
+    from hlm_ray.prepare.verify import check_shards
+
+    check_shards(folder, manifest)  # sizes always, contents once per file and machine
     return Prepared(str(folder.resolve()), manifest)
 
 

@@ -186,6 +186,74 @@ def app_args(args: argparse.Namespace):
         raise HLMError(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
 
 
+def check_flags(args: argparse.Namespace) -> None:
+    """The numbers and addresses Ray and Serve would refuse later (an `OverflowError` for a port
+    past 65535, pydantic's `ValueError` for 0 replicas, a bind error blamed on the port for a
+    host that is not this machine's), each refused here in one line naming its flag, before
+    the model is read or Ray starts."""
+    import math
+
+    def at_least(flag: str, value: float, low: float, what: str) -> None:
+        if not (math.isfinite(value) and value >= low):
+            raise HLMError(f"{flag}={value:g} is not allowed; use {what}")
+
+    at_least("--replicas", args.replicas, 1, "1 or more")
+    at_least("--num-cpus", args.num_cpus, 0, "a number >= 0 (CPUs per replica)")
+    at_least("--num-gpus", args.num_gpus, 0, "a number >= 0 (GPUs per replica)")
+    at_least("--max-ongoing-requests", args.max_ongoing_requests, 1, "1 or more")
+    if args.max_queued_requests != -1:
+        at_least("--max-queued-requests", args.max_queued_requests, 1, "1 or more, or -1")
+    at_least("--keep-alive-timeout-s", args.keep_alive_timeout_s, 0, "seconds >= 0")
+    last = args.port + args.replicas - 1  # with direct ingress, one port per replica
+    if not 1 <= args.port <= 65535:
+        raise HLMError(f"--port={args.port} is not a TCP port; use 1-65535")
+    if last > 65535 and args.direct_ingress is not False:
+        raise HLMError(
+            f"--port={args.port} with --replicas={args.replicas} needs ports up to {last} (one "
+            "per replica); use a lower --port"
+        )
+    if args.proxy_port is not None and not 1 <= args.proxy_port <= 65535:
+        raise HLMError(f"--proxy-port={args.proxy_port} is not a TCP port; use 1-65535")
+    check_host(args.host)
+    check_api_key(args.api_key)
+
+
+def check_host(host: str) -> None:
+    """`--host` names an address of this machine (or every address: 0.0.0.0, ::)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as err:
+        raise HLMError(
+            f"--host {host!r} is not an address ({err}); use 127.0.0.1 or 0.0.0.0"
+        ) from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((address[0], 0))  # any free port: only the address is being checked
+        except OSError as err:
+            raise HLMError(
+                f"--host {host} is not an address of this machine ({err.strerror}); use "
+                "127.0.0.1, 0.0.0.0 (every address) or one of this machine's own"
+            ) from None
+
+
+def check_api_key(key: str | None) -> None:
+    """A key that is set but empty (`HLM_API_KEY=$(cat missing-file)`) is a mistake, not a wish
+    for an open server: refused. Unset, the server is open, and its banner says so."""
+    from hlm_ray.serve.guard import API_KEY_ENV
+
+    if key is None or key.strip():
+        return
+    if os.environ.get(API_KEY_ENV) == key:
+        raise HLMError(
+            f"{API_KEY_ENV} is set but empty (as `$(cat missing-file)` leaves it); set it to the "
+            f"key clients must send, or unset it (`unset {API_KEY_ENV}`) to serve without one"
+        )
+    raise HLMError("--api-key is empty; give the key clients must send, or leave the flag out")
+
+
 def connection_limits(args: argparse.Namespace) -> dict[str, Any]:
     """The connection guard's limits (`connections.Limits` fields); a bad one names its flag."""
     if not 0 < args.header_timeout_s < float("inf"):
@@ -209,9 +277,9 @@ def plan_ports(args: argparse.Namespace):
     cluster; every port checked free before Ray starts."""
     from hlm_ray.serve.launch import Ports
 
-    if args.replicas < 1:
-        raise HLMError(f"--replicas={args.replicas} must be >= 1")
     cluster = args.address or os.environ.get("RAY_ADDRESS")
+    if cluster == "local":  # Ray's name for "start one here, whatever runs beside it"
+        cluster = None
     if args.direct_ingress and cluster:
         raise HLMError(
             f"--direct-ingress needs a Ray that starts here, not the cluster at {cluster}: "
@@ -231,9 +299,9 @@ def run(args: argparse.Namespace) -> int:
     """Deploy, print where, block until Ctrl-C, shut down. Bad options raise HLMError before
     Ray starts."""
     from hlm_ray.serve.app import make_app, model_name
-    from hlm_ray.serve.guard import API_KEY_ENV
     from hlm_ray.serve.launch import start
 
+    check_flags(args)
     config = app_args(args)
     limits = connection_limits(args)
     app = make_app(  # checks the model first: a wrong one is the likelier mistake
@@ -257,6 +325,8 @@ def run(args: argparse.Namespace) -> int:
         # `start` keeps these handlers across ray.init, which installs Ray's.
         _interrupt_on_signals()
         if config.api_key:  # inherited by the Ray started here: the guard's /-/ routes need it
+            from hlm_ray.serve.guard import API_KEY_ENV
+
             os.environ[API_KEY_ENV] = config.api_key.get_secret_value()
         start(app, ports, guard=guard, ray=ray_options, keep_alive_s=args.keep_alive_timeout_s)
         decoding = "a child process decodes" if config.decode_process else "a thread decodes"
@@ -273,9 +343,30 @@ def run(args: argparse.Namespace) -> int:
         print("shutting down", flush=True)
     finally:
         if ray.is_initialized():
-            serve.shutdown()
-            ray.shutdown()
+            shut_down(lambda: (serve.shutdown(), ray.shutdown()))
     return 0
+
+
+def shut_down(stop) -> None:
+    """Run `stop` (Serve's and Ray's shutdown: seconds) with Ctrl-C and SIGTERM held off: a
+    second Ctrl-C meanwhile says so instead of breaking the shutdown off with a 35-line
+    traceback and Ray half stopped; a third exits at once (status 130, without waiting for
+    Ray's processes, which then stop on their own)."""
+    presses = 0
+
+    def later(signum, frame):
+        nonlocal presses
+        presses += 1
+        if presses > 1:
+            os._exit(130)
+        print("still shutting down (Ctrl-C again to exit at once)", file=sys.stderr, flush=True)
+
+    saved = {sig: signal.signal(sig, later) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop()
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
 
 
 def _interrupt_on_signals() -> None:

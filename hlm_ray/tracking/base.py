@@ -13,10 +13,14 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
 from hlm_ray.config import flatten
+from hlm_ray.errors import HLMError
+
+log = logging.getLogger(__name__)
 
 RUN_REF_FILE = "mlflow_run.json"
 """In a run folder: the id and tracking URI of the run's MLflow run (written by
@@ -75,19 +79,66 @@ class MultiTracker(Tracker):
 
 
 def read_metrics(folder: str | Path) -> list[dict[str, Any]]:
+    """The rows of `<folder>/metrics.jsonl`. A line that is not a whole row (a JSON object
+    with an integer "step"), such as the torn tail a write cut by a full disk or a power loss
+    leaves (`{"step": 45, "train/lo`), is left out with one warning naming it: the rows around
+    it are still read, resumed from and synced."""
     path = Path(folder) / "metrics.jsonl"
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows, torn = [], []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if isinstance(row, dict) and isinstance(row.get("step"), int):
+            rows.append(row)
+        else:
+            torn.append((number, line))
+    if torn:
+        _warn_torn(path, torn)
+    return rows
+
+
+_warned: set[tuple[str, tuple[int, ...]]] = set()
+
+
+def _warn_torn(path: Path, torn: list[tuple[int, str]]) -> None:
+    """Once per process and file state: the file is read many times in a run's life."""
+    key = (str(path), tuple(n for n, _ in torn))
+    if key in _warned:
+        return
+    _warned.add(key)
+    number, text = torn[0]
+    more = f" and {len(torn) - 1} more line(s)" if len(torn) > 1 else ""
+    log.warning(
+        "%s: line %d (%s)%s is not a whole metrics row (a write cut short, by a full disk or a "
+        "power loss?); left out, the other rows are read (a resumed run rewrites the file "
+        "without it)",
+        path, number, text[:40] + ("..." if len(text) > 40 else ""), more,
+    )  # fmt: skip
 
 
 def read_run_ref(folder: str | Path) -> dict[str, Any] | None:
     """The MLflow run a run folder belongs to: ``{"run_id": ..., "tracking_uri": ...}`` from its
-    `RUN_REF_FILE`, or None when it has none (never tracked, or a bare model folder)."""
+    `RUN_REF_FILE`, or None when it has none (never tracked, or a bare model folder). A damaged
+    file is one `HLMError` that says what to do."""
+    from hlm_ray.jsonl import json_file
+
     path = Path(folder) / RUN_REF_FILE
     if not path.is_file():
         return None
-    return json.loads(path.read_text())
+    fix = (
+        "it names the run's MLflow run: restore it (`mlflow ui` shows the run's id), or delete "
+        f"it to continue {Path(folder).name} in a new MLflow run"
+    )
+    ref = json_file(path, fix=fix)
+    if not isinstance(ref.get("run_id"), str):
+        raise HLMError(f"{path} is damaged (it names no run_id); {fix}")
+    return ref
 
 
 def write_run_ref(folder: str | Path, run_id: str, tracking_uri: str) -> None:

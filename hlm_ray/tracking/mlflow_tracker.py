@@ -200,7 +200,15 @@ class MlflowTracker(Tracker):
         store.probe(self.tracking_uri)
         db = sqlite_path(self.tracking_uri)
         if db is not None:
-            db.parent.mkdir(parents=True, exist_ok=True)  # sqlite creates the file, not folders
+            from hlm_ray.tracking.server import creating_store
+
+            # A new store is migrated when its client is made; two runs started at once both
+            # migrated it and one ran untracked ("duplicate column name: step"). The first to
+            # take the lock creates it (the folder too: sqlite makes the file only), the others
+            # wait for it.
+            with creating_store(db) as fresh:
+                if fresh:
+                    self._get_client().search_experiments(max_results=1)
         client = self._get_client()
         extra = {k: clip(str(v), MAX_TAG_VALUE) for k, v in flatten(tags) if v is not None}
         if parent_run_id:

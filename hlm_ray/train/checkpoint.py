@@ -73,18 +73,63 @@ def write_checkpoint(
     from hlm_ray.tokenizer import save_tokenizer
 
     folder = Path(folder)
-    tmp = folder.with_name(f".tmp-{folder.name}-{os.getpid()}")
+    tmp = folder.with_name(f"{TMP_PREFIX}{folder.name}-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    model.save_pretrained(tmp / "model")
-    save_tokenizer(_as_saved(model, tokenizer), tmp / "model")
-    torch.save(train_state, tmp / "train_state.pt")
-    (tmp / "config.yaml").write_text(config_yaml)
-    write_manifest(tmp, meta)
+    try:
+        tmp.mkdir(parents=True)
+        model.save_pretrained(tmp / "model")
+        save_tokenizer(_as_saved(model, tokenizer), tmp / "model")
+        torch.save(train_state, tmp / "train_state.pt")
+        (tmp / "config.yaml").write_text(config_yaml)
+        write_manifest(tmp, meta)
+    except BaseException as err:  # Ctrl-C, a full disk: no half-written folder stays behind
+        full = disk_full(tmp.parent, err)  # before the space comes back
+        shutil.rmtree(tmp, ignore_errors=True)
+        if full is None:
+            raise
+        raise HLMError(
+            f"no space left on device writing {folder.name} in {folder.parent} ({full}); free "
+            "space there, then resume: the earlier checkpoints are intact"
+        ) from None
     if folder.exists():  # re-saving the same step after a restart: replace the old one
         shutil.rmtree(folder)
     os.replace(tmp, folder)
     return folder
+
+
+def disk_full(folder: Path, err: BaseException) -> str | None:
+    """What says that `err` came from a full disk under `folder` ("N bytes free"), else None.
+    torch says only `basic_ios::clear: iostream error` and `unexpected pos 277760 vs 277652`:
+    the disk's free space (under 1 MiB) tells, as does an OSError's ENOSPC or EDQUOT."""
+    import errno
+
+    chain, seen = err, set()
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        if isinstance(chain, OSError) and chain.errno in (errno.ENOSPC, errno.EDQUOT):
+            return "the disk or the quota is full"
+        chain = chain.__cause__ or chain.__context__
+    try:
+        stat = os.statvfs(folder)
+    except OSError:
+        return None
+    free = stat.f_bavail * stat.f_frsize
+    return f"{free:,} bytes free" if free < 1 << 20 else None
+
+
+TMP_PREFIX = ".tmp-"
+"""A folder being written (`write_checkpoint`, `run_checkpoints.copy_tree`): renamed into place
+when whole; one left behind was cut off (a SIGKILL, a full disk)."""
+
+
+def remove_leftovers(root: Path) -> list[str]:
+    """Remove the half-written `.tmp-*` folders a killed writer left in run folder `root` (only
+    its one writer, `run_lock`, may: another process's could still be in progress)."""
+    root = Path(root)
+    gone = [p for p in root.glob(f"{TMP_PREFIX}*") if p.is_dir()] if root.is_dir() else []
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return sorted(p.name for p in gone)
 
 
 def _as_saved(model, tokenizer):
@@ -275,6 +320,9 @@ def prepare_resume(root: Path, chosen: Path | None, *, explicit: bool = False) -
     line each, for the caller to print."""
     root = Path(root)
     notes = []
+    left = remove_leftovers(root)
+    if left:
+        notes.append(f"removed what a cut-off save left half written: {', '.join(left)}")
     step = checkpoint_step(chosen) if chosen is not None else -1
     newer = [p for p in folders(root) if _folder_step(p) > step and p != chosen]
     if explicit and newer:

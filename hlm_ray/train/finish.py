@@ -13,6 +13,7 @@ from typing import Any
 
 from hlm_ray.budget import budget_params, flops_per_step
 from hlm_ray.models import num_parameters
+from hlm_ray.train.run_lock import check_writer
 from hlm_ray.train.run_state import TrainRun
 from hlm_ray.train.run_tracking import log_artifacts
 
@@ -27,11 +28,13 @@ def finish_run(run: TrainRun) -> dict[str, Any]:
         "steps": run.done,
         "tokens": run.done * run.tokens_per_step,
         "tokens_per_s": (
-            steps_run * run.tokens_per_step / run.train_time if run.train_time else math.nan
+            steps_run * run.tokens_per_step / run.train_time
+            if run.train_time
+            else earlier_tokens_per_s(run)
         ),
         "vocab_size": len(run.tokenizer),
         "parameters": num_parameters(run.model),
-        "metrics": run.last,
+        "metrics": run.last or run.resumed_metrics,  # no step ran: the checkpoint's
         "model_dir": str(out_dir / "model"),
         # Where the worker's time went (rank 0): building model and data, the optimizer steps
         # (train), checkpoints with their reports, everything (worker); entered_at is the wall
@@ -52,10 +55,33 @@ def finish_run(run: TrainRun) -> dict[str, Any]:
     }
     if run.budget is not None:
         summary["budget"] = budget_outcome(run)
-    if run.env.is_main:
-        (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if run.env.is_main:  # NaN is not JSON: a number that could not be measured is null
+        check_writer()  # an orphaned worker (its driver gone) leaves the run unfinished
+        (out_dir / "summary.json").write_text(json.dumps(_no_nan(summary), indent=1))
         log_artifacts(run.tracker, out_dir, cfg)  # after summary.json: the model card reads it
     return summary
+
+
+def earlier_tokens_per_s(run: TrainRun) -> float | None:
+    """Throughput of a run resumed with no step left to train (killed after its last
+    checkpoint, or a finished run resumed): its earlier summary's, for the same steps; else the
+    last log window's, saved with the checkpoint; else None. It was NaN, beside empty metrics."""
+    path = run.out_dir / "summary.json"
+    try:
+        earlier = json.loads(path.read_text()) if path.is_file() else {}
+    except ValueError:  # an unreadable summary is rewritten here
+        earlier = {}
+    value = earlier.get("tokens_per_s") if earlier.get("steps") == run.done else None
+    value = value if value is not None else run.resumed_metrics.get("train/tokens_per_s")
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+
+def _no_nan(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _no_nan(v) for k, v in value.items()}
+    return value
 
 
 def budget_outcome(run: TrainRun) -> dict[str, Any]:

@@ -26,13 +26,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hlm_ray import cluster
 from hlm_ray.cluster import alive_nodes, check_tracking, machines, worker_paths
 from hlm_ray.config import Config, apply_overrides
-from hlm_ray.errors import HLMError, one_line
+from hlm_ray.errors import HLMError, TrainingDiverged, one_line
 from hlm_ray.paths import CACHE_ENV
 from hlm_ray.train import checkpoint as ckpt
+from hlm_ray.train import run_lock
 from hlm_ray.train.inputs import build_corpus, build_prepared, build_tokenizer
-from hlm_ray.train.ray_worker import ray_worker
+from hlm_ray.train.ray_worker import ray_worker, take_divergence
 from hlm_ray.train.run_mirror import PROGRESS, RESULTS, RUN_REF, RunMirror
 
 # Ray Train settings for short runs, unless the user set them: the controller polls its workers
@@ -65,8 +67,15 @@ def connect() -> None:
             ray.init(address=address or None, log_to_driver=True, **options)
             _own_cluster = local
             return
-        except (ConnectionError, TimeoutError, RuntimeError, ValueError) as err:
+        except Exception as err:
             first = one_line(err)
+            if local and cluster.STARTUP_TIMEOUT in first:  # Ray's bare Exception: a busy machine
+                ray.shutdown()
+                if attempt < attempts:
+                    continue
+                raise HLMError(cluster.startup_timeout_message()) from None
+            if not isinstance(err, ConnectionError | TimeoutError | RuntimeError | ValueError):
+                raise
             if not local:
                 raise HLMError(
                     f"cannot reach the Ray cluster at RAY_ADDRESS={address}: {first}; start one "
@@ -280,6 +289,7 @@ def open_mlflow_run(
     return tracker, {"experiment": experiment, "uri": uri, "run_id": tracker.run_id}
 
 
+@run_lock.holding(check_output)
 def train_local(
     cfg: Config,
     *,
@@ -321,6 +331,7 @@ def train_local(
     return summary
 
 
+@run_lock.holding(check_output)  # one writer per run folder, its workers included
 def launch(
     cfg: Config,
     *,
@@ -410,6 +421,7 @@ def launch(
         "tracking": tracking,
         "env": env,
         "mirror": mirror.uri if mirror else None,
+        "writer": run_lock.token(out_dir),  # rank 0 stops writing once this driver is gone
     }
     workers, worker_fn = (0, local_worker) if local else (num_workers, ray_worker)
     trainer = None
@@ -458,6 +470,10 @@ def launch(
     except BaseException:
         finish(tracker, out_dir, "FAILED", mirror)
         raise
+    diverged = take_divergence(out_dir, loop_config["writer"], mirror)
+    if diverged is not None:  # every worker stopped at that step: no restart, no retry
+        finish(tracker, out_dir, "FAILED", mirror)
+        raise TrainingDiverged(diverged)
     fit_s = time.time() - fit_at
     if mirror is not None:  # rank 0's results, from whichever node it ran on
         mirror.pull(out_dir, RESULTS)

@@ -46,9 +46,11 @@ def local_worker(loop_config: dict[str, Any]) -> None:
 
     from hlm_ray.train import checkpoint as ckpt
     from hlm_ray.train.loop import train_worker
+    from hlm_ray.train.ray_worker import divergence_ends_the_run
 
     os.environ.update(loop_config.get("env", {}))  # the driver's cache folder
     cfg = loop_config["config"]
     out_dir = Path(cfg["run"]["output_dir"])
     resume = ckpt.latest_valid(out_dir) if out_dir.is_dir() else None
-    train_worker(cfg, tracking=loop_config["tracking"], resume_from=resume)
+    with divergence_ends_the_run(out_dir, loop_config.get("writer"), None, is_main=True):
+        train_worker(cfg, tracking=loop_config["tracking"], resume_from=resume)

@@ -7,13 +7,17 @@ hands checkpoints to Ray, the checkpoint to continue from, then `train_worker`.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from hlm_ray.errors import HLMError, is_divergence
 from hlm_ray.train import checkpoint as ckpt
+from hlm_ray.train import run_lock
 from hlm_ray.train.run_mirror import PROGRESS, RESULTS, RunMirror
 
 
@@ -65,6 +69,8 @@ def ray_worker(loop_config: dict[str, Any]) -> None:
         nodes = ", ".join(f"rank {r} {ip}" for r, ip in enumerate(env.nodes))
         print("workers on nodes: " + nodes, flush=True)
     out_dir = Path(loop_config["config"]["run"]["output_dir"])
+    if env.is_main:  # the one rank that writes the run folder: only while its driver lives
+        run_lock.watch(out_dir, loop_config.get("writer"))
     mirror = RunMirror(loop_config["mirror"]) if loop_config.get("mirror") else None
     reporter = RayReporter(out_dir, mirror if env.is_main else None)
     kwargs = dict(env=env, reporter=reporter, tracking=loop_config["tracking"])
@@ -72,15 +78,59 @@ def ray_worker(loop_config: dict[str, Any]) -> None:
     if checkpoint is not None and mirror is not None and env.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         mirror.pull(out_dir, PROGRESS)  # perhaps another node's: the history so far
-    if checkpoint is None:
-        folder = ckpt.latest_valid(out_dir, warn=env.is_main)
-        train_worker(loop_config["config"], **kwargs, resume_from=folder, progress=env.is_main)
-    else:
-        with checkpoint.as_directory() as ray_folder:
-            folder = choose_resume(out_dir, Path(ray_folder), warn=env.is_main)
+    writer = loop_config.get("writer")
+    with divergence_ends_the_run(out_dir, writer, mirror if env.is_main else None, env.is_main):
+        if checkpoint is None:
+            folder = ckpt.latest_valid(out_dir, warn=env.is_main)
             train_worker(loop_config["config"], **kwargs, resume_from=folder, progress=env.is_main)
+        else:
+            with checkpoint.as_directory() as ray_folder:
+                folder = choose_resume(out_dir, Path(ray_folder), warn=env.is_main)
+                train_worker(
+                    loop_config["config"], **kwargs, resume_from=folder, progress=env.is_main
+                )
     if mirror is not None and env.is_main:
         mirror.push(out_dir, RESULTS)  # the driver takes them from there
+
+
+DIVERGED_FILE = "diverged.json"
+"""In a run folder (and its mirror): {"writer": the driver's token, "message": the error}."""
+
+
+@contextlib.contextmanager
+def divergence_ends_the_run(out_dir: Path, writer: str | None, mirror, is_main: bool):
+    """A diverged run ends here instead of failing: Ray Train restarts a failed worker group
+    (`--max-failures`), which diverged again each time (3 attempts, 173 s, 7 tracebacks and
+    the step-0 row three times). The loss every rank checks is averaged over all of them, so
+    every rank gets here at the same step and returns; rank 0 first leaves the error for its
+    driver (`take_divergence`), which fails the run with it."""
+    try:
+        yield
+    except HLMError as err:
+        if not is_divergence(err):
+            raise
+        if is_main:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            record = {"writer": writer, "message": str(err)}
+            (out_dir / DIVERGED_FILE).write_text(json.dumps(record))
+            if mirror is not None:
+                mirror.push(out_dir, (DIVERGED_FILE,))
+
+
+def take_divergence(out_dir: Path, writer: str | None, mirror) -> str | None:
+    """The divergence this driver's workers left (its own `writer` token: an earlier run's
+    file says nothing of this one), removed once read; None when they left none."""
+    if mirror is not None:
+        mirror.pull(out_dir, (DIVERGED_FILE,))
+    path = out_dir / DIVERGED_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text())
+    except ValueError:
+        record = {}
+    path.unlink()
+    return record.get("message") if record.get("writer") == writer else None
 
 
 def worker_nodes(world_size: int) -> tuple[str, ...]:

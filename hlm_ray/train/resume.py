@@ -41,9 +41,12 @@ def save_launch(out_dir: str | Path, settings: dict[str, Any]) -> None:
 def discard_launch(out_dir: str | Path) -> None:
     """Undo `save_launch` for a run that failed before it wrote anything else (bad input found
     while preparing): no lone launch.json, and no folder if that was all it held."""
+    from hlm_ray.train.run_lock import LOCK_FILE  # held by this process until it returns
+
     out = Path(out_dir)
-    if out.is_dir() and [p.name for p in out.iterdir()] == [LAUNCH_FILE]:
-        (out / LAUNCH_FILE).unlink()
+    if out.is_dir() and {p.name for p in out.iterdir()} <= {LAUNCH_FILE, LOCK_FILE}:
+        for name in (LAUNCH_FILE, LOCK_FILE):
+            (out / name).unlink(missing_ok=True)
         out.rmdir()
 
 
@@ -51,7 +54,13 @@ def launch_settings(out_dir: str | Path | None, given: dict[str, Any]) -> dict[s
     """The run's saved launch settings (none without `out_dir`), overridden by the flags given
     now (those not None)."""
     path = Path(out_dir) / LAUNCH_FILE if out_dir else None
-    saved = json.loads(path.read_text()) if path and path.is_file() else {}
+    saved = {}
+    if path and path.is_file():
+        from hlm_ray.jsonl import json_file
+
+        flags = "--local, --num-workers, --cpus-per-worker, --gpu, --experiment, --storage-path"
+        saved = json_file(path, fix=f"it holds how the run was launched: delete it and give "
+                                    f"the launch flags again ({flags})")  # fmt: skip
     merged = {**LAUNCH_DEFAULTS, **saved}
     merged.update({k: v for k, v in given.items() if k in LAUNCH_DEFAULTS and v is not None})
     return merged

@@ -2,7 +2,7 @@
 restore one on resume. The folder format itself (manifest, atomic writes) is `checkpoint.py`.
 
     save_checkpoint(run, done, final)     # every rank; rank 0 writes, every rank reports
-    step, seconds = restore(folder, model, optimizer, scheduler)
+    step, seconds, metrics = restore(folder, model, optimizer, scheduler)
     clear_stale(out_dir, reporter.root)   # a fresh start: no old checkpoints to mix in
     truncate_metrics(out_dir, step)       # metric lines after the resumed step are redone
 
@@ -21,6 +21,7 @@ from pathlib import Path
 from hlm_ray.errors import HLMError
 from hlm_ray.tracking import read_metrics
 from hlm_ray.train import checkpoint as ckpt
+from hlm_ray.train.run_lock import check_writer
 from hlm_ray.train.run_state import TrainRun
 
 BEST = "best_checkpoint"  # a copy of the checkpoint with the lowest validation loss
@@ -29,6 +30,8 @@ BEST = "best_checkpoint"  # a copy of the checkpoint with the lowest validation 
 def save_checkpoint(run: TrainRun, done: int, final: bool = False) -> None:
     """Write the step's checkpoint (rank 0), keep the final model and the best checkpoint
     beside it, and report to Ray (every rank)."""
+    if run.env.is_main:
+        check_writer()  # an orphaned worker (its driver gone) writes no checkpoint
     saving = time.perf_counter()
     folder = _save(run.reporter.checkpoint_folder(done), run, done)
     if folder is not None and final:
@@ -47,6 +50,7 @@ def keep_final_model(out_dir: Path, checkpoint: Path) -> None:
     own node, and a rank 0 restarted elsewhere (that node lost while the run was finishing)
     would otherwise finish without one."""
     if not (out_dir / "model" / "config.json").is_file():
+        check_writer()
         copy_tree(checkpoint / "model", out_dir / "model")
 
 
@@ -74,8 +78,9 @@ def _save(folder: Path, run: TrainRun, step: int) -> Path | None:
     )
 
 
-def restore(folder: Path, model, optimizer, scheduler) -> tuple[int, float]:
-    """Load the checkpoint; (its step, the training seconds before it)."""
+def restore(folder: Path, model, optimizer, scheduler) -> tuple[int, float, dict[str, float]]:
+    """Load the checkpoint; (its step, the training seconds before it, the metrics it was saved
+    with: what a resumed run with no step left to train reports)."""
     from safetensors.torch import load_file
 
     folder = ckpt.resolve_resume(folder)
@@ -95,7 +100,7 @@ def restore(folder: Path, model, optimizer, scheduler) -> tuple[int, float]:
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     ckpt.set_rng_state(state["rng"])
-    return int(state["step"]), float(state.get("train_seconds", 0.0))
+    return int(state["step"]), float(state.get("train_seconds", 0.0)), state.get("metrics") or {}
 
 
 def best_val_loss(out_dir: Path) -> float:
@@ -107,14 +112,18 @@ def best_val_loss(out_dir: Path) -> float:
 
 
 def clear_stale(out_dir: Path, checkpoints_root: Path) -> None:
-    """A fresh start: remove the checkpoints and best copy of an earlier run in the folder."""
+    """A fresh start: remove the checkpoints and best copy of an earlier run in the folder, and
+    what a cut-off save left half written."""
     for old in [*ckpt.list_checkpoints(checkpoints_root), out_dir / BEST]:
         shutil.rmtree(old, ignore_errors=True)
+    ckpt.remove_leftovers(out_dir)
 
 
 def truncate_metrics(out_dir: Path, step: int) -> None:
-    """Drop metric lines logged after the checkpoint we resume from (they will be redone)."""
-    rows = [r for r in read_metrics(out_dir) if r["step"] <= step]
+    """Drop metric lines logged after the checkpoint we resume from (they will be redone); a
+    fresh start (`step` 0) drops them all, its step-0 line included (a worker group restarted
+    before its first checkpoint wrote that line once more each time)."""
+    rows = [r for r in read_metrics(out_dir) if r["step"] <= step] if step else []
     path = out_dir / "metrics.jsonl"
     if path.exists():
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -122,7 +131,7 @@ def truncate_metrics(out_dir: Path, step: int) -> None:
 
 def copy_tree(src: Path, dst: Path) -> None:
     """Replace `dst` with a copy of `src`, never leaving a half-copied `dst` behind."""
-    tmp = dst.with_name(f".tmp-{dst.name}")
+    tmp = dst.with_name(f"{ckpt.TMP_PREFIX}{dst.name}")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(src, tmp)
     shutil.rmtree(dst, ignore_errors=True)

@@ -102,6 +102,9 @@ class TrainRun:
     """(input_ids, labels, negatives) of the last micro-batch."""
     best_val: float = math.inf
     last: dict[str, float] = field(default_factory=dict)
+    resumed_metrics: dict[str, float] = field(default_factory=dict)
+    """The metrics the resumed checkpoint was saved with: the summary of a run resumed with no
+    step left to train (its `last` stays empty)."""
     budget: Any = None
     """What `budget.*` became (`hlm_ray.budget.BudgetPlan`), or None."""
     prior_seconds: float = 0.0

@@ -19,6 +19,7 @@ from hlm_ray.flops import k_tags
 from hlm_ray.model_card import write_model_card
 from hlm_ray.models import num_parameters
 from hlm_ray.tracking import JsonlTracker, MultiTracker, Tracker, read_metrics
+from hlm_ray.train.run_lock import check_writer
 from hlm_ray.train.run_state import WorkerEnv
 from hlm_ray.train.summary import plot_loss_curve
 
@@ -26,7 +27,7 @@ from hlm_ray.train.summary import plot_loss_curve
 def open_tracker(out_dir: Path, tracking: dict[str, Any] | None, resuming: bool = False) -> Tracker:
     """metrics.jsonl, plus the MLflow run `tracking` names ({"uri", "run_id", "experiment"})."""
     if not tracking or tracking.get("run_id") is None:  # no MLflow run could be opened
-        return JsonlTracker(out_dir)
+        return WriterJsonl(out_dir)
     from hlm_ray.tracking import MlflowTracker
     from hlm_ray.tracking.sync import SkipLogged, last_logged_step
 
@@ -35,7 +36,20 @@ def open_tracker(out_dir: Path, tracking: dict[str, Any] | None, resuming: bool 
     )
     if resuming:  # steps redone after the checkpoint were sent to MLflow already
         mlflow = SkipLogged(mlflow, last_logged_step(out_dir))
-    return MultiTracker(JsonlTracker(out_dir), mlflow)
+    return MultiTracker(WriterJsonl(out_dir), mlflow)  # the file first: MLflow only after it
+
+
+class WriterJsonl(JsonlTracker):
+    """metrics.jsonl and params.json, written only while this worker's driver holds the run
+    folder (`run_lock.check_writer`: an orphan stops here, before the MLflow run too)."""
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        check_writer()
+        super().log_params(params)
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        check_writer()
+        super().log_metrics(metrics, step)
 
 
 def run_tags(cfg: Config, tokenizer, env: WorkerEnv, model, step_cost) -> dict[str, Any]:

@@ -89,9 +89,9 @@ def setup_run(
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim)
 
-    start, prior_seconds = 0, 0.0
+    start, prior_seconds, last = 0, 0.0, {}
     if resuming:
-        start, prior_seconds = restore(Path(resume_from), model, optimizer, scheduler)
+        start, prior_seconds, last = restore(Path(resume_from), model, optimizer, scheduler)
     if env.is_main:
         truncate_metrics(out_dir, start)  # a fresh start (or a restart) redoes later steps
         if start == 0:  # no stale checkpoints to mix in
@@ -133,6 +133,7 @@ def setup_run(
         loss_sum=torch.zeros((), device=env.device),
         rows_sum=torch.zeros((), device=env.device),
         best_val=best_val_loss(out_dir) if start else math.inf,
+        resumed_metrics=last,
         budget=budget,
         prior_seconds=prior_seconds,
         done=start,

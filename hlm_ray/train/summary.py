@@ -36,7 +36,8 @@ def format_summary(summaries: list[dict[str, Any]]) -> str:
     header = [_HEADERS.get(key, key) for key in _COLUMNS] + [h for h, _ in metric_cols]
     rows = []
     for s in summaries:
-        row = [_FORMATS.get(key, "{}").format(s[key]) for key in _COLUMNS]
+        row = [_FORMATS.get(key, "{}").format(s[key]) if s[key] is not None else "-"
+               for key in _COLUMNS]  # fmt: skip
         row += [f"{s['metrics'][k]:.4f}" if k in s["metrics"] else "-" for _, k in metric_cols]
         rows.append(row)
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

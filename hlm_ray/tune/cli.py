@@ -279,6 +279,29 @@ def _print_outcome(outcome, search: bool) -> int:
             + f", trial {best['trial_id']})"
         )
     if outcome.failed:
-        print(f"\n{len(outcome.failed)} trial(s) did not finish; re-run the same command to retry")
+        print("\n" + failure_advice(outcome.failed))
         return 1
     return 0
+
+
+def failure_advice(failed: list[dict]) -> str:
+    """What to do about failed trials: a diverged one diverges again (a resumed sweep keeps it
+    failed, and new settings need a new --name), any other is retried by the same command."""
+    from hlm_ray.errors import DIVERGED
+
+    diverged = [r for r in failed if r.get("error", "").startswith(DIVERGED)]
+    others = len(failed) - len(diverged)
+    lines = []
+    if diverged:
+        lines.append(
+            f"{len(diverged)} trial(s) diverged (their error is in the table): the same "
+            "settings diverge again, and re-running this sweep keeps them failed; lower optim.lr "
+            "or set optim.grad_clip with --set, under another --name (a sweep's settings are "
+            "fixed by its name)"
+        )
+    if others:
+        lines.append(
+            f"{others} trial(s) did not finish (their errors are in the table and the sweep "
+            "log); re-run the same command to retry them: finished trials are kept"
+        )
+    return "\n".join(lines)

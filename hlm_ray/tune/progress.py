@@ -29,6 +29,8 @@ def trial_label(config: dict, short: str) -> str:
 def outcome_label(result: dict | None) -> str:
     """What a finished trial reached: its downstream score and training speed, when reported."""
     result = result or {}
+    if result.get("trial/error"):  # a diverged trial: it ends without Tune's retries
+        return f", failed: {result['trial/error']}"
     score, speed = result.get("downstream/score"), result.get("tokens_per_s")
     parts = []
     if isinstance(score, (int, float)) and math.isfinite(score):

@@ -327,3 +327,15 @@ def _format(value: Any, fmt: str) -> str:
 
 def _csv(value: Any) -> Any:
     return "" if value is None else value
+
+
+def sweep_status(rows: list[dict[str, Any]], interrupted: bool) -> tuple[str, str]:
+    """The parent run's status and a line saying what happened to its trials: FAILED when a
+    trial failed (its cell is missing from the comparison; such a sweep ended FINISHED before),
+    KILLED after Ctrl-C, else FINISHED."""
+    failed = sum(r["status"] == "FAILED" for r in rows)
+    done = sum(r["status"] == "FINISHED" for r in rows)
+    outcome = f"{done} of {len(rows)} trial(s) finished, {failed} failed"
+    if interrupted:
+        return "KILLED", outcome + "; interrupted"
+    return ("FAILED" if failed else "FINISHED"), outcome

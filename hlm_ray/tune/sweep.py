@@ -41,7 +41,14 @@ from hlm_ray.tune.placement import plan_concurrency
 from hlm_ray.tune.replay import replay_trials
 from hlm_ray.tune.spec import SweepSpec
 from hlm_ray.tune.storage import STATE_FILE, TUNE_DIR, SweepStorage
-from hlm_ray.tune.trial import TrialRuntime, local_trials, run_name, run_trial, trial_resources
+from hlm_ray.tune.trial import (
+    TRIAL_ERROR,
+    TrialRuntime,
+    local_trials,
+    run_name,
+    run_trial,
+    trial_resources,
+)
 
 SWEEPS_DIR = "runs/sweeps"
 ASHA_METRIC = "val/loss"
@@ -256,7 +263,9 @@ def run_sweep(
             phases["after_trials"] = seconds - phases["before_trials"] - phases["trials"]
             parent.log_metrics(plan_mod.measured_metrics(rows, seconds), step=0)
             parent.log_metrics({f"sweep/{k}_s": v for k, v in phases.items()}, step=0)
-            parent.finish("KILLED" if stop.interrupted else "FINISHED")
+            status, outcome = summary_mod.sweep_status(rows, stop.interrupted)
+            parent.set_tags({"sweep_outcome": outcome})
+            parent.finish(status)
         except (KeyboardInterrupt, SystemExit):
             parent.finish("KILLED")
             raise
@@ -423,7 +432,8 @@ def _rows(
         cfg = Config.from_dict(result.config["config"])
         value = result.config["value"]
         trial_id = metrics.get("trial_id", Path(result.path).name)
-        if result.error is not None:
+        error = result.error or metrics.get(TRIAL_ERROR)  # a diverged trial ends without one
+        if error:
             status = "FAILED"
         elif "downstream/score" in metrics:
             status = "FINISHED"
@@ -441,7 +451,7 @@ def _rows(
                 seed=cfg.run.seed,
                 metrics=metrics,
                 # Ray's wrapped errors end with the real cause
-                error=one_line(result.error, last=True, limit=200) if result.error else "",
+                error=one_line(error, last=True, limit=200) if error else "",
                 lr=cfg.optim.lr if search else None,
                 warmup_steps=cfg.optim.warmup_steps if search else None,
             )

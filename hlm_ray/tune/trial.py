@@ -24,6 +24,7 @@ from typing import Any
 
 from hlm_ray.cluster import alive_nodes, pin_prepared
 from hlm_ray.config import Config, apply_overrides
+from hlm_ray.errors import TrainingDiverged
 from hlm_ray.flops import config_step_flops
 from hlm_ray.tracking.base import RUN_REF_FILE, read_run_ref  # the child run's id, in its folder
 from hlm_ray.train.run_mirror import RunMirror
@@ -36,6 +37,8 @@ DOWNSTREAM_FILE = "downstream.json"
 DONE_FILES = ("summary.json", DOWNSTREAM_FILE, RUN_REF_FILE)
 """What tells a retried trial which stages are done, and its MLflow run."""
 NO_DOWNSTREAM = "none"  # `sweep.recipe=none`: pretraining only
+TRIAL_ERROR = "trial/error"
+"""What a trial that ended without retries reports: why it failed (a diverged run)."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +118,13 @@ def run_trial(params: dict[str, Any], runtime: TrialRuntime) -> None:
     mirror = RunMirror(f"{runtime.storage}/{name}") if runtime.storage else None
     if mirror is not None:  # an earlier attempt's stages, perhaps done on another node
         mirror.pull(out_dir, (*DONE_FILES, "model"))
-    summary, trained_now = _pretrain(cfg, runtime, out_dir, trial_id)
+    try:
+        summary, trained_now = _pretrain(cfg, runtime, out_dir, trial_id)
+    except TrainingDiverged as err:
+        # Its settings diverge: Tune's retries (sweep.max_failures) would diverge again. The
+        # trial ends here, reporting why; the sweep counts it FAILED (`sweep._rows`).
+        ray.tune.report({TRIAL_ERROR: str(err)})
+        return
     pretrained = time.perf_counter()
     scores = _downstream(runtime, out_dir, Path(summary["model_dir"]), mirror)
     finished = time.perf_counter()
@@ -238,9 +247,10 @@ def _finished_summary(out_dir: Path, max_steps: int) -> dict[str, Any] | None:
         max_steps = summary.get("steps")  # stopped at its deadline (or at optim.max_steps)
     elif budget:
         max_steps = budget.get("budget/steps", max_steps)
-    if summary.get("steps") != max_steps or not math.isfinite(
-        summary.get("tokens_per_s", math.nan)
-    ):
+    speed = summary.get("tokens_per_s")
+    if summary.get("steps") != max_steps or not isinstance(speed, int | float):
+        return None
+    if not math.isfinite(speed):
         return None
     return summary
 
