@@ -7,10 +7,14 @@ Every stage after pretraining (fine-tuning, evaluation, generation, serving) sta
     pre = load_pretrained("runs/x/model")                 # a model folder (save_pretrained)
     pre = load_pretrained("models:/tiny-gen/1")           # the MLflow model registry
     pre.model, pre.tokenizer, pre.family, pre.objective, pre.path, pre.run_config
+    pre = load_pretrained("runs/tiny-headless", readout="auto")  # logits through its readout
+    pre.readout                                             # hlm_ray.readout.Readout, or None
 
 A model folder holds `config.json` (with `hlm_objective` / `hlm_family`, written by hlm_ray) and
 the tokenizer; a run or checkpoint folder also holds the `config.yaml` it was trained with, which
-fine-tuning reads to find the pretraining data.
+fine-tuning reads to find the pretraining data. A decoder's readout (`hlm_ray.readout`: its
+own head, the tied input embeddings, or either plus the log unigram prior) is attached when
+`readout` is given; a head bias saved with `init.prior_bias` is always restored.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class Pretrained:
     path: Path  # the model folder
     run_config: Config | None  # the config it was trained with, when the folder has one
     source: str  # what the user passed (path or models:/ URI)
+    readout: object | None = None  # the hlm_ray.readout.Readout attached, when one was asked
 
 
 def resolve_model_dir(ref: str | Path) -> Path:
@@ -91,13 +96,20 @@ def run_config_of(model_dir: Path) -> Config | None:
 
 
 def load_pretrained(
-    ref: str | Path, *, kind: str = "auto", device: str = "cpu", weights: bool = True
+    ref: str | Path,
+    *,
+    kind: str = "auto",
+    device: str = "cpu",
+    weights: bool = True,
+    readout: str | None = None,
 ) -> Pretrained:
     """Load model + tokenizer. `kind`: "causal_lm" (decoders), "masked_lm" (an encoder with its
     MLM head, vanilla only), "encoder" (the bare body of any encoder), or "auto" (the class the
     model was saved as). `weights=False`: the model's structure and config on PyTorch's meta
     device, no weights read and no memory for them (for a process that only tokenizes, like a
-    serving replica whose decode process holds the model); it cannot run."""
+    serving replica whose decode process holds the model); it cannot run. `readout` (decoders):
+    None leaves the logits as transformers computes them; "auto" is the model's default
+    readout, or a name of `hlm_ray.readout.READOUTS`."""
     if kind not in _KINDS:
         raise HLMError(f"kind={kind!r} is not one of {', '.join(_KINDS)}")
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
@@ -132,6 +144,14 @@ def load_pretrained(
         tokenizer = load_tokenizer(folder)
     except (OSError, ValueError) as err:
         raise HLMError(f"cannot load the model in {folder}: {str(err).splitlines()[0]}") from None
+    attached = None
+    if weights and kind == "causal_lm":
+        from hlm_ray.head_bias import restore_head_bias
+        from hlm_ray.readout import load_readout
+
+        restore_head_bias(model, folder)
+        if readout is not None:
+            attached = load_readout(model, folder, None if readout == "auto" else readout)
     model.eval()
     return Pretrained(
         model=model,
@@ -142,4 +162,5 @@ def load_pretrained(
         path=folder,
         run_config=run_config_of(folder),
         source=str(ref),
+        readout=attached,
     )
