@@ -128,6 +128,8 @@ def load_pretrained(
             kind = "masked_lm"
     if kind == "masked_lm" and info["objective"] == "headless":
         raise HLMError(f"{ref} is a headless encoder: it has no masked-LM head")
+    if readout not in (None, "auto") and kind != "causal_lm":
+        raise HLMError(f"--readout {readout}: {ref} is an encoder; readouts are for decoders")
     cls = {"causal_lm": AutoModelForCausalLM, "masked_lm": AutoModelForMaskedLM}.get(
         kind, AutoModel
     )

@@ -28,8 +28,10 @@ from hlm_ray.generate import (
     top_k_filter,
     top_p_filter,
 )
+from hlm_ray.generate.loading import check_generation_ready
 from hlm_ray.generate.stops import held_back
 from hlm_ray.paths import data_dir
+from hlm_ray.pretrained import model_info
 
 PROMPTS = ["The cat sat on the", "Once", "", "In 1999 the city of New York had a population"]
 
@@ -263,6 +265,10 @@ def test_headless_decoder_that_was_not_finetuned_generates_through_its_prior_rea
         (tmp_path / "variant" / "model" / name).unlink()
     with pytest.raises(HLMError, match=r"hlm data count --model .*hlm finetune --task clm"):
         Generator.load(headless)
+    with pytest.raises(HLMError, match="no token counts"):
+        check_generation_ready(model_info(headless), headless, readout="prior", folder=headless)
+    with pytest.raises(HLMError, match="readouts are tied, prior"):
+        check_generation_ready(model_info(headless), headless, readout="head", folder=headless)
     with pytest.warns(UserWarning, match="raw Eᵀ"):
         gen = Generator.load(headless, allow_raw_head=True)
     assert gen.info["readout"] == "tied"

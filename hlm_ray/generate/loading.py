@@ -33,10 +33,12 @@ def check_generation_ready(
         )
     raw = info["objective"] == "headless" and info["finetuned"] is None
     chosen = readout
-    if chosen is None and folder is not None:
-        from hlm_ray.readout import default_readout
+    if folder is not None:
+        from hlm_ray.readout import default_readout, resolve_readout
 
-        chosen = default_readout(folder)
+        chosen = chosen or default_readout(folder)
+        if chosen != "tied":  # one the model cannot have fails here, before any weights load
+            resolve_readout(folder, chosen)
     if raw and chosen in (None, "tied"):
         if not (allow_raw_head or readout == "tied"):
             raise HLMError(
