@@ -94,6 +94,22 @@ def test_the_prior_readout_adds_exactly_the_natural_log_prior(tmp_path, arch):
     assert type(model.get_output_embeddings()) is torch.nn.Linear
 
 
+def test_plain_generate_with_the_processor_equals_the_attached_readout(tmp_path):
+    """transformers' own `generate()` on a plain model, given `ReadoutProcessor`, makes the text
+    the model with the readout attached makes (greedy), and not the raw model's."""
+    torch.manual_seed(0)
+    model = tiny("headless").eval()
+    counts = (np.arange(V) % 7) ** 3
+    folder = folder_of(tmp_path, model, counts)
+    readout = resolve_readout(folder)
+    ids = torch.randint(1, V, (2, 4))
+    settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    raw = model.generate(ids, **settings)
+    plain = model.generate(ids, logits_processor=[ReadoutProcessor(readout)], **settings)
+    attach_readout(model, readout)
+    assert torch.equal(plain, model.generate(ids, **settings)) and not torch.equal(plain, raw)
+
+
 def test_each_arm_reads_out_through_its_own_default_and_refuses_the_others(tmp_path):
     counts = np.full(V, 3)
     raw = folder_of(tmp_path / "raw", tiny("headless"), counts)
