@@ -10,7 +10,8 @@ fix it), so the bias is added here by swapping the head for an `nn.Linear` with 
 shares the head's weight Parameter (a tied GPT-2 head stays tied). `save_pretrained` writes it
 into model.safetensors under the head's name (`embed_out.bias` for GPT-NeoX, `lm_head.bias`
 for GPT-2); plain `from_pretrained` reports that key as unused and drops it, so hlm_ray's
-loader (`hlm_ray.pretrained.load_pretrained`) puts it back with `restore_head_bias`.
+loader (`hlm_ray.pretrained.load_pretrained`) reads it (`saved_head_bias`) and puts it back;
+`restore_head_bias` does the same for a model loaded some other way.
 """
 
 from __future__ import annotations

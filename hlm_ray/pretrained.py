@@ -19,6 +19,7 @@ own head, the tied input embeddings, or either plus the log unigram prior) is at
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,9 +134,15 @@ def load_pretrained(
     cls = {"causal_lm": AutoModelForCausalLM, "masked_lm": AutoModelForMaskedLM}.get(
         kind, AutoModel
     )
+    bias = None  # a head bias (init.prior_bias): transformers reports it unused, hlm restores it
+    if weights and kind == "causal_lm":
+        from hlm_ray.head_bias import saved_head_bias
+
+        bias = saved_head_bias(folder)
     try:
         if weights:
-            model = cls.from_pretrained(str(folder)).to(device)
+            with _transformers_quiet(bias is not None):
+                model = cls.from_pretrained(str(folder)).to(device)
         else:
             import torch
             from transformers import AutoConfig
@@ -147,13 +154,14 @@ def load_pretrained(
     except (OSError, ValueError) as err:
         raise HLMError(f"cannot load the model in {folder}: {str(err).splitlines()[0]}") from None
     attached = None
-    if weights and kind == "causal_lm":
-        from hlm_ray.head_bias import restore_head_bias
+    if bias is not None:
+        from hlm_ray.head_bias import add_head_bias
+
+        add_head_bias(model, bias)
+    if weights and kind == "causal_lm" and readout is not None:
         from hlm_ray.readout import load_readout
 
-        restore_head_bias(model, folder)
-        if readout is not None:
-            attached = load_readout(model, folder, None if readout == "auto" else readout)
+        attached = load_readout(model, folder, None if readout == "auto" else readout)
     model.eval()
     return Pretrained(
         model=model,
@@ -166,3 +174,20 @@ def load_pretrained(
         source=str(ref),
         readout=attached,
     )
+
+
+@contextlib.contextmanager
+def _transformers_quiet(quiet: bool):
+    """transformers' loading report at error level only, while `quiet` (a key it does not
+    know, which hlm_ray puts back itself)."""
+    if not quiet:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
