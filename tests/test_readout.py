@@ -197,6 +197,43 @@ def test_prior_bias_starts_a_vanilla_head_at_log_q_and_comes_back_from_its_folde
         load_config("tiny-decoder", objective="headless", overrides={"init.prior_bias": True})
 
 
+def test_a_vanilla_run_with_prior_bias_resumes_and_loads_with_its_bias(tmp_path):
+    """Through the real loop (GPT-NeoX, whose head transformers saves as `embed_out`): the
+    bias starts at the corpus's log q, trains, survives a resume step for step, and hlm's
+    loader gives it back; the card says so and the model's readout stays its head."""
+    from tiny_runs import tiny_run_cfg
+
+    from hlm_ray.pretrained import load_pretrained
+    from hlm_ray.tracking import read_metrics
+    from hlm_ray.train import checkpoint as ckpt
+    from hlm_ray.train.loop import train_worker
+    from hlm_ray.train.token_counts import corpus_log_prior
+
+    def cfg(out, **extra):
+        return tiny_run_cfg(out, objective="vanilla", steps=6, every=(1, 6, 3), vocab=300,
+                            **{"init.prior_bias": True, **extra})  # fmt: skip
+
+    full = cfg(tmp_path / "full")
+    train_worker(full.to_dict(), progress=False)
+    broken = cfg(tmp_path / "broken", **{"run.fail_at_step": 4})
+    with pytest.raises(RuntimeError, match="injected failure"):
+        train_worker(broken.to_dict(), progress=False)
+    last = ckpt.list_checkpoints(tmp_path / "broken")[-1]
+    train_worker(broken.to_dict(), resume_from=last, progress=False)
+    losses = [
+        {r["step"]: r["train/loss"] for r in read_metrics(tmp_path / run) if "train/loss" in r}
+        for run in ("full", "broken")
+    ]
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    pre = load_pretrained(tmp_path / "full", readout="auto")
+    bias = pre.model.get_output_embeddings().bias.detach()
+    start = torch.as_tensor(corpus_log_prior(full), dtype=bias.dtype)
+    assert 0 < (bias - start).abs().max() < 0.1  # trained a little, from log q
+    assert pre.readout.is_identity  # a vanilla model reads out through its own head
+    card = (tmp_path / "full" / "model" / "README.md").read_text()
+    assert "trained bias (started at the log unigram prior" in card
+
+
 # ----------------------------------------------------------------------------- a bigram source
 
 
