@@ -5,9 +5,10 @@
     tied   a headless decoder that was never fine-tuned: its input embeddings, h·Eᵀ / τ, with
            τ the CWT temperature it was trained with
     prior  the logits plus the log of the unigram prior q(w) of the run's training tokens:
-           s·(h·Eᵀ / τ) + β·log q(w) for a headless decoder (s, β recorded in readout.json,
-           fitted on the validation split or derived: s = β = 1); z + log q(w) for a decoder
-           with a trained head (β = 1, a comparison: its softmax already learnt q)
+           s·(h·Eᵀ / τ) + β·log q(w) for a headless decoder (s, β from readout.json: the
+           derived s = β = 1, with a fit on the validation split recorded beside them); z +
+           log q(w) for a decoder with a trained head (β = 1, a comparison: its softmax
+           already learnt q)
 
 Why `prior` works: CWT scores a target against the other targets of its micro-batch, negatives
 drawn by token frequency q(w), so its optimum is h·e_w / τ = log p(w | context) − log q(w) + c
@@ -256,9 +257,9 @@ def resolve_readout(folder: str | Path, name: str | None = None) -> Readout:
     log_q, what = log_prior(folder, record)
     if not raw:
         return Readout("prior", 1.0, 1.0, log_q, note=f"own head + log q (weight 1; q: {what})")
-    fit = record.get("prior") or {}
-    scale, weight = float(fit.get("scale", 1.0)), float(fit.get("prior_weight", 1.0))
-    how = fit.get("method", "derived")
+    chosen = record.get("prior") or {}
+    scale, weight = float(chosen.get("scale", 1.0)), float(chosen.get("prior_weight", 1.0))
+    how = chosen.get("method", "derived")
     note = (
         f"tied input embeddings + log prior: {scale:.4g}·h·Eᵀ/τ + {weight:.4g}·log q(w) "
         f"(τ = {tau:g}, scale and weight {how}; q: {what})"

@@ -218,7 +218,7 @@ def test_raw_headless_decoder_card_says_how_it_generates(headless_run, vanilla_r
     top = body.strip().splitlines()[2]  # bold, right under the title
     assert top.startswith("**This headless decoder was never fine-tuned: it generates through")
     assert "ReadoutProcessor" in top and "hlm finetune --task clm" in top
-    assert "| readout | prior: s·h·Eᵀ/τ + β·log q(w)" in card and "(fitted;" in card
+    assert "| readout | prior: s·h·Eᵀ/τ + β·log q(w), s = 1, β = 1 (derived;" in card
     assert "| training steps | 60 |" in card and "| corpus |" in card
     bare = tmp_path / "model"
     shutil.copytree(headless_run / "model", bare)
@@ -256,8 +256,8 @@ def test_a_headless_run_scores_and_generates_through_its_prior_readout(
     assert (meta["source"], meta["steps"], meta["workers"]) == ("training", 60, 1)
     assert (counts == expected_target_counts(cfg, 60)).all()
     record = read_record(model)
-    assert record["readout"] == "prior" and record["prior"]["method"] == "fitted"
-    nats = record["prior"]["nats"]
+    assert record["readout"] == "prior" and record["prior"]["method"] == "derived"
+    nats = record["prior"]["fit"]["nats"]  # the fit on validation rows, recorded as a check
     assert nats["fitted"] <= nats["derived"] < nats["tied"]
 
     scores = {}
@@ -288,7 +288,7 @@ def test_a_headless_run_scores_and_generates_through_its_prior_readout(
     counted, meta = load_counts(run / "model" / COUNTS_FILE)
     train = count_split(build_prepared(cfg), "train", seq_len=cfg.data.seq_len)
     assert meta["source"] == "corpus" and np.array_equal(counted, train)
-    assert read_record(run / "model")["prior"]["method"] == "fitted"
+    assert read_record(run / "model")["prior"]["fit"]["method"] == "fitted"
     assert main(["data", "count", "--model", str(run)]) == 2
     assert "exists already" in capsys.readouterr().err
 

@@ -102,13 +102,12 @@ def _count(args: argparse.Namespace) -> int:
     print(f"counted {out['tokens']:,} tokens of {out['prepared'].uri}: {out['path']}")
     record = out["record"]
     if record and record.get("prior"):
-        prior = record["prior"]
-        nats = prior.get("nats", {})
-        scores = ", ".join(f"{k} {v:.4f}" for k, v in nats.items())
+        fit = record["prior"].get("fit") or {}
+        nats = ", ".join(f"{k} {v:.4f}" for k, v in fit.get("nats", {}).items())
         print(
-            f"readout.json: prior readout, scale {prior['scale']:.4g}, weight "
-            f"{prior['prior_weight']:.4g} ({prior['method']}; nats per validation token: "
-            f"{scores or 'not measured'})"
+            "readout.json: prior readout (scale 1, weight 1, derived); fitted on the validation "
+            f"split: scale {fit.get('scale', 1.0):.4g}, weight {fit.get('prior_weight', 1.0):.4g} "
+            f"(nats per token: {nats or 'not measured'})"
         )
     elif record:
         print(f"readout.json: {record['readout']} (add-{record['alpha']:.3g} smoothing)")
