@@ -245,6 +245,7 @@ def test_a_headless_run_scores_and_generates_through_its_prior_readout(
     from tiny_runs import expected_target_counts
 
     from hlm_ray.evaluate.readouts import readout_bpb
+    from hlm_ray.model_card import write_model_card
     from hlm_ray.pretrained import run_config_of
     from hlm_ray.readout import read_record
     from hlm_ray.train.inputs import build_prepared
@@ -283,7 +284,11 @@ def test_a_headless_run_scores_and_generates_through_its_prior_readout(
     shutil.copytree(headless_run, run)
     for name in (COUNTS_FILE, "readout.json"):
         (run / "model" / name).unlink()
+    card = run / "model" / "README.md"
+    write_model_card(run / "model")
+    assert "it cannot generate text yet" in card.read_text()
     assert main(["data", "count", "--model", str(run)]) == 0
+    assert "it generates through its prior readout" in card.read_text()
     assert "readout.json: prior readout" in capsys.readouterr().out
     counted, meta = load_counts(run / "model" / COUNTS_FILE)
     train = count_split(build_prepared(cfg), "train", seq_len=cfg.data.seq_len)

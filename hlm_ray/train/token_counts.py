@@ -168,7 +168,8 @@ def count_model(model_ref, *, force: bool = False) -> dict:
     if not framed:
         pre = load_pretrained(folder, kind="causal_lm")
         record = write_readout(folder, pre.model, counts, cfg, prepared=prepared)
-    from hlm_ray.model_card import write_model_card
+    if record is not None and record["readout"] == "prior":
+        from hlm_ray.model_card import write_model_card
 
-    write_model_card(folder)  # its readout row (and note) changed
+        write_model_card(folder)  # a raw headless decoder: its card now says it has a prior
     return {"path": path, "tokens": int(counts.sum()), "record": record, "prepared": prepared}
