@@ -136,14 +136,16 @@ def evaluate(
     device: str = "auto",
     tracker: Tracker | None = None,
     progress: bool = True,
+    readout: str | None = None,
 ) -> list[dict[str, Any]]:
     """Run each evaluation task on the model; JSON per task in `output_dir`; metrics and
-    figures to `tracker` (prefixed ``eval/``)."""
+    figures to `tracker` (prefixed ``eval/``). A decoder is scored through `readout`
+    (`hlm_ray.readout`; None: the model's default)."""
     from hlm_ray.evaluate import get_task, write_result
 
     runners = [get_task(name) for name in tasks]  # unknown names fail before any loading
     device = device_name(device)
-    pre = load_pretrained(model_ref, device=device)
+    pre = load_pretrained(model_ref, device=device, readout=readout or "auto")
     out = Path(output_dir)
     tracker = tracker or Tracker()
     results = []
@@ -335,7 +337,9 @@ def run_downstream(
     """The paper's downstream protocol for the model's family; flat metrics for a sweep trial.
 
     Decoders: a headless arm is fine-tuned into a generator (`clm` recipe of `recipe`), then
-    both arms are scored on LAMBADA (``downstream/score`` = accuracy) and bits per byte.
+    both arms are scored on LAMBADA (``downstream/score`` = accuracy) and bits per byte, and
+    the model as pretrained through its other readouts (`hlm_ray.evaluate.readouts`):
+    ``bpb/tied`` and ``bpb/prior`` for a headless arm, ``bpb/prior`` for a vanilla one.
     Encoders: fine-tuned on the recipe's GLUE tasks; ``downstream/score`` is the mean of each
     task's main metric (mean over seeds of the best epoch)."""
     if recipe not in DOWNSTREAM:
@@ -383,6 +387,12 @@ def run_downstream(
                 progress=progress,
             )
             metrics.update(result["metrics"])
+        if "bpb" in plan.get("decoder_tasks", ("lambada", "bpb")):
+            # The never-fine-tuned model through its other readouts: bpb/tied and bpb/prior
+            # (headless), bpb/prior (vanilla: its head + log q, which should score worse).
+            from hlm_ray.evaluate.readouts import readout_bpb
+
+            metrics.update(readout_bpb(model_dir, limit=plan["bpb_limit"], device=device))
         if scored != model_dir:  # the generator this trial made: say what it is
             write_model_card(scored, scores={k: v for k, v in metrics.items() if _finite(v)})
         metrics["downstream/score"] = metrics[plan.get("score", "lambada/accuracy")]

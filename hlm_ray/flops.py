@@ -49,7 +49,10 @@ Not counted, on purpose: embedding look-ups and CWT's gather of target rows (ind
 matmul; their backward is a scatter-add), layer norms, activations, rotary embeddings, softmax,
 cross-entropy, dropout, the optimizer update (all O(tokens·D) or O(params) elementwise work, or
 O(K·V) for the softmax: memory-bound, not FLOP-bound; they can still dominate wall time, see
-NOTES.md on the V×D embedding gradient). Recomputation is not counted either (activation
+NOTES.md on the V×D embedding gradient). Counting the tokens a run trains on (a scatter-add of
+each micro-batch's K target ids into a (V,) vector: the unigram prior of `hlm_ray.readout`) and
+the head bias of `init.prior_bias` (K·V additions) are not matmuls either: both are free here,
+so the prior readout and the vanilla arm's prior bias cost no budget FLOPs. Recomputation is not counted either (activation
 checkpointing, chunked CWT, fused linear cross-entropy that recomputes logits): these are model
 FLOPs, the numerator of MFU as defined by Chowdhery et al. 2022, not hardware FLOPs.
 """

@@ -9,8 +9,11 @@ with ``headless`` or ``vanilla``, ``encoder`` or ``decoder``), then the facts: t
 the family and architecture, the corpus, steps and tokens (from the run folder's ``config.yaml``,
 ``summary.json`` and ``finetune.json`` when the model folder sits in one), and the scores. A raw
 headless decoder is saved as a ``*ForCausalLM`` whose output layer is the tied input embedding,
-never trained to predict: its card says in bold, near the top, that it must be fine-tuned
-(``hlm finetune --task clm``) before it generates.
+never trained to predict: its card says in bold, near the top, how it generates: through its
+prior readout (`hlm_ray.readout`: its input embeddings plus the log unigram prior of its
+training tokens, from ``token_counts.npz`` and ``readout.json``), which hlm_ray applies and
+plain `transformers` cannot, or not at all until it is fine-tuned (``hlm finetune --task clm``).
+Every decoder's card says which readout it is used with.
 """
 
 from __future__ import annotations
@@ -29,6 +32,43 @@ _RAW_HEADLESS_WARNING = (
     "trained to predict the next token, and `generate()` gives junk. Fine-tune it into a "
     "generator first: `hlm finetune --task clm --model <this folder>`."
 )
+
+
+_PRIOR_HEADLESS_NOTE = (
+    "**This headless decoder was never fine-tuned: it generates through its prior readout, "
+    "which hlm_ray applies and plain `transformers` does not.** Its output layer is the tied "
+    "input embedding Eᵀ, whose scores are log p(w | context) − log q(w) up to a constant "
+    "(the contrastive loss drew its negatives by token frequency q). `hlm generate`, `hlm "
+    "serve` and `hlm eval` add log q(w) back (q: the unigram prior of its training tokens, in "
+    "`token_counts.npz`; scale and weight in `readout.json`). A GPT-NeoX or GPT-2 head in "
+    "`transformers` has no bias to hold the prior: with plain `transformers`, pass "
+    "`hlm_ray.readout.ReadoutProcessor` to `generate()`, or fine-tune a real head with "
+    "`hlm finetune --task clm --model <this folder>`."
+)
+_HEAD_BIAS_NOTE = (
+    "Its output head has a trained bias (started at the log unigram prior, `init.prior_bias`) "
+    "saved in model.safetensors; `transformers` has no bias in this head and reports the key "
+    "as unused: load it with hlm_ray (`hlm_ray.pretrained.load_pretrained`), which restores it."
+)
+
+
+def _readout(folder: Path, what: dict[str, Any]) -> str | None:
+    """The readout row of a decoder's card: which readout it is used with, and its numbers."""
+    if what["family"] != "decoder":
+        return None
+    from hlm_ray.readout import READOUT_FILE, default_readout, read_record
+
+    name = default_readout(folder)
+    if name == "head":
+        return "head (its own output head)"
+    if name == "tied":
+        return "tied (its input embeddings, raw Eᵀ: no token counts for the prior readout)"
+    prior = read_record(folder).get("prior") or {}
+    how = prior.get("method", "derived")
+    return (
+        f"prior: s·h·Eᵀ/τ + β·log q(w), s = {prior.get('scale', 1.0):.4g}, β = "
+        f"{prior.get('prior_weight', 1.0):.4g} ({how}; `{READOUT_FILE}`)"
+    )
 
 
 _LOSS = {"headless": "contrastive weight tying", "vanilla": "cross-entropy"}
@@ -116,13 +156,30 @@ def _run_facts(folder: Path) -> list[tuple[str, str]]:
     return rows
 
 
+def _has_head_bias(folder: Path) -> bool:
+    from hlm_ray.head_bias import saved_head_bias
+
+    return saved_head_bias(folder) is not None
+
+
 def _format(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4f}" if math.isfinite(value) else str(value)
     return str(value)
 
 
-def _usage(kind: str, pipeline_tag: str) -> str:
+def _usage(kind: str, pipeline_tag: str, readout: str | None = None) -> str:
+    if kind == "raw-headless-decoder" and readout and readout.startswith("prior"):
+        return (
+            '```bash\nhlm generate --model <this folder> "The cat"      # its prior readout\n'
+            "hlm serve --model <this folder>                  # OpenAI-compatible endpoint\n```"
+            "\n\nWith `transformers` alone (the readout applied to `generate()`):\n\n"
+            "```python\nfrom transformers import AutoModelForCausalLM\n"
+            "from hlm_ray.readout import ReadoutProcessor, resolve_readout\n"
+            'model = AutoModelForCausalLM.from_pretrained("<this folder>")\n'
+            'processor = ReadoutProcessor(resolve_readout("<this folder>"))\n'
+            "model.generate(ids, logits_processor=[processor])\n```"
+        )
     if kind == "raw-headless-decoder":
         return (
             "```bash\nhlm finetune --task clm --model <this folder> --register NAME\n```\n\n"
@@ -164,8 +221,10 @@ def model_card_text(
         f"# {what['title']}",
         "",
     ]
+    readout = _readout(folder, what)
     if what["kind"] == "raw-headless-decoder":
-        front += [_RAW_HEADLESS_WARNING, ""]
+        prior = readout is not None and readout.startswith("prior")
+        front += [_PRIOR_HEADLESS_NOTE if prior else _RAW_HEADLESS_WARNING, ""]
     front += [
         "Trained with hlm_ray (headless language models, Godey et al., ICLR 2024: a contrastive "
         "loss against the input embeddings replaces the vocabulary softmax).",
@@ -178,6 +237,8 @@ def model_card_text(
     ]
     if what["finetuned"]:
         front.append(f"| fine-tuned | {what['finetuned']} |")
+    if readout is not None:
+        front.append(f"| readout | {readout} |")
     if config.get("hlm_classify"):
         detail = ", ".join(f"{k} {_format(v)}" for k, v in config["hlm_classify"].items())
         front.append(f"| best classifier | {detail} |")
@@ -190,7 +251,9 @@ def model_card_text(
     if scores:
         front += ["", "## Scores", "", "| metric | value |", "|---|---|"]
         front += [f"| {k} | {_format(v)} |" for k, v in sorted(scores.items())]
-    front += ["", "## Use", "", _usage(what["kind"], what["pipeline_tag"])]
+    front += ["", "## Use", "", _usage(what["kind"], what["pipeline_tag"], readout)]
+    if what["family"] == "decoder" and _has_head_bias(folder):
+        front += ["", _HEAD_BIAS_NOTE]
     if notes:
         front += ["", *notes]
     return "\n".join(front) + "\n"

@@ -141,7 +141,8 @@ def input_embedding_weight(model: PreTrainedModel) -> torch.Tensor:
 def lm_head(model: PreTrainedModel) -> LMHead:
     """The vocabulary head as (transform, weight, bias), so objectives can chunk or fuse it."""
     if isinstance(model, GPTNeoXForCausalLM | GPT2LMHeadModel):
-        return LMHead(transform=None, weight=model.lm_head.weight, bias=None)
+        head = model.lm_head  # a bias only with init.prior_bias (hlm_ray.head_bias)
+        return LMHead(transform=None, weight=head.weight, bias=head.bias)
     if isinstance(model, BertForMaskedLM):
         pred = model.cls.predictions
         return LMHead(transform=pred.transform, weight=pred.decoder.weight, bias=pred.bias)

@@ -7,14 +7,19 @@ Every stage after pretraining (fine-tuning, evaluation, generation, serving) sta
     pre = load_pretrained("runs/x/model")                 # a model folder (save_pretrained)
     pre = load_pretrained("models:/tiny-gen/1")           # the MLflow model registry
     pre.model, pre.tokenizer, pre.family, pre.objective, pre.path, pre.run_config
+    pre = load_pretrained("runs/tiny-headless", readout="auto")  # logits through its readout
+    pre.readout                                             # hlm_ray.readout.Readout, or None
 
 A model folder holds `config.json` (with `hlm_objective` / `hlm_family`, written by hlm_ray) and
 the tokenizer; a run or checkpoint folder also holds the `config.yaml` it was trained with, which
-fine-tuning reads to find the pretraining data.
+fine-tuning reads to find the pretraining data. A decoder's readout (`hlm_ray.readout`: its
+own head, the tied input embeddings, or either plus the log unigram prior) is attached when
+`readout` is given; a head bias saved with `init.prior_bias` is always restored.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +44,7 @@ class Pretrained:
     path: Path  # the model folder
     run_config: Config | None  # the config it was trained with, when the folder has one
     source: str  # what the user passed (path or models:/ URI)
+    readout: object | None = None  # the hlm_ray.readout.Readout attached, when one was asked
 
 
 def resolve_model_dir(ref: str | Path) -> Path:
@@ -91,13 +97,20 @@ def run_config_of(model_dir: Path) -> Config | None:
 
 
 def load_pretrained(
-    ref: str | Path, *, kind: str = "auto", device: str = "cpu", weights: bool = True
+    ref: str | Path,
+    *,
+    kind: str = "auto",
+    device: str = "cpu",
+    weights: bool = True,
+    readout: str | None = None,
 ) -> Pretrained:
     """Load model + tokenizer. `kind`: "causal_lm" (decoders), "masked_lm" (an encoder with its
     MLM head, vanilla only), "encoder" (the bare body of any encoder), or "auto" (the class the
     model was saved as). `weights=False`: the model's structure and config on PyTorch's meta
     device, no weights read and no memory for them (for a process that only tokenizes, like a
-    serving replica whose decode process holds the model); it cannot run."""
+    serving replica whose decode process holds the model); it cannot run. `readout` (decoders):
+    None leaves the logits as transformers computes them; "auto" is the model's default
+    readout, or a name of `hlm_ray.readout.READOUTS`."""
     if kind not in _KINDS:
         raise HLMError(f"kind={kind!r} is not one of {', '.join(_KINDS)}")
     from transformers import AutoModel, AutoModelForCausalLM, AutoModelForMaskedLM
@@ -116,12 +129,20 @@ def load_pretrained(
             kind = "masked_lm"
     if kind == "masked_lm" and info["objective"] == "headless":
         raise HLMError(f"{ref} is a headless encoder: it has no masked-LM head")
+    if readout not in (None, "auto") and kind != "causal_lm":
+        raise HLMError(f"--readout {readout}: {ref} is an encoder; readouts are for decoders")
     cls = {"causal_lm": AutoModelForCausalLM, "masked_lm": AutoModelForMaskedLM}.get(
         kind, AutoModel
     )
+    bias = None  # a head bias (init.prior_bias): transformers reports it unused, hlm restores it
+    if weights and kind == "causal_lm":
+        from hlm_ray.head_bias import saved_head_bias
+
+        bias = saved_head_bias(folder)
     try:
         if weights:
-            model = cls.from_pretrained(str(folder)).to(device)
+            with _transformers_quiet(bias is not None):
+                model = cls.from_pretrained(str(folder)).to(device)
         else:
             import torch
             from transformers import AutoConfig
@@ -132,6 +153,15 @@ def load_pretrained(
         tokenizer = load_tokenizer(folder)
     except (OSError, ValueError) as err:
         raise HLMError(f"cannot load the model in {folder}: {str(err).splitlines()[0]}") from None
+    attached = None
+    if bias is not None:
+        from hlm_ray.head_bias import add_head_bias
+
+        add_head_bias(model, bias)
+    if weights and kind == "causal_lm" and readout is not None:
+        from hlm_ray.readout import load_readout
+
+        attached = load_readout(model, folder, None if readout == "auto" else readout)
     model.eval()
     return Pretrained(
         model=model,
@@ -142,4 +172,22 @@ def load_pretrained(
         path=folder,
         run_config=run_config_of(folder),
         source=str(ref),
+        readout=attached,
     )
+
+
+@contextlib.contextmanager
+def _transformers_quiet(quiet: bool):
+    """transformers' loading report at error level only, while `quiet` (a key it does not
+    know, which hlm_ray puts back itself)."""
+    if not quiet:
+        yield
+        return
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)

@@ -118,8 +118,9 @@ def test_generate_prints_the_prompt_and_the_generators_sample(tiny_decoder_dir, 
 def test_generate_refuses_a_headless_decoder_that_was_not_finetuned(
     tiny_decoder_dir, tmp_path, capsys
 ):
-    """The refusal reads the folder's config.json only (before any weights load): the tiny
-    decoder's folder, marked as a headless pretraining run writes it (no `hlm_finetuned`)."""
+    """The refusal reads the folder's config.json and files only (before any weights load):
+    the tiny decoder's folder, marked as a headless pretraining run writes it (no
+    `hlm_finetuned`), without the token counts its prior readout would need."""
     import json
     import shutil
 
@@ -128,10 +129,12 @@ def test_generate_refuses_a_headless_decoder_that_was_not_finetuned(
     config.update(hlm_objective="headless")
     config.pop("hlm_finetuned", None)
     (folder / "config.json").write_text(json.dumps(config))
+    for name in ("token_counts.npz", "readout.json"):
+        (folder / name).unlink()
     assert main(["generate", "--model", str(folder), "hello"]) == 2
     err = capsys.readouterr().err
     assert "headless decoder that was never fine-tuned" in err
-    assert "hlm finetune --task clm" in err
+    assert "hlm data count --model" in err and "hlm finetune --task clm" in err
 
 
 def test_an_interrupted_hlm_sweep_prints_the_hlm_command_to_continue(monkeypatch, capsys):

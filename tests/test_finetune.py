@@ -203,19 +203,99 @@ def test_cli_finetune_clm_then_eval_from_the_registry(headless_run, tmp_path, ca
     assert "lambada" in capsys.readouterr().out
 
 
-def test_raw_headless_decoder_card_says_it_must_be_fine_tuned(headless_run, vanilla_run):
+def test_raw_headless_decoder_card_says_how_it_generates(headless_run, vanilla_run, tmp_path):
+    """With its token counts: bold, right under the title, that it generates through its prior
+    readout (and what plain transformers needs); without them: that it must be fine-tuned."""
+    import shutil
+
     from hlm_ray.model_card import model_card_text
+    from hlm_ray.readout import READOUT_FILE
+    from hlm_ray.unigram import COUNTS_FILE
 
     card = model_card_text(headless_run / "model")
     front, _, body = card.partition("\n---\n")
     assert "pipeline_tag: feature-extraction" in front and "- headless" in front
     top = body.strip().splitlines()[2]  # bold, right under the title
+    assert top.startswith("**This headless decoder was never fine-tuned: it generates through")
+    assert "ReadoutProcessor" in top and "hlm finetune --task clm" in top
+    assert "| readout | prior: s·h·Eᵀ/τ + β·log q(w), s = 1, β = 1 (derived;" in card
+    assert "| training steps | 60 |" in card and "| corpus |" in card
+    bare = tmp_path / "model"
+    shutil.copytree(headless_run / "model", bare)
+    for name in (COUNTS_FILE, READOUT_FILE):
+        (bare / name).unlink()
+    top = model_card_text(bare).partition("\n---\n")[2].strip().splitlines()[2]
     assert top.startswith("**This is a raw headless decoder: it cannot generate text yet.**")
     assert "tied input embedding" in top and "hlm finetune --task clm" in top
-    assert "| training steps | 60 |" in card and "| corpus |" in card
     vanilla = model_card_text(vanilla_run / "model")
     assert "pipeline_tag: text-generation" in vanilla and "- vanilla" in vanilla
-    assert "cannot generate" not in vanilla
+    assert (
+        "cannot generate" not in vanilla and "| readout | head (its own output head) |" in vanilla
+    )
+
+
+def test_a_headless_run_scores_and_generates_through_its_prior_readout(
+    headless_run, tmp_path, capsys, shared_cache
+):
+    """What a headless run saves (its exact target counts, a fitted readout.json), then `hlm
+    eval` and `hlm generate` with no fine-tune, and `hlm data count` for a run without them."""
+    import shutil
+
+    import numpy as np
+    from tiny_runs import expected_target_counts
+
+    from hlm_ray.evaluate.readouts import readout_bpb
+    from hlm_ray.model_card import write_model_card
+    from hlm_ray.pretrained import run_config_of
+    from hlm_ray.readout import read_record
+    from hlm_ray.train.inputs import build_prepared
+    from hlm_ray.unigram import COUNTS_FILE, count_split, load_counts
+
+    model = headless_run / "model"
+    cfg = run_config_of(model)
+    counts, meta = load_counts(model / COUNTS_FILE)
+    assert (meta["source"], meta["steps"], meta["workers"]) == ("training", 60, 1)
+    assert (counts == expected_target_counts(cfg, 60)).all()
+    record = read_record(model)
+    assert record["readout"] == "prior" and record["prior"]["method"] == "derived"
+    nats = record["prior"]["fit"]["nats"]  # the fit on validation rows, recorded as a check
+    assert nats["fitted"] <= nats["derived"] < nats["tied"]
+
+    scores = {}
+    for readout in (None, "tied"):
+        out = tmp_path / f"eval-{readout}"
+        argv = ["eval", "--model", str(headless_run), "--task", "bpb", "--limit", "20"]
+        argv += ["--output", str(out)] + (["--readout", readout] if readout else [])
+        assert main(argv) == 0
+        result = json.loads((out / "eval_bpb.json").read_text())
+        scores[result["readout"]["name"]] = result["metrics"]["bpb/bits_per_byte"]
+    assert scores["prior"] < scores["tied"]
+    assert "prior readout" in capsys.readouterr().out  # the table's note
+    both = readout_bpb(headless_run, limit=20)  # what a sweep trial records
+    assert both == pytest.approx({"bpb/tied": scores["tied"], "bpb/prior": scores["prior"]})
+
+    argv = ["generate", "--model", str(headless_run), "The king", "--max-tokens", "4"]
+    assert main([*argv, "--seed", "1"]) == 0
+    assert "readout=prior" in capsys.readouterr().err
+
+    # A run from before counting existed: `hlm data count` gives it counts of its training
+    # split and a fitted readout, and will not replace counts without --force.
+    run = tmp_path / "old-run"
+    shutil.copytree(headless_run, run)
+    for name in (COUNTS_FILE, "readout.json"):
+        (run / "model" / name).unlink()
+    card = run / "model" / "README.md"
+    write_model_card(run / "model")
+    assert "it cannot generate text yet" in card.read_text()
+    assert main(["data", "count", "--model", str(run)]) == 0
+    assert "it generates through its prior readout" in card.read_text()
+    assert "readout.json: prior readout" in capsys.readouterr().out
+    counted, meta = load_counts(run / "model" / COUNTS_FILE)
+    train = count_split(build_prepared(cfg), "train", seq_len=cfg.data.seq_len)
+    assert meta["source"] == "corpus" and np.array_equal(counted, train)
+    assert read_record(run / "model")["prior"]["fit"]["method"] == "fitted"
+    assert main(["data", "count", "--model", str(run)]) == 2
+    assert "exists already" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -28,8 +28,10 @@ from hlm_ray.generate import (
     top_k_filter,
     top_p_filter,
 )
+from hlm_ray.generate.loading import check_generation_ready
 from hlm_ray.generate.stops import held_back
 from hlm_ray.paths import data_dir
+from hlm_ray.pretrained import model_info
 
 PROMPTS = ["The cat sat on the", "Once", "", "In 1999 the city of New York had a population"]
 
@@ -244,13 +246,35 @@ def test_row_seed_depends_on_seed_and_choice_only():
 # ----------------------------------------------------------------------------- loading
 
 
-def test_headless_decoder_that_was_not_finetuned_is_refused(model_dir, tmp_path):
+def test_headless_decoder_that_was_not_finetuned_generates_through_its_prior_readout(
+    model_dir, tmp_path
+):
+    """With the token counts its run saved: the prior readout, no warning. Without them:
+    refused (saying how to get them, or a head), unless its raw Eᵀ is asked for."""
+    from hlm_ray.readout import READOUT_FILE
+    from hlm_ray.unigram import COUNTS_FILE
+
     headless = _variant(model_dir, tmp_path, hlm_objective="headless")
-    with pytest.raises(HLMError, match=r"hlm finetune --task clm --model .*variant"):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        gen = Generator.load(headless)
+    assert gen.info["readout"] == "prior"
+    assert type(gen.model.get_output_embeddings()).__name__ == "ReadoutHead"
+    assert gen.generate("a", max_new_tokens=2, temperature=0)[0].completion_tokens == 2
+    for name in (COUNTS_FILE, READOUT_FILE):
+        (tmp_path / "variant" / "model" / name).unlink()
+    with pytest.raises(HLMError, match=r"hlm data count --model .*hlm finetune --task clm"):
         Generator.load(headless)
+    with pytest.raises(HLMError, match="no token counts"):
+        check_generation_ready(model_info(headless), headless, readout="prior", folder=headless)
+    with pytest.raises(HLMError, match="readouts are tied, prior"):
+        check_generation_ready(model_info(headless), headless, readout="head", folder=headless)
     with pytest.warns(UserWarning, match="raw Eᵀ"):
         gen = Generator.load(headless, allow_raw_head=True)
+    assert gen.info["readout"] == "tied"
     assert gen.generate("a", max_new_tokens=2, temperature=0)[0].completion_tokens == 2
+    with pytest.warns(UserWarning, match="raw Eᵀ"):
+        assert Generator.load(headless, readout="tied").info["readout"] == "tied"
 
 
 def test_finetuned_headless_decoder_loads(model_dir, tmp_path):

@@ -66,6 +66,35 @@ def test_harness_lambada_openai_agrees_with_hlm_lambada(tiny_decoder_dir, tmp_pa
     assert "eval/lambada/perplexity" in logged
 
 
+@needs_lambada
+def test_the_harness_scores_a_headless_decoder_through_its_readout(tiny_decoder_dir, tmp_path):
+    """A headless decoder never fine-tuned (the tiny decoder's run, counts included, marked
+    headless): the harness's perplexity is hlm's own LAMBADA perplexity through the same
+    readout, for the prior readout (the default) and the tied one, and the two differ."""
+    import shutil
+
+    run = tmp_path / "run"
+    skip = shutil.ignore_patterns("check*", "mlflow_run.json")  # not the tiny run's MLflow run
+    shutil.copytree(Path(tiny_decoder_dir).parent, run, ignore=skip)
+    config = json.loads((run / "model" / "config.json").read_text())
+    (run / "model" / "config.json").write_text(json.dumps({**config, "hlm_objective": "headless"}))
+    perplexities = {}
+    for readout in ("prior", "tied"):
+        out = tmp_path / readout
+        argv = ["eval", "--model", str(run), "--task", "lambada,harness:lambada_openai"]
+        argv += ["--limit", "10", "--readout", readout, "--output", str(out)]
+        assert main(argv) == 0
+        ours = json.loads((out / "eval_lambada.json").read_text())
+        theirs = json.loads((out / "eval_harness-lambada_openai.json").read_text())
+        assert ours["readout"]["name"] == theirs["readout"]["name"] == readout
+        ppl = ours["metrics"]["lambada/perplexity"]
+        assert theirs["metrics"]["harness/lambada_openai/perplexity"] == pytest.approx(
+            ppl, rel=1e-3
+        )
+        perplexities[readout] = ppl
+    assert perplexities["prior"] != pytest.approx(perplexities["tied"], rel=1e-2)
+
+
 @pytest.mark.skipif(not has_shared("eval/glue/sst2/dev.tsv"), reason="needs GLUE SST-2 dev")
 def test_offline_sst2_reads_every_row_of_the_shipped_dev_file(tmp_path):
     from lm_eval.tasks import get_task_dict

@@ -3,7 +3,7 @@ function a retried trial runs again, and what `launch(local=True)` refuses, as p
 (no Ray). Where trials choose it: test_sweeps; a sweep trained this way: test_scaling."""
 
 import pytest
-from tiny_runs import tiny_run_cfg
+from tiny_runs import expected_target_counts, tiny_run_cfg
 
 import hlm_ray.train.launch as launch_mod
 import hlm_ray.train.setup as setup_mod
@@ -11,6 +11,7 @@ from hlm_ray.errors import HLMError
 from hlm_ray.tracking import read_metrics
 from hlm_ray.train import checkpoint as ckpt
 from hlm_ray.train.local_mode import local_mode, local_worker
+from hlm_ray.unigram import COUNTS_FILE, load_counts
 
 
 def test_only_one_cpu_worker_on_one_node_trains_in_the_trials_process():
@@ -43,6 +44,9 @@ def test_a_failed_local_trial_run_again_continues_from_its_newest_checkpoint(tmp
     steps = [r["step"] for r in read_metrics(tmp_path / "run") if "train/loss" in r]
     assert steps == list(range(1, 17))  # 11-13 redone once, nothing duplicated
     assert (tmp_path / "run" / "summary.json").is_file()
+    # The tokens it trained on, counted exactly: 11-13 once, what came before the resume too.
+    counts, meta = load_counts(tmp_path / "run" / "model" / COUNTS_FILE)
+    assert (counts == expected_target_counts(cfg, 16)).all() and meta["steps"] == 16
 
 
 def test_local_mode_with_a_storage_path_elsewhere_is_refused_before_anything_starts(

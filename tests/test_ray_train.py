@@ -2,7 +2,7 @@
 MLflow on a temporary sqlite store. Few tests, each a whole run: a TorchTrainer costs 15-40 s."""
 
 import pytest
-from tiny_runs import tiny_run_cfg
+from tiny_runs import expected_target_counts, tiny_run_cfg
 from transformers import AutoModelForCausalLM
 
 from hlm_ray.errors import HLMError
@@ -10,6 +10,7 @@ from hlm_ray.tracking import read_metrics
 from hlm_ray.train import checkpoint as ckpt
 from hlm_ray.train.launch import launch
 from hlm_ray.train.loop import train_worker
+from hlm_ray.unigram import COUNTS_FILE, load_counts
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
@@ -44,6 +45,13 @@ def test_two_workers_survive_a_killed_worker_and_log_one_mlflow_run(
     assert sorted(got) == list(range(1, 17))
     for step in range(9, 17):
         assert got[step] == pytest.approx(expected[step], rel=1e-4), step
+
+    # The target tokens it trained on, counted on 2 workers, summed over them and continued
+    # across the restart: exactly the 16 global batches once, as the one-process run counts.
+    counts, meta = load_counts(tmp_path / "ray-run" / "model" / COUNTS_FILE)
+    assert (meta["workers"], meta["steps"], meta["source"]) == (2, 16, "training")
+    assert (counts == expected_target_counts(cfg, 16)).all()
+    assert (counts == load_counts(tmp_path / "bare" / "model" / COUNTS_FILE)[0]).all()
 
     # One MLflow run (the restarted workers continued it), with params, step metrics, model.
     client = MlflowClient(mlflow_store)

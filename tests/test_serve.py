@@ -632,6 +632,45 @@ def test_overload_gets_503_and_the_server_recovers(server, model_uri):
         serve.delete("hlm-overload")
 
 
+@pytest.mark.ray
+def test_a_headless_decoder_never_fine_tuned_answers_through_its_prior_readout(
+    server, model_dir, tmp_path
+):
+    """The endpoint serves a raw headless decoder (the tiny decoder's folder, its token counts
+    with it, marked headless) through its prior readout, in the replica's decode process: the
+    prompt's log-probabilities are the library's with that readout, not its raw Eᵀ's."""
+    import shutil
+    import warnings
+
+    from ray import serve
+
+    folder = tmp_path / "headless" / "model"
+    shutil.copytree(model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "hlm_objective": "headless"}))
+    prior = Generator.load(folder)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # the raw-head warning
+        tied = Generator.load(folder, readout="tied")
+    body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0, "echo": True, "logprobs": 1}
+    args = AppArgs(model=str(folder), readout="prior")
+    serve.run(make_app(args, num_cpus=0), name="hlm-prior", route_prefix="/prior")
+    try:
+        r = _post(f"{server}/prior", body)
+        assert r.status_code == 200, r.text
+        got = r.json()["choices"][0]["logprobs"]["token_logprobs"][1:]
+    finally:
+        serve.delete("hlm-prior")
+    settings = dict(max_new_tokens=4, temperature=0, logprobs=1, prompt_logprobs=True)
+    [want], [raw] = prior.generate(PROMPTS[0], **settings), tied.generate(PROMPTS[0], **settings)
+    assert prior.info["readout"] == "prior"
+    expected = [e.logprob for e in want.prompt_logprobs[1:] + want.logprobs]
+    assert got == pytest.approx(expected, abs=1e-5)
+    assert got[: len(want.prompt_logprobs) - 1] != pytest.approx(
+        [e.logprob for e in raw.prompt_logprobs[1:]], abs=1e-3
+    )
+
+
 # ----------------------------------------------------------------------------- hostile traffic
 
 

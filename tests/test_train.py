@@ -21,6 +21,7 @@ from hlm_ray.train import checkpoint as ckpt
 from hlm_ray.train.inputs import Masking, build_corpus, build_tokenizer, special_ids
 from hlm_ray.train.lm_objective import LMObjective
 from hlm_ray.train.loop import WorkerEnv, evaluate, train_worker
+from hlm_ray.unigram import COUNTS_FILE, load_counts
 
 
 def tiny_cfg(preset, objective, out, **extra):
@@ -121,6 +122,9 @@ def test_resume_reproduces_the_uninterrupted_runs_next_losses(preset, tmp_path):
     assert sorted(resumed) == list(range(1, 17))  # steps 11-13 were redone, not duplicated
     for step in range(11, 17):
         assert resumed[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6), step
+    # The target tokens (next tokens; masked originals) counted once across the resume.
+    counts = [load_counts(tmp_path / run / "model" / COUNTS_FILE)[0] for run in ("full", "broken")]
+    assert (counts[0] == counts[1]).all() and counts[0].sum() > 0
 
 
 def test_a_worker_restarted_elsewhere_from_the_last_checkpoint_finishes_with_the_model(tmp_path):

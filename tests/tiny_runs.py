@@ -37,3 +37,23 @@ def tiny_run_cfg(
     if batch is not None:
         overrides |= {"optim.global_batch_size": batch[0], "optim.micro_batch_size": batch[1]}
     return load_config(preset, objective=objective, overrides={**overrides, **dotted})
+
+
+def expected_target_counts(cfg: Config, steps: int):
+    """(V,) counts of the next-token targets of a decoder run's first `steps` optimizer steps,
+    rebuilt from its batch order (a pure function of seed and step, whatever the workers)."""
+    import numpy as np
+
+    from hlm_ray.data import BlockSampler
+    from hlm_ray.train.inputs import build_corpus, build_tokenizer
+
+    tokenizer = build_tokenizer(cfg)
+    corpus = build_corpus(cfg, tokenizer)
+    batch = cfg.optim.global_batch_size
+    sampler = BlockSampler(len(corpus.train), batch, cfg.run.seed)
+    counts = np.zeros(len(tokenizer), dtype=np.int64)
+    for step in range(steps):
+        for idx in sampler.shard(step, 0, 1, batch):
+            targets = corpus.train[idx][:, 1:].reshape(-1).numpy()
+            counts += np.bincount(targets, minlength=len(tokenizer))
+    return counts

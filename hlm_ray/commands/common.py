@@ -73,6 +73,20 @@ def device_arg(p: argparse.ArgumentParser) -> None:
     )
 
 
+READOUT_CHOICES = ("head", "tied", "prior")  # hlm_ray.readout.READOUTS (no torch imported here)
+
+
+def readout_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--readout",
+        choices=READOUT_CHOICES,
+        help="how a decoder's hidden states become logits (docs/readout.md): head (its own "
+        "output head), tied (a headless decoder's input embeddings), prior (either plus the log "
+        "unigram prior of its training tokens); default: the model's own, recorded in its "
+        "readout.json (a headless decoder never fine-tuned: prior)",
+    )
+
+
 def device_overrides(args) -> list[str]:
     """--device as a config override; an explicit --set run.device=... still wins."""
     return [] if args.device == "auto" else [f"run.device={args.device}"]

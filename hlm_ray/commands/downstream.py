@@ -18,6 +18,7 @@ from hlm_ray.commands.common import (
     device_overrides,
     launch_args,
     launch_settings,
+    readout_arg,
     run_training,
 )
 from hlm_ray.errors import HLMError
@@ -77,6 +78,7 @@ def add_parsers(sub) -> None:
     )
     ev.add_argument("--limit", type=int, help="examples per task (default: all)")
     ev.add_argument("--batch-size", type=int, default=32, help="sequences per forward pass (32)")
+    readout_arg(ev)
     device_arg(ev)
     ev.add_argument(
         "--output",
@@ -197,6 +199,7 @@ def cmd_eval(args) -> int:
             batch_size=args.batch_size,
             device=args.device,
             tracker=tracker,
+            readout=args.readout,
         )
     finally:
         # The model's own run, reopened to log eval/ metrics, was finished before: a failed

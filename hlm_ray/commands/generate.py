@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from hlm_ray.commands.common import add_command, device_arg
+from hlm_ray.commands.common import add_command, device_arg, readout_arg
 
 
 def add_parsers(sub) -> None:
@@ -23,19 +23,24 @@ def add_parsers(sub) -> None:
     gen.add_argument(
         "--allow-raw-head",
         action="store_true",
-        help="generate from a headless decoder that was never fine-tuned (its raw Eᵀ head)",
+        help="generate from a headless decoder that was never fine-tuned with its raw Eᵀ head "
+        "when it has no prior readout (no token counts)",
     )
+    readout_arg(gen)
     device_arg(gen)
 
 
 def cmd_generate(args) -> int:
     """print a sample from a decoder (run, checkpoint or models:/ URI)
 
-    Load a decoder (a vanilla run, or a headless one fine-tuned with `hlm finetune --task clm`)
-    and print the prompt and a sample, streamed as it is decoded."""
+    Load a decoder (a vanilla run, a headless one through its prior readout, or one fine-tuned
+    with `hlm finetune --task clm`) and print the prompt and a sample, streamed as it is
+    decoded."""
     from hlm_ray.generate import Generator
 
-    generator = Generator.load(args.model, device=args.device, allow_raw_head=args.allow_raw_head)
+    generator = Generator.load(
+        args.model, device=args.device, allow_raw_head=args.allow_raw_head, readout=args.readout
+    )
     print(args.prompt, end="", flush=True)
     finish = None
     for delta in generator.stream(
@@ -48,5 +53,6 @@ def cmd_generate(args) -> int:
         print(delta.text, end="", flush=True)
         finish = delta.finish_reason or finish
     print()
-    print(f"[{generator.name}: finish_reason={finish}]", file=sys.stderr)
+    readout = generator.info.get("readout") or "head"
+    print(f"[{generator.name}: readout={readout}, finish_reason={finish}]", file=sys.stderr)
     return 0

@@ -76,6 +76,13 @@ def validate(cfg: C) -> C:
         "lazy needs an input embedding no vocabulary head reads: the headless objective, or "
         "arch gpt_neox (untied head); use dense",
     )
+    _check(
+        not cfg.init.prior_bias or (m.family == "decoder" and o.name != "headless"),
+        "init.prior_bias",
+        cfg.init.prior_bias,
+        "gives a decoder's vocabulary head a bias: objective vanilla or mixed, a decoder arch "
+        "(a headless decoder gets the prior as its readout: docs/readout.md)",
+    )
     for name in ("log_every", "eval_every", "checkpoint_every", "eval_batches"):
         _check(getattr(r, name) > 0, f"run.{name}", getattr(r, name), "must be > 0")
     _check(r.keep_checkpoints >= 1, "run.keep_checkpoints", r.keep_checkpoints, "must be >= 1")

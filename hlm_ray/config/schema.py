@@ -201,6 +201,12 @@ class InitConfig:
     (the paper's recipe for turning a headless decoder into a generator)."""
     train: Literal["all", "head"] = "all"
     """Which parameters learn: everything, or only the new head (a linear probe)."""
+    prior_bias: bool = False
+    """A decoder with a vocabulary head (vanilla, mixed): give the head a trainable bias (V,)
+    that starts at log q(w), the log unigram prior of the training split (add-alpha, alpha
+    fitted on the validation split), so its logits start from the token frequencies: what the
+    headless arm's prior readout knows, offered to the vanilla arm (docs/readout.md). Saved in
+    model.safetensors as the head's bias, which hlm_ray's loader restores."""
 
 
 @dataclass(frozen=True)

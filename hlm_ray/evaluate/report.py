@@ -29,6 +29,7 @@ from hlm_ray.paths import has_shared
 from hlm_ray.pretrained import Pretrained
 
 RAW_HEAD_NOTE = "raw Eᵀ head: headless decoder not fine-tuned"
+PRIOR_NOTE = "prior readout: headless decoder not fine-tuned, Eᵀ + log unigram prior"
 ANISOTROPY_TEXTS = 200
 
 
@@ -74,9 +75,15 @@ class EvalTask:
             "seconds": round(time.perf_counter() - start, 3),
             **details,
         }
+        readout = getattr(pre, "readout", None)  # hlm_ray.readout.Readout, when attached
+        if self.needs_decoder and readout is not None:
+            result["readout"] = {"name": readout.name, "note": readout.note}
         if self.needs_decoder and pre.objective == "headless" and not pre.finetuned:
-            # The paper reports this too (LAMBADA ppl 524): the tied Eᵀ head scores the tokens.
-            result["note"] = RAW_HEAD_NOTE
+            if readout is not None and readout.name == "prior":
+                result["note"] = PRIOR_NOTE
+            else:
+                # The paper reports this too (LAMBADA ppl 524): the tied Eᵀ head scores tokens.
+                result["note"] = RAW_HEAD_NOTE
         return result
 
     __call__ = run  # a task is called like the function the CLI expects

@@ -20,8 +20,11 @@ pass that reads it (one pass, not token by token); `max_new_tokens=0` only score
 decoded incrementally (`hlm_ray.detokenize`). Prompts are left-padded into one batch with an attention
 mask and explicit positions, and decoded with the KV cache.
 
-A headless decoder that was never fine-tuned only has the raw Eᵀ head (its input embeddings) and
-is refused: `hlm finetune --task clm` gives it a real head (`allow_raw_head=True` overrides).
+A decoder generates through its readout (`hlm_ray.readout`; `Generator.load(..., readout=...)`,
+default the model's own): a headless decoder that was never fine-tuned reads its input
+embeddings plus the log unigram prior of its training tokens (`prior`), which needs its
+token_counts.npz; without one it is refused (`hlm data count` writes it, `hlm finetune --task
+clm` gives it a real head, `readout="tied"` or `allow_raw_head=True` use the raw Eᵀ anyway).
 
 The server batches rows of several requests, each row with its own settings, through
 `Generator.complete_rows` / `Generator.stream_rows`.

@@ -57,17 +57,23 @@ class Generator:
         allow_raw_head: bool = False,
         name: str | None = None,
         weights: bool = True,
+        readout: str | None = None,
     ) -> Generator:
         """Load a decoder for generation from a run, checkpoint or model folder or a `models:/`
         URI; refuses encoders and un-fine-tuned headless decoders (see module docstring).
         `weights=False`: its tokenizer, limits and names without the weights (the model on the
-        meta device), for a process that only tokenizes and formats."""
+        meta device), for a process that only tokenizes and formats. `readout`: the decoder's
+        readout (`hlm_ray.readout`: head, tied, prior; None: the model's default)."""
         device = device_name(device) if weights else "meta"
         folder = resolve_model_dir(ref)  # downloads a registry model once
         info = model_info(folder)
-        check_generation_ready(info, ref, allow_raw_head=allow_raw_head)
-        pre = load_pretrained(folder, kind="causal_lm", device=device, weights=weights)
-        info = {**info, "path": str(folder)}
+        readout = check_generation_ready(
+            info, ref, allow_raw_head=allow_raw_head, readout=readout, folder=folder
+        )
+        pre = load_pretrained(
+            folder, kind="causal_lm", device=device, weights=weights, readout=readout
+        )
+        info = {**info, "path": str(folder), "readout": readout}
         return cls(
             pre.model,
             pre.tokenizer,

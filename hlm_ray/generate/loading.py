@@ -1,6 +1,7 @@
 """Which models may generate, and the name a model is served under.
 
-check_generation_ready(model_info(folder), ref)   # refuses encoders and raw headless decoders
+check_generation_ready(model_info(folder), ref, folder=folder)   # the readout it generates with;
+                                          # refuses encoders and raw heads without a prior
 default_model_name("runs/tiny-gen/checkpoint_00000100")   # "tiny-gen/checkpoint_00000100"
 """
 
@@ -14,28 +15,46 @@ from hlm_ray.pretrained import REGISTRY_SCHEME
 
 
 def check_generation_ready(
-    info: dict[str, str | None], ref: str | Path, *, allow_raw_head: bool = False
-) -> None:
-    """Refuse models that cannot generate: encoders, and headless decoders that were never
-    fine-tuned (their only head is the raw Eᵀ), unless `allow_raw_head`."""
+    info: dict[str, str | None],
+    ref: str | Path,
+    *,
+    allow_raw_head: bool = False,
+    readout: str | None = None,
+    folder: str | Path | None = None,
+) -> str | None:
+    """The readout a decoder generates with (`hlm_ray.readout`: `readout`, else the model's
+    default, read from `folder`); refuses encoders, and a headless decoder that was never
+    fine-tuned when all it has is its raw Eᵀ (`tied`: no token counts for the prior readout)
+    unless `allow_raw_head` or `readout="tied"` asks for it. None without `folder`."""
     if info["family"] != "decoder":
         raise HLMError(
             f"{ref} is an encoder ({info['model_type']}); only decoders generate text: "
             "pass a decoder run (or one fine-tuned with `hlm finetune --task clm`)"
         )
-    if info["objective"] == "headless" and info["finetuned"] is None:
-        if not allow_raw_head:
+    raw = info["objective"] == "headless" and info["finetuned"] is None
+    chosen = readout
+    if folder is not None:
+        from hlm_ray.readout import default_readout, resolve_readout
+
+        chosen = chosen or default_readout(folder)
+        if chosen != "tied":  # one the model cannot have fails here, before any weights load
+            resolve_readout(folder, chosen)
+    if raw and chosen in (None, "tied"):
+        if not (allow_raw_head or readout == "tied"):
             raise HLMError(
-                f"{ref} is a headless decoder that was never fine-tuned: its only output head is "
-                f"the raw Eᵀ of its input embeddings; run `hlm finetune --task clm --model {ref}` "
-                "first (or pass allow_raw_head=True / --allow-raw-head to use Eᵀ anyway)"
+                f"{ref} is a headless decoder that was never fine-tuned and has no token counts "
+                f"for the prior readout: count them with `hlm data count --model {ref}` (then it "
+                f"generates through its prior readout), or run `hlm finetune --task clm --model "
+                f"{ref}` (or pass --readout tied / --allow-raw-head to use its raw Eᵀ anyway)"
             )
         warnings.warn(
-            f"{ref} is a headless decoder that was never fine-tuned: generating with the raw Eᵀ "
-            "head (expect poor text; `hlm finetune --task clm` gives it a real head)",
+            f"{ref} is a headless decoder that was never fine-tuned: generating with its raw Eᵀ "
+            "head, the tied readout (expect poor text; its prior readout, `--readout prior` "
+            "after `hlm data count`, or `hlm finetune --task clm` do better)",
             UserWarning,
             stacklevel=3,
         )
+    return chosen
 
 
 def default_model_name(ref: str | Path) -> str:

@@ -30,7 +30,13 @@ def check_model(args: AppArgs) -> None:
     """Fail fast, with the reason, when the model does not resolve or cannot generate (before
     any replica starts: a `models:/` URI that does not exist, an encoder, a headless decoder)."""
     folder = resolve_model_dir(args.model)
-    check_generation_ready(model_info(folder), args.model, allow_raw_head=args.allow_raw_head)
+    check_generation_ready(
+        model_info(folder),
+        args.model,
+        allow_raw_head=args.allow_raw_head,
+        readout=args.readout,
+        folder=folder,
+    )
 
 
 def build_app(args: AppArgs) -> Application:

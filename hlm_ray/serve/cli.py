@@ -25,6 +25,7 @@ import sys
 import time
 from typing import Any
 
+from hlm_ray.commands.common import readout_arg
 from hlm_ray.errors import HLMError, exit_status
 
 
@@ -95,8 +96,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--allow-raw-head",
         action="store_true",
-        help="serve a headless decoder that was never fine-tuned, with its raw Eᵀ head",
+        help="serve a headless decoder that was never fine-tuned, with its raw Eᵀ head, when "
+        "it has no prior readout (no token counts)",
     )
+    readout_arg(p)
     p.add_argument(
         "--api-key",
         default=os.environ.get("HLM_API_KEY"),
@@ -177,7 +180,7 @@ def app_args(args: argparse.Namespace):
 
     from hlm_ray.serve.schemas import AppArgs
 
-    fields = ("model", "name", "device", "allow_raw_head", "max_batch_size",
+    fields = ("model", "name", "device", "allow_raw_head", "readout", "max_batch_size",
               "batch_wait_timeout_s", "request_timeout_s", "body_timeout_s", "decode_process")  # fmt: skip
     try:
         return AppArgs(api_key=args.api_key or None, **{f: getattr(args, f) for f in fields})

@@ -62,6 +62,7 @@ class ChildSpec:
     max_rows: int
     wait_s: float = 0.0
     allow_raw_head: bool = False
+    readout: str | None = None
     name: str | None = None
     num_threads: int | None = None
     switch_interval_s: float | None = None
@@ -310,6 +311,7 @@ def _child_main(conn, spec: ChildSpec) -> None:
             spec.model,
             device=spec.device,
             allow_raw_head=spec.allow_raw_head,
+            readout=spec.readout,
             name=spec.name,
         )
         engine = DecodeLoop(

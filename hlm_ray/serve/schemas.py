@@ -240,7 +240,11 @@ class AppArgs(BaseModel):
     device: str = "auto"
     """"cpu", "cuda" or "auto" (the GPU when the replica has one)."""
     allow_raw_head: bool = False
-    """Serve a headless decoder that was never fine-tuned, with its raw Eᵀ head."""
+    """Serve a headless decoder that was never fine-tuned, with its raw Eᵀ head, when it has no
+    prior readout (no token counts)."""
+    readout: Literal["head", "tied", "prior"] | None = None
+    """How the decoder's hidden states become logits (`hlm_ray.readout`); None: the model's
+    own (a headless decoder never fine-tuned: its prior readout)."""
     max_batch_size: int = Field(16, ge=1)
     """Rows (prompts x n, over concurrent requests) decoded together; also a request's limit."""
     batch_wait_timeout_s: float = Field(0.02, ge=0.0)

@@ -114,6 +114,7 @@ class CompletionServer:
             self.args.model,
             device=self.args.device,
             allow_raw_head=self.args.allow_raw_head,
+            readout=self.args.readout,
             name=self.args.name,
             # With a decode process, the replica only tokenizes and formats: the child alone
             # holds the model's weights.
@@ -135,6 +136,7 @@ class CompletionServer:
                 max_rows=self.args.max_batch_size,
                 wait_s=self.args.batch_wait_timeout_s,
                 allow_raw_head=self.args.allow_raw_head,
+                readout=self.args.readout,
                 name=self.name,
                 num_threads=self.args.num_threads,
                 switch_interval_s=SWITCH_INTERVAL_S,

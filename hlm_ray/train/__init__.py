@@ -7,6 +7,7 @@ step.py            one optimizer step (micro-batches, clip, update)
 log_window.py      the train/* metrics of the steps since the last log line
 validate.py        the held-out slice scored by the run's objective
 run_checkpoints.py the step's checkpoint, the best one, the final model; restore
+token_counts.py    the target tokens the run trains on, counted; what the model folder gets
 run_tracking.py    the run's tracker, tags and artifacts
 finish.py          the run's summary and what a budget became
 lm_objective.py    model + objective as one module whose forward returns the loss

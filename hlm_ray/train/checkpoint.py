@@ -3,7 +3,8 @@
 A checkpoint is a folder:
 
     checkpoint_00000050/
-      model/              save_pretrained() output + the tokenizer (+ token_bytes.npy)
+      model/              save_pretrained() output + the tokenizer (+ token_bytes.npy), and
+                          what `model_files` adds (token_counts.npz, readout.json)
       train_state.pt      optimizer, scheduler, step, RNG states, metrics at this step
       config.yaml         the resolved hlm_ray config
       hlm_checkpoint.json {"step": 50, ..., "files": {path: {"size", "sha256"}}}: the manifest,
@@ -25,6 +26,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +70,10 @@ def write_checkpoint(
     config_yaml: str,
     train_state: dict[str, Any],
     meta: dict[str, Any],
+    model_files: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write a complete checkpoint at `folder` (atomic: temp folder, then rename)."""
+    """Write a complete checkpoint at `folder` (atomic: temp folder, then rename);
+    `model_files(model_dir)` adds files beside the model before the manifest lists them."""
     from hlm_ray.tokenizer import save_tokenizer
 
     folder = Path(folder)
@@ -79,6 +83,8 @@ def write_checkpoint(
         tmp.mkdir(parents=True)
         model.save_pretrained(tmp / "model")
         save_tokenizer(_as_saved(model, tokenizer), tmp / "model")
+        if model_files is not None:
+            model_files(tmp / "model")
         torch.save(train_state, tmp / "train_state.pt")
         (tmp / "config.yaml").write_text(config_yaml)
         write_manifest(tmp, meta)

@@ -2,7 +2,7 @@
 restore one on resume. The folder format itself (manifest, atomic writes) is `checkpoint.py`.
 
     save_checkpoint(run, done, final)     # every rank; rank 0 writes, every rank reports
-    step, seconds, metrics = restore(folder, model, optimizer, scheduler)
+    step, seconds, state = restore(folder, model, optimizer, scheduler)
     clear_stale(out_dir, reporter.root)   # a fresh start: no old checkpoints to mix in
     truncate_metrics(out_dir, step)       # metric lines after the resumed step are redone
 
@@ -23,6 +23,7 @@ from hlm_ray.tracking import read_metrics
 from hlm_ray.train import checkpoint as ckpt
 from hlm_ray.train.run_lock import check_writer
 from hlm_ray.train.run_state import TrainRun
+from hlm_ray.train.token_counts import STATE_KEY, total_counts, write_model_files
 
 BEST = "best_checkpoint"  # a copy of the checkpoint with the lowest validation loss
 
@@ -33,7 +34,8 @@ def save_checkpoint(run: TrainRun, done: int, final: bool = False) -> None:
     if run.env.is_main:
         check_writer()  # an orphaned worker (its driver gone) writes no checkpoint
     saving = time.perf_counter()
-    folder = _save(run.reporter.checkpoint_folder(done), run, done)
+    counts_V = total_counts(run)  # a collective: every rank, before rank 0 writes
+    folder = _save(run.reporter.checkpoint_folder(done), run, done, counts_V, final)
     if folder is not None and final:
         copy_tree(folder / "model", run.out_dir / "model")  # before Ray takes the folder
     if folder is not None and run.last.get("val/loss", math.inf) < run.best_val:
@@ -54,7 +56,7 @@ def keep_final_model(out_dir: Path, checkpoint: Path) -> None:
         copy_tree(checkpoint / "model", out_dir / "model")
 
 
-def _save(folder: Path, run: TrainRun, step: int) -> Path | None:
+def _save(folder: Path, run: TrainRun, step: int, counts_V, final: bool) -> Path | None:
     """All ranks call this; rank 0 writes. Returns the folder (rank 0) or None."""
     if not run.env.is_main:
         return None
@@ -66,6 +68,7 @@ def _save(folder: Path, run: TrainRun, step: int) -> Path | None:
         "rng": ckpt.rng_state(),
         "metrics": run.last,
         "train_seconds": run.prior_seconds + run.train_time,  # budget.seconds spans resumes
+        STATE_KEY: counts_V,  # None: not exact (resumed from a checkpoint without counts)
     }
     meta = {"step": step, "objective": cfg.objective.name, "arch": cfg.model.arch}
     return ckpt.write_checkpoint(
@@ -75,19 +78,20 @@ def _save(folder: Path, run: TrainRun, step: int) -> Path | None:
         config_yaml=cfg.to_yaml(),
         train_state=state,
         meta=meta,
+        model_files=lambda model_dir: write_model_files(model_dir, run, counts_V, final),
     )
 
 
-def restore(folder: Path, model, optimizer, scheduler) -> tuple[int, float, dict[str, float]]:
-    """Load the checkpoint; (its step, the training seconds before it, the metrics it was saved
-    with: what a resumed run with no step left to train reports)."""
+def restore(folder: Path, model, optimizer, scheduler) -> tuple[int, float, dict]:
+    """Load the checkpoint; (its step, the training seconds before it, its train state: its
+    metrics are what a resumed run with no step left to train reports)."""
     from safetensors.torch import load_file
 
     folder = ckpt.resolve_resume(folder)
     weights = load_file(str(folder / "model" / "model.safetensors"))
     # transformers 5 saves some weights under their legacy names (GPT-NeoX's lm_head as
     # embed_out): map them back to the model's own names.
-    legacy = {"embed_out.weight": "lm_head.weight"}
+    legacy = {"embed_out.weight": "lm_head.weight", "embed_out.bias": "lm_head.bias"}
     weights = {legacy.get(k, k): v for k, v in weights.items()}
     missing, unexpected = model.load_state_dict(weights, strict=False)
     tied = {k for k in missing if k.endswith("lm_head.weight") or "vocab_projector" in k}
@@ -100,7 +104,7 @@ def restore(folder: Path, model, optimizer, scheduler) -> tuple[int, float, dict
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     ckpt.set_rng_state(state["rng"])
-    return int(state["step"]), float(state.get("train_seconds", 0.0)), state.get("metrics") or {}
+    return int(state["step"]), float(state.get("train_seconds", 0.0)), state
 
 
 def best_val_loss(out_dir: Path) -> float:

@@ -110,6 +110,11 @@ class TrainRun:
     prior_seconds: float = 0.0
     """Training seconds of the steps before the resumed checkpoint (for budget.seconds)."""
     done: int = 0
+    target_counts: torch.Tensor | None = None
+    """(V,) int64 on the device: this rank's target tokens of the steps applied so far (rank 0
+    also holds the resumed checkpoint's sum); `hlm_ray.train.token_counts`."""
+    counts_unknown: bool = False
+    """Resumed from a checkpoint without counts: the earlier steps' tokens are not known."""
 
     @property
     def tokens_per_step(self) -> int:

@@ -30,6 +30,7 @@ from hlm_ray.config import Config
 from hlm_ray.data import BlockSampler
 from hlm_ray.device import autocast_dtype, resolve_device
 from hlm_ray.flops import config_step_flops, describe, device_peak_flops
+from hlm_ray.head_bias import add_head_bias
 from hlm_ray.models import build_model, init_from_pretrained
 from hlm_ray.tokenizer import token_byte_lengths
 from hlm_ray.tracking import Tracker
@@ -46,6 +47,7 @@ from hlm_ray.train.optim import build_optimizer, build_scheduler
 from hlm_ray.train.run_checkpoints import best_val_loss, clear_stale, restore, truncate_metrics
 from hlm_ray.train.run_state import LocalReporter, TrainRun, WorkerEnv
 from hlm_ray.train.run_tracking import open_tracker, run_tags
+from hlm_ray.train.token_counts import corpus_log_prior, restore_counts
 
 
 def setup_run(
@@ -84,14 +86,16 @@ def setup_run(
             model, local_model_dir(cfg.init.model_dir), new_head=cfg.init.new_head,
             train=cfg.init.train,
         )  # fmt: skip
+    if cfg.init.prior_bias:  # the vanilla head's logits start at log q (before the optimizer)
+        add_head_bias(model, corpus_log_prior(cfg))
     model = model.to(env.device)
     module = LMObjective(model, cfg.objective, compile=cfg.optim.compile)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = build_scheduler(optimizer, cfg.optim)
 
-    start, prior_seconds, last = 0, 0.0, {}
+    start, prior_seconds, state = 0, 0.0, {}
     if resuming:
-        start, prior_seconds, last = restore(Path(resume_from), model, optimizer, scheduler)
+        start, prior_seconds, state = restore(Path(resume_from), model, optimizer, scheduler)
     if env.is_main:
         truncate_metrics(out_dir, start)  # a fresh start (or a restart) redoes later steps
         if start == 0:  # no stale checkpoints to mix in
@@ -110,7 +114,7 @@ def setup_run(
         if env.nodes:  # a restarted worker group may sit elsewhere: where it is now
             tracker.set_tags({"worker_nodes": ",".join(env.nodes)})
     amp = autocast_dtype(cfg.optim.precision, env.device)
-    return TrainRun(
+    run = TrainRun(
         cfg=cfg,
         env=env,
         out_dir=out_dir,
@@ -133,11 +137,14 @@ def setup_run(
         loss_sum=torch.zeros((), device=env.device),
         rows_sum=torch.zeros((), device=env.device),
         best_val=best_val_loss(out_dir) if start else math.inf,
-        resumed_metrics=last,
+        resumed_metrics=state.get("metrics") or {},
         budget=budget,
         prior_seconds=prior_seconds,
         done=start,
+        target_counts=torch.zeros(len(tokenizer), dtype=torch.long, device=env.device),
     )
+    restore_counts(run, state)
+    return run
 
 
 def _budget_U(cfg: Config, corpus, sampler, masking, world_size: int) -> int | None:

@@ -24,6 +24,7 @@ from hlm_ray.train.inputs import load_batch, stream_seed
 from hlm_ray.train.lm_objective import LMObjective
 from hlm_ray.train.optim import clip_grad_norm
 from hlm_ray.train.run_state import TrainRun
+from hlm_ray.train.token_counts import count_targets_
 
 
 def train_step(run: TrainRun, step: int) -> None:
@@ -33,10 +34,12 @@ def train_step(run: TrainRun, step: int) -> None:
     step_start = time.perf_counter()
     micro_batches = run.sampler.shard(step, env.rank, env.world_size, cfg.optim.micro_batch_size)
     step_loss = torch.zeros((), device=run.loss_sum.device)
+    step_counts = torch.zeros_like(run.target_counts)  # (V,) the step's target ids, no sync
     for i, idx in enumerate(micro_batches):
         input_ids, labels = load_batch(
             run.corpus.train, idx, env, run.masking, cfg.run.seed, step, i
         )
+        count_targets_(step_counts, input_ids, labels)
         negatives = None
         if cfg.objective.cross_worker_negatives:
             negatives = gather_negative_ids(LMObjective.target_ids(input_ids, labels))
@@ -56,6 +59,7 @@ def train_step(run: TrainRun, step: int) -> None:
     else:
         run.scaler.step(run.optimizer)
         run.loss_sum += step_loss
+        run.target_counts += step_counts
     run.scaler.update()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
