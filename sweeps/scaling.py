@@ -12,8 +12,11 @@ training tokens.
     python sweeps/scaling.py --preset cpu --set sweep.search_lr=[1e-4,1e-2] --set sweep.search_samples=5
 
 One command runs the learning-rate search (`<name>-lr`, and `<name>-lr+<k>-<arm>` past an edge of
-the grid) and the budgets (`<name>`) (`hlm_ray.tune.scaling`); then `hlm_ray.tune.scaling_report`
-writes runs/sweeps/<name>/report.md and its figures (also on the parent MLflow run). The same
+the grid), the budgets (`<name>`) and, in the cpu preset, the vanilla arm again with its head's
+bias started at the log prior of the training tokens (`<name>-prior`) (`hlm_ray.tune.scaling`);
+then `hlm_ray.tune.scaling_report` writes runs/sweeps/<name>/report.md and its figures (also on
+the parent MLflow run): the headless arm read three ways (fine-tuned, prior, tied), each against
+both vanilla arms. The same
 `--name` resumes every part. The generator fine-tune of the headless arm is the same at every
 budget (`hlm_ray.finetune.generators.GENERATORS`, chosen by `hlm_ray.tune.generator_grid`), and its
 FLOPs are charged to the headless arm.
@@ -85,6 +88,7 @@ PRESETS = {
         search_samples=3,
         search_seeds=2,
         search_extend=2,
+        vanilla_prior_arm=True,
     ),
     "paper": preset(
         "pythia-70m",

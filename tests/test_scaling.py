@@ -282,7 +282,7 @@ def test_the_command_searches_extends_then_runs_each_arm_at_its_rates(monkeypatc
     spec = get_sweep(SCALING.PRESETS, "cpu")
     scaling.run_parts(spec, args, "sc")
     # 1e-2 is past the grid (round 1), then the edge of what was tried (round 2 looks past it)
-    assert list(ran) == ["sc-lr", "sc-lr+1-vanilla", "sc-lr+2-vanilla", "sc"]
+    assert list(ran) == ["sc-lr", "sc-lr+1-vanilla", "sc-lr+2-vanilla", "sc", "sc-prior"]
     assert all(storage == "s3://b/x" for _, storage in ran.values())
     ext = ran["sc-lr+1-vanilla"][0]
     assert ext.objectives == ("vanilla",) and ext.values == ("500G@0.01", "4T@0.01")
@@ -295,6 +295,72 @@ def test_the_command_searches_extends_then_runs_each_arm_at_its_rates(monkeypatc
     assert record["picks"]["vanilla"] == {"500G": 0.01, "4T": 0.01}
     assert record["edges"]["vanilla"] == {"500G": None, "4T": None}  # inside what was tried
     assert json.loads((tmp_path / "sc" / scaling.TIMING_FILE).read_text())["search"] == 6.0
+
+
+def test_the_prior_bias_arm_trains_vanilla_again_at_its_rates_after_the_budgets(
+    monkeypatch, tmp_path
+):
+    """With `sweep.vanilla_prior_arm` (the cpu preset), `<name>-prior` runs the vanilla arm at
+    every budget and seed at vanilla's rates, its head's bias started at the log prior."""
+    import hlm_ray.tune.sweep as sweep
+
+    ran = {}
+
+    def run_sweep(spec, *, name, assumptions=None, storage_path=None):
+        ran[name] = spec
+        rows = [{"objective": c["objective"], "status": "FINISHED", "value": c["value"],
+                 "downstream/score": 3.0} for c in spec.cells()] if "-lr" in name else []  # fmt: skip
+        (tmp_path / name).mkdir()
+        return sweep.SweepOutcome(name, tmp_path / name, rows, "", [], None, False, 1.0)
+
+    monkeypatch.setattr(sweep, "run_sweep", run_sweep)
+    args = SCALING.SCRIPT.parser().parse_args(["--preset", "cpu"])
+    spec = get_sweep(SCALING.PRESETS, "cpu", ["sweep.search_extend=0"])
+    scaling.run_parts(spec, args, "sc")
+    assert list(ran) == ["sc-lr", "sc", "sc-prior"]
+    prior, tuned = ran["sc-prior"], ran["sc"]
+    assert prior.objectives == ("vanilla",) and len(prior.cells()) == 12
+    for cell in prior.cells():
+        cfg = prior.cell_config(**cell)
+        assert cfg.init.prior_bias and cfg.objective.name == "vanilla"
+        assert cfg.optim.lr == tuned.cell_config(**cell).optim.lr
+    assert not tuned.cell_config("500G", "vanilla", 0).init.prior_bias
+    assert "prior" in json.loads((tmp_path / "sc" / scaling.TIMING_FILE).read_text())
+
+
+def test_every_headless_readout_is_compared_with_every_vanilla_arm():
+    """The report reads the headless trials three ways (the fine-tuned generator charged its
+    fine-tune, the prior and tied readouts not) against vanilla and vanilla+prior."""
+    from hlm_ray.tune.scaling_report import arm_points, readout_table
+
+    def trial(arm, seed, budget, x, bpb, **readouts):
+        return {"arm": arm, "seed": seed, "budget": budget, "lr": 1e-3, "steps": 1, "tokens": 1,
+                "flops": x * 1.05 if arm == "headless" else x, "pretrain_flops": x,
+                "seconds": x / 1e9, "pretrain_seconds": x / 1e9, "bpb": bpb,
+                "readouts": readouts, "floor": 4.0, "finetune_steps": 40 * (arm == "headless"),
+                "finetune_share": 0.05 * (arm == "headless")}  # fmt: skip
+
+    budgets = {"1T": 1e12, "2T": 2e12, "4T": 4e12}
+    trials, prior = [], []
+    for seed in range(3):
+        for b, x in budgets.items():
+            v = power_law(x, 1.0) + seed * 0.01
+            trials.append(trial("vanilla", seed, b, x, v, **{"bpb/prior": v + 1}))
+            h = {"bpb/prior": power_law(x, 3.0) + seed * 0.012, "bpb/tied": v + 0.5 + seed * 0.003}
+            trials.append(trial("headless", seed, b, x, power_law(x, 2.0) + seed * 0.012, **h))
+            prior.append(trial("vanilla", seed, b, x, power_law(x, 1.5) + seed * 0.01))
+    points = arm_points(trials, prior)
+    assert sorted({p["arm"] for p in points}) == [
+        "headless", "headless·prior", "headless·tied", "vanilla", "vanilla+prior"]  # fmt: skip
+    readout = [p for p in points if p["arm"] == "headless·prior"]
+    assert all(p["flops"] == p["pretrain_flops"] and p["finetune_share"] == 0 for p in readout)
+    charged = [p for p in points if p["arm"] == "headless"]
+    assert all(p["flops"] > p["pretrain_flops"] for p in charged)
+    table = "\n".join(readout_table(points, 4.0, "flops"))
+    assert table.count("\n| headless") == 6  # 3 readouts × 2 vanilla arms
+    assert "| headless·prior | vanilla | 3.05× [3.02, 3.09] holds |" in table  # a 3× readout
+    assert "> 2× (outside the measured range) |" in table  # at 2T vanilla would need > 4T
+    assert "| headless·tied | vanilla | " in table and "reversed" in table
 
 
 def test_budgets_are_flops_with_si_prefixes_and_bad_ones_fail_before_anything_runs():
@@ -331,7 +397,8 @@ def test_the_cpu_dry_run_shows_the_search_its_extension_rule_the_head_and_every_
         for arm in ("headless", "vanilla"):
             for seed in range(3):
                 assert f"{arm} scaling={budget} seed {seed} " in out
-    assert "48 trials, plus 4 per grid extension" in out
+    assert "3. every budget, vanilla with its head's bias started at the log prior" in out
+    assert "60 trials, plus 4 per grid extension" in out
 
 
 def test_the_paper_dry_run_prints_its_cost_plan(capsys):

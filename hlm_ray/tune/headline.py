@@ -64,6 +64,7 @@ def report_scores(spec: SweepSpec) -> list:
                       fmt="{:.4g}", floor_key="lambada/unigram_perplexity"),
                 Score("bpb", "bits per byte", str(value), higher_is_better=False,
                       floor_key="bpb/unigram_floor"),
+                *readout_scores(str(value)),
             ]  # fmt: skip
             continue
         tasks = plan.get("tasks_by_model_type", {}).get(cfg.model.arch, plan["glue_tasks"])
@@ -116,6 +117,24 @@ def lr_note(f: Family) -> str:
         return ""
     rates = ", ".join(f"{arm} {lr:g}" for arm, lr in f.lrs.items())
     return f"learning rates: {rates} ({f.lr_note})"
+
+
+READOUT_LABELS = {
+    "bpb/prior": "bits per byte, headless read through its prior (no fine-tune)",
+    "bpb/tied": "bits per byte, headless read through its tied embeddings (no fine-tune)",
+}
+
+
+def readout_scores(family: str) -> list:
+    """The headless decoder's other readouts (`hlm_ray.evaluate.readouts`) against the vanilla
+    decoder's own head, each beside the same floor."""
+    from hlm_ray.tune.report import Score
+
+    return [
+        Score(key, label, family, higher_is_better=False, floor_key="bpb/unigram_floor",
+              arm_keys=(("headless", key), ("vanilla", "bpb")))
+        for key, label in READOUT_LABELS.items()
+    ]  # fmt: skip
 
 
 def compute_note(name: str, f: Family, per_step: int) -> str:

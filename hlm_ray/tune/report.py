@@ -58,6 +58,9 @@ class Score:
     baseline: float | None = None
     """What a model that learnt nothing scores (None: no chance level, e.g. tokens/s)."""
     baseline_note: str = ""
+    arm_keys: tuple[tuple[str, str], ...] = ()
+    """(arm, metric) pairs where an arm is read from another metric than `key` (the headless
+    decoder's prior readout against the vanilla decoder's own head)."""
     floor_key: str = ""
     """The trial metric that holds this score's floor (the unigram model of the run's training
     tokens, scored the same way: `bpb/unigram_floor`); the baseline is its mean over the
@@ -105,7 +108,8 @@ def compare(trials: Sequence[Trial], scores: Sequence[Score], *, paired: bool = 
                 (t for t in trials if t.family == score.family and t.objective == arm),
                 key=lambda t: t.seed,
             )
-            values[arm] = [t.scores.get(score.key, math.nan) for t in mine]
+            key = dict(score.arm_keys).get(arm, score.key)
+            values[arm] = [t.scores.get(key, math.nan) for t in mine]
         if paired and len(values["headless"]) != len(values["vanilla"]):
             raise ValueError(f"{score.family}: paired by seed needs the same seeds in both arms")
         arms = {arm: stats.describe(values[arm]) for arm in ARMS}

@@ -254,7 +254,25 @@ def with_lrs(spec: SweepSpec, rates: dict[str, dict[str, float]]) -> SweepSpec:
 
 def names(name: str) -> dict[str, str]:
     """The sweeps' names (their folders in runs/sweeps and their MLflow runs)."""
-    return {"search": f"{name}-lr", "tuned": name}
+    return {"search": f"{name}-lr", "tuned": name, "prior": f"{name}-prior"}
+
+
+PRIOR_ARM = "vanilla+prior"
+"""The vanilla arm trained with its head's bias started at the log prior (`init.prior_bias`)."""
+
+
+def prior_spec(spec: SweepSpec, rates: dict[str, dict[str, float]]) -> SweepSpec:
+    """Every budget × seed of the vanilla arm, its head's bias started at the log prior of the
+    training tokens, at the vanilla arm's rates (not searched again: the bias changes where the
+    head starts, not the optimizer)."""
+    alone = dataclasses.replace(
+        spec,
+        objectives=("vanilla",),
+        # An arm's setting: the base preset's objective is headless, which refuses the bias.
+        arm_overrides=(*(a for a in spec.arm_overrides if a.startswith("vanilla")),
+                       "vanilla:init.prior_bias=true"),
+    )  # fmt: skip
+    return with_lrs(alone, {"vanilla": rates["vanilla"]})
 
 
 def extension_name(name: str, round_: int, arm: str) -> str:
@@ -358,6 +376,9 @@ def plan_text(spec: SweepSpec, args: argparse.Namespace, name: str) -> str:
         (with_lrs(spec, guess), part["tuned"], "2. every budget, each arm at the rates its "
          "search found (priced here at the grid's middle rate)"),
     ]  # fmt: skip
+    if spec.vanilla_prior_arm:
+        parts.append((prior_spec(spec, guess), part["prior"], "3. every budget, vanilla with its "
+                      "head's bias started at the log prior (init.prior_bias), at vanilla's rates"))  # fmt: skip
     lines = [
         f"scaling sweep {name}: budgets {', '.join(budgets(spec))} FLOPs "
         f"({flops_of(ends[-1]) / flops_of(ends[0]):.0f}× span) × {{{', '.join(spec.objectives)}}}"
@@ -425,6 +446,13 @@ def run_parts(spec: SweepSpec, args: argparse.Namespace, name: str):
     ))  # fmt: skip
     tuned = run_sweep(with_lrs(spec, rates), name=part["tuned"], **kw)
     seconds["tuned"] = tuned.seconds
+    if spec.vanilla_prior_arm and not tuned.interrupted:
+        prior = run_sweep(prior_spec(spec, rates), name=part["prior"], **kw)
+        print(f"\n== {part['prior']}: vanilla, its head's bias started at the log prior\n"
+              f"{prior.table}")  # fmt: skip
+        failed += [r for r in prior.rows if r["status"] == "FAILED"]
+        seconds["prior"] = prior.seconds
+        tuned.interrupted = prior.interrupted
     seconds["all"] = time.perf_counter() - started  # the report's time line reads it
     (tuned.folder / TIMING_FILE).write_text(json.dumps(seconds, indent=1))
     record = {

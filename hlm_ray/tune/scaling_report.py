@@ -27,10 +27,22 @@ import yaml
 
 from hlm_ray.errors import HLMError
 from hlm_ray.tune import scaling, scaling_fit
+from hlm_ray.tune.scaling_figures import UNITS, plot_fits, plot_search
 from hlm_ray.tune.spec import SweepSpec
 
-COLORS = {"headless": "tab:blue", "vanilla": "tab:orange"}
-UNITS = {"flops": "FLOPs", "seconds": "training seconds"}
+HEADLESS_READOUTS = {
+    # arm: (what it is, its downstream metric, whether the generator fine-tune is charged)
+    "headless": ("headless, fine-tuned into a generator (the paper's protocol)",
+                 "bpb/bits_per_byte", True),
+    "headless·prior": ("headless, never fine-tuned, read through its prior readout", "bpb/prior",
+                       False),
+    "headless·tied": ("headless, never fine-tuned, read through its tied embeddings", "bpb/tied",
+                      False),
+}  # fmt: skip
+VANILLA_VARIANTS = {
+    "vanilla": "vanilla",
+    "vanilla+prior": "vanilla, its head's bias started at the log prior (init.prior_bias)",
+}
 FLOOR_METRIC = "bpb/unigram_floor"
 MARGIN = 0.1
 """Bits per byte below the floor that the cpu preset is sized to reach at every budget."""
@@ -76,7 +88,7 @@ def read_points(folder: Path, value_column: str = "budget_flops") -> list[dict[s
             scores = json.loads((trial / "downstream.json").read_text())
             cfg = Config.from_dict(yaml.safe_load((trial / "config.yaml").read_text()))
             flops, seconds = trial_compute(summary, scores, cfg)
-            pretrain = trial_compute(summary, {}, cfg)[0]
+            pretrain, pretrain_s = trial_compute(summary, {}, cfg)
             points.append(
                 {
                     "arm": row["objective"],
@@ -88,12 +100,38 @@ def read_points(folder: Path, value_column: str = "budget_flops") -> list[dict[s
                     "flops": flops,
                     "seconds": seconds,
                     "bpb": float(scores["bpb/bits_per_byte"]),
+                    "pretrain_flops": pretrain,
+                    "pretrain_seconds": pretrain_s,
+                    "readouts": {
+                        k: float(v) for k, v in scores.items() if k in ("bpb/prior", "bpb/tied")
+                    },  # fmt: skip
                     "floor": float(scores.get(FLOOR_METRIC, math.nan)),
                     "finetune_steps": int(scores.get("finetune/steps", 0)),
                     "finetune_share": (flops - pretrain) / flops if flops else 0.0,
                 }
             )
     return points
+
+
+def arm_points(points, prior_points=()) -> list[dict[str, Any]]:
+    """One point per trial and way of reading it: the headless trials through each readout
+    (`HEADLESS_READOUTS`: the fine-tuned generator charged its fine-tune, the others not), the
+    vanilla trials as they are, and those of the prior-bias sweep as `vanilla+prior`."""
+    out = []
+    for p in points:
+        if p["arm"] != "headless":
+            out.append(p)
+            continue
+        for arm, (_, metric, charged) in HEADLESS_READOUTS.items():
+            bpb = p["bpb"] if metric == "bpb/bits_per_byte" else p["readouts"].get(metric)
+            if bpb is None:
+                continue
+            out.append({**p, "arm": arm, "bpb": bpb,
+                        **({} if charged else {"flops": p["pretrain_flops"],
+                                               "seconds": p["pretrain_seconds"],
+                                               "finetune_steps": 0, "finetune_share": 0.0})})  # fmt: skip
+    out += [{**p, "arm": scaling.PRIOR_ARM} for p in prior_points]
+    return out
 
 
 def floor_of(points: list[dict[str, Any]]) -> float | None:
@@ -103,14 +141,21 @@ def floor_of(points: list[dict[str, Any]]) -> float | None:
 
 
 def compare(
-    points: list[dict[str, Any]], against: str, floor: float | None = None
+    points: list[dict[str, Any]],
+    against: str,
+    floor: float | None = None,
+    method: str = "headless",
+    baseline: str = "vanilla",
 ) -> scaling_fit.Comparison:
-    """Headless against vanilla, loss against `against` ("flops" or "seconds")."""
+    """`method` against `baseline` (arms of `arm_points`), loss against `against` ("flops" or
+    "seconds")."""
     pts = [
-        scaling_fit.Point(p["arm"], p["seed"], p["budget"], p[against], p["bpb"]) for p in points
+        scaling_fit.Point(p["arm"], p["seed"], p["budget"], p[against], p["bpb"])
+        for p in points
+        if p["arm"] in (method, baseline)
     ]
     try:
-        return scaling_fit.compare_arms(pts, method="headless", baseline="vanilla", floor=floor)
+        return scaling_fit.compare_arms(pts, method=method, baseline=baseline, floor=floor)
     except ValueError as err:  # too few finished trials to read an arm
         raise HLMError(
             f"no report: {err}; see the sweep's summary.md, and run the same command again to "
@@ -182,8 +227,10 @@ def budget_table(points: list[dict[str, Any]], floor: float | None) -> list[str]
         "| seconds | bits per byte (mean ± sd, n) | below the floor by |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    order = [*HEADLESS_READOUTS, *VANILLA_VARIANTS]
     keys = sorted({(p["arm"], p["budget"]) for p in points},
-                  key=lambda k: (k[0], scaling.flops_of(k[1])))  # fmt: skip
+                  key=lambda k: (order.index(k[0]) if k[0] in order else 99, k[0],
+                                 scaling.flops_of(k[1])))  # fmt: skip
     for arm, budget in keys:
         at = [p for p in points if (p["arm"], p["budget"]) == (arm, budget)]
         lrs = ", ".join(sorted({f"{p['lr']:g}" for p in at}))
@@ -222,98 +269,12 @@ def multiplier_table(c: scaling_fit.Comparison, unit: str) -> list[str]:
     return lines
 
 
-def plot(comparisons: dict[str, scaling_fit.Comparison], out_png: Path, title: str) -> Path:
-    """One panel per compute unit: each seed a dot, each arm's mean per budget joined by lines
-    (what the multiplier is read from), its fit dashed (a description), the floor, and the
-    multiplier at the largest budget where it is read."""
-    import numpy as np
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import NullFormatter
-
-    fig = Figure(figsize=(5.2 * len(comparisons), 4.2), layout="constrained")
-    fig.suptitle(title, fontsize=10)
-    for i, (against, c) in enumerate(comparisons.items()):
-        ax = fig.add_subplot(1, len(comparisons), i + 1)
-        curves = scaling_fit.fit_arms(c.points)
-        for arm in (c.baseline, c.method):
-            mine = [p for p in c.points if p.arm == arm]
-            color = COLORS.get(arm)
-            ax.scatter([p.x for p in mine], [p.loss for p in mine], s=12, alpha=0.4, color=color)
-            means = scaling_fit.budget_means(mine)
-            ys = [np.mean([p.loss for p in mine if p.budget == b]) for b in means]
-            ax.plot(list(means.values()), ys, "o-", color=color, mfc="white", label=arm)
-            if arm in curves:
-                grid = np.geomspace(min(means.values()), max(means.values()), 100)
-                ax.plot(grid, curves[arm](grid), "--", lw=0.8, color=color,
-                        label=f"fit: {curves[arm].describe()}")  # fmt: skip
-        if c.floor is not None:
-            ax.axhline(c.floor, color="gray", ls=":", lw=1.2,
-                       label=f"floor: unigram of the training tokens ({c.floor:.3f})")  # fmt: skip
-        read = [r for r in c.rows if math.isfinite(r.estimate)]
-        if read:
-            last = read[-1]
-            need = last.estimate * last.method_x
-            ax.annotate("", xy=(need, last.target), xytext=(last.method_x, last.target),
-                        arrowprops={"arrowstyle": "->", "color": "k"})  # fmt: skip
-            ax.text(math.sqrt(need * last.method_x), last.target,
-                    scaling_fit.format_multiplier(last), ha="center", va="bottom", fontsize=8)  # fmt: skip
-        ax.set_xscale("log")
-        ax.xaxis.set_minor_formatter(NullFormatter())  # a decade's minor labels overlap
-        ax.set_xlabel(f"{UNITS[against]} (log)")
-        ax.set_ylabel("bits per byte of held-out text")
-        ax.legend(fontsize=6)
-        ax.grid(alpha=0.3)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=110)
-    return out_png
-
-
-def plot_search(points: list[dict[str, Any]], out_png: Path, title: str, floor) -> Path:
-    """The search's curves: one panel per arm, bits per byte against the rate, a line per
-    budget (mean over seeds, ±1 sd), each seed a dot, the floor dotted."""
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import FuncFormatter, NullFormatter
-
-    from hlm_ray.tune.stats import describe
-
-    arms = sorted({p["arm"] for p in points})
-    fig = Figure(figsize=(4.6 * max(1, len(arms)), 3.8), layout="constrained")
-    fig.suptitle(title, fontsize=10)
-    for i, arm in enumerate(arms):
-        ax = fig.add_subplot(1, len(arms), i + 1)
-        for budget in sorted(
-            {p["budget"] for p in points if p["arm"] == arm}, key=scaling.flops_of
-        ):
-            at = [p for p in points if p["arm"] == arm and p["budget"] == budget]
-            lrs = sorted({p["lr"] for p in at})
-            stats = [describe([p["bpb"] for p in at if p["lr"] == lr]) for lr in lrs]
-            sds = [s.sd if math.isfinite(s.sd) else 0.0 for s in stats]
-            line = ax.errorbar(lrs, [s.mean for s in stats], yerr=sds, fmt="o-", capsize=3,
-                               label=f"{budget} FLOPs")  # fmt: skip
-            ax.scatter([p["lr"] for p in at], [p["bpb"] for p in at], s=10, alpha=0.4,
-                       color=line[0].get_color())  # fmt: skip
-        if floor is not None:
-            ax.axhline(floor, color="gray", ls=":", lw=1.2, label=f"floor ({floor:.3f})")
-        ax.set_xscale("log")
-        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 0.001, not 10^-3
-        ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_xticks(sorted({p["lr"] for p in points if p["arm"] == arm}))
-        ax.set_xlabel("learning rate (log)")
-        ax.set_ylabel("bits per byte of held-out text")
-        ax.set_title(arm, fontsize=9)
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
-    out_png.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out_png, dpi=110)
-    return out_png
-
-
 def time_line(root: Path, name: str) -> str:
     """Where the command's time went: its parts' wall time (the last invocation's) against its
     trials' optimizer steps and their whole time (sums over every trial of every part)."""
     part = scaling.names(name)
     wall, train, n = 0.0, 0.0, 0
-    folders = [root / part["tuned"], *sorted(root.glob(f"{part['search']}*"))]
+    folders = [root / part["tuned"], root / part["prior"], *sorted(root.glob(f"{part['search']}*"))]
     for folder in folders:
         if (folder / "summary.csv").is_file():
             with (folder / "summary.csv").open(newline="") as f:
@@ -326,7 +287,9 @@ def time_line(root: Path, name: str) -> str:
     parts = json.loads(path.read_text()) if path.is_file() else None
     head = (
         f"Time: {parts['all']:.0f} s for the command (the search {parts['search']:.0f} s, the "
-        f"budgets {parts['tuned']:.0f} s); "
+        f"budgets {parts['tuned']:.0f} s"
+        + (f", the prior-bias arm {parts['prior']:.0f} s" if "prior" in parts else "")
+        + "); "
         if parts
         else "Time: "
     )
@@ -357,6 +320,47 @@ def floor_line(points: list[dict[str, Any]], floor: float | None) -> str:
     return said + "; every arm is below it at every budget."
 
 
+def readout_table(points, floor, against: str) -> list[str]:
+    """The multiplier of every headless readout against every vanilla variant (budgets as
+    columns): which readout, with which knowledge on either side, saves compute."""
+    budgets = sorted({p["budget"] for p in points}, key=scaling.flops_of)
+    lines = ["| headless read | against | " + " | ".join(budgets) + " |",
+             "|---|---|" + "---|" * len(budgets)]  # fmt: skip
+    present = {p["arm"] for p in points}
+    for method in (m for m in HEADLESS_READOUTS if m in present):
+        for baseline in (b for b in VANILLA_VARIANTS if b in present):
+            try:
+                c = compare(points, against, floor, method, baseline)
+            except HLMError:
+                continue
+            cells = {r.budget: scaling_fit.format_multiplier(r)
+                     + ("" if r.verdict == scaling_fit.OUTSIDE else f" {r.verdict}")
+                     for r in c.rows}  # fmt: skip
+            lines.append(f"| {method} | {baseline} | "
+                         + " | ".join(cells.get(b, "–") for b in budgets) + " |")  # fmt: skip
+    return lines
+
+
+def arms_legend(points) -> list[str]:
+    present = {p["arm"] for p in points}
+    said = {**{k: v[0] for k, v in HEADLESS_READOUTS.items()}, **VANILLA_VARIANTS}
+    return [f"- `{arm}`: {what}" for arm, what in said.items() if arm in present]
+
+
+def read_time_prior(points) -> list[str]:
+    """The vanilla arm with the log prior added when it is read (a check, not an arm: its
+    softmax head has learnt the frequencies already, so it should score worse)."""
+    rows = [p for p in points if p["arm"] == "vanilla" and "bpb/prior" in p["readouts"]]
+    if not rows:
+        return []
+    lines = ["| budget | vanilla | vanilla with log q added when read |", "|---|---|---|"]
+    for budget in sorted({p["budget"] for p in rows}, key=scaling.flops_of):
+        at = [p for p in rows if p["budget"] == budget]
+        lines.append(f"| {budget} | {_mean_sd([p['bpb'] for p in at])} | "
+                     f"{_mean_sd([p['readouts']['bpb/prior'] for p in at])} |")  # fmt: skip
+    return lines
+
+
 def write_report(spec: SweepSpec, name: str, preset: str) -> list[Path]:
     """report.md, scaling.png and lr_search.png in runs/sweeps/<name>, logged on its parent run;
     the files, report.md first."""
@@ -365,13 +369,16 @@ def write_report(spec: SweepSpec, name: str, preset: str) -> list[Path]:
     from hlm_ray.tune.sweep import SWEEPS_DIR
 
     root = resolve_output(SWEEPS_DIR)
-    folder = root / scaling.names(name)["tuned"]
+    part = scaling.names(name)
+    folder = root / part["tuned"]
     record_path = folder / scaling.SEARCH_FILE
     record = json.loads(record_path.read_text()) if record_path.is_file() else {}
-    points = read_points(folder)
+    trials = read_points(folder)
+    points = arm_points(trials, read_points(root / part["prior"]))
     searched = search_points(root, name)
-    floor = floor_of(points + searched)
+    floor = floor_of(trials + searched)
     c = {k: compare(points, k, floor) for k in UNITS}
+    prior = {k: compare(points, k, floor, "headless·prior") for k in UNITS}
     seeds = f"{spec.num_seeds} seed{'s' if spec.num_seeds > 1 else ''} per arm"
     scale = f"the {preset} scale"
     rates = record.get("rates", {})
@@ -380,17 +387,27 @@ def write_report(spec: SweepSpec, name: str, preset: str) -> list[Path]:
     text = [
         f"# Compute multiplier: preset {preset}, {seeds}",
         "",
-        "- **Against FLOPs** (each arm at its searched rates): "
+        "- **The paper's protocol, against FLOPs** (headless fine-tuned into a generator, the "
+        "fine-tune charged; each arm at its searched rates): "
         + scaling_fit.closing_sentence(c["flops"], "FLOPs", scale),
-        "- **Against measured training seconds** (what a user pays): "
+        "- **The same against measured training seconds** (what a user pays): "
         + scaling_fit.closing_sentence(c["seconds"], "training seconds", scale),
+        "- **Headless read through its prior, never fine-tuned, against FLOPs**: "
+        + scaling_fit.closing_sentence(prior["flops"], "FLOPs", scale),
         f"- **Floors**: {floor_line(points, floor)}",
+        "",
+        *arms_legend(points),
         "",
         "## The learning-rate search (the smallest and the largest budget)",
         "",
         *search_table(searched, record, floor),
         "",
-        f"Rates used at each budget (found at the ends, interpolated between): {said_rates}.",
+        f"Rates used at each budget (found at the ends, interpolated between): {said_rates}."
+        + (
+            " The prior-bias vanilla arm trains at vanilla's rates."
+            if scaling.PRIOR_ARM in {p["arm"] for p in points}
+            else ""
+        ),
         "",
         "![The learning-rate search: bits per byte against the rate](lr_search.png)",
         "",
@@ -398,37 +415,55 @@ def write_report(spec: SweepSpec, name: str, preset: str) -> list[Path]:
         "",
         *budget_table(points, floor),
         "",
-        "## Multiplier against FLOPs",
+        *read_time_prior(trials),
+        "",
+        "## Multiplier against FLOPs: every headless readout against every vanilla arm",
+        "",
+        *readout_table(points, floor, "flops"),
+        "",
+        "## The paper's protocol against FLOPs, per seed pair",
         "",
         *multiplier_table(c["flops"], "FLOPs"),
         "",
         "## Multiplier against training seconds",
         "",
-        *multiplier_table(c["seconds"], "s"),
+        *readout_table(points, floor, "seconds"),
         "",
-        "How to read it: the multiplier at a budget is the compute the vanilla arm needs to reach "
-        "the bits per byte the headless arm reaches there, over the headless arm's compute (> 1: "
+        "How to read it: the multiplier at a budget is the compute a vanilla arm needs to reach "
+        "the bits per byte a headless readout reaches there, over the headless arm's compute (> 1: "
         "headless saves compute). It is read for each seed pair (headless seed i against vanilla "
         "seed i, whose measured points are joined in ln compute) and only between vanilla's "
         "measured budgets: outside them the row says so and gives no number. The estimate is the "
         "geometric mean over seed pairs, the interval a 95% t interval of their logarithms; "
         "*holds* when it lies above 1, *reversed* below 1, else *cannot be told apart*; *no "
         "verdict* where an arm does not beat the floor. Compute: pretraining FLOPs of the FLOP "
-        "model with the measured U, plus the headless arm's generator fine-tune (its share "
-        "printed per budget); seconds: measured optimizer steps, plus the fine-tune. Both arms "
-        "update their embeddings densely: the arms differ only in the objective.",
+        "model with the measured U, plus, for the fine-tuned headless arm only, its generator "
+        "fine-tune (its share printed per budget); counting tokens for the prior is free; "
+        "seconds: measured optimizer steps, plus the fine-tune. Both arms update their "
+        "embeddings densely: the arms differ only in the objective (and `vanilla+prior` in where "
+        "its head's bias starts).",
         "",
         time_line(root, name),
         "",
         "![Bits per byte against FLOPs and seconds](scaling.png)",
     ]
-    png = plot(c, folder / "scaling.png", f"{name}: each arm at its searched rates, {seeds}")
+    png = plot_fits({k: _with_points(c[k], points, k) for k in UNITS}, folder / "scaling.png",
+               f"{name}: each arm at its searched rates, {seeds}")  # fmt: skip
     png_search = plot_search(searched, folder / "lr_search.png",
                              f"{name}: the learning-rate search", floor)  # fmt: skip
     md = folder / "report.md"
     md.write_text("\n".join(text) + "\n")
     params = {f"scaling.lr.{arm}.{b}": lr for arm, at in rates.items() for b, lr in at.items()}
-    params["scaling.search_sweep"] = scaling.names(name)["search"]
+    params["scaling.search_sweep"] = part["search"]
     files = [md, png, png_search]
     log_to_parent(folder, files, md.read_text(), spec.experiment, params=params)
     return files
+
+
+def _with_points(c: scaling_fit.Comparison, points, against: str) -> scaling_fit.Comparison:
+    """`c` drawn with every arm's points (its multiplier stays the protocol's)."""
+    from dataclasses import replace
+
+    pts = [scaling_fit.Point(p["arm"], p["seed"], p["budget"], p[against], p["bpb"])
+           for p in points]  # fmt: skip
+    return replace(c, points=pts)

@@ -90,6 +90,10 @@ class SweepSpec:
     search_extend: int = 2
     """The scaling sweep's learning-rate search: grid steps tried past an edge where an arm's
     best rate sits on it, at most, per arm and budget."""
+    vanilla_prior_arm: bool = False
+    """The scaling sweep: also train the vanilla arm with its head's bias started at the log
+    prior of the training tokens (`init.prior_bias`), at vanilla's rates: the same knowledge the
+    headless arm's prior readout gets."""
     experiment: str = "hlm_ray-sweeps"
     """MLflow experiment of the parent run and its children."""
     local_trials: bool = True
