@@ -95,7 +95,10 @@ def _serve_config_v2() -> dict:
 
 
 BOX = ("box/box.py", "box/scenarios.py", "box/view.py", "box/load.py")
-"""The cluster in a box: run by tests/test_cluster_box.py (two scenarios) and loaded here."""
+"""The cluster in a box's scripts: run by tests/test_cluster_box.py (two scenarios) and loaded
+here."""
+BOX_PARTS = ("box/nodes.py", "box/services.py", "box/client.py", "box/jobs.py", "box/cuts.py")
+"""What the scripts import: the box's nodes and services, the client's tools, the scenarios."""
 
 
 def test_every_file_in_deploy_is_checked_here():
@@ -104,18 +107,21 @@ def test_every_file_in_deploy_is_checked_here():
         for p in DEPLOY.rglob("*")
         if p.is_file() and "__pycache__" not in p.parts
     }
-    assert files == {"README.md", "serve.yaml", *MANIFESTS, *BOX}, (
+    assert files == {"README.md", "serve.yaml", *MANIFESTS, *BOX, *BOX_PARTS}, (
         "a new file in deploy/ needs a check in tests/test_deploy.py"
     )
 
 
 def test_the_box_scripts_load_and_name_their_scenarios(monkeypatch):
     """Every script of deploy/box imports, has its entry point, and the scenarios the docs
-    table names are the ones `scenarios.py --only` accepts."""
+    table names are the ones `scenarios.py --only` accepts; every part it imports imports."""
     monkeypatch.syspath_prepend(str(DEPLOY / "box"))
-    modules = {rel: importlib.import_module(rel.split("/")[1].removesuffix(".py")) for rel in BOX}
-    for rel, module in modules.items():
-        assert callable(module.main), rel
+    modules = {
+        rel: importlib.import_module(rel.split("/")[1].removesuffix(".py"))
+        for rel in (*BOX, *BOX_PARTS)
+    }
+    for rel in BOX:
+        assert callable(modules[rel].main), rel
     scenarios = modules["box/scenarios.py"]
     table = re.findall(r"^\| ([\w, +-]+) \|", scenarios.__doc__, re.M)[1:]  # not the header
     named = {n.strip() for row in table for n in row.split(",")}
