@@ -25,14 +25,13 @@ from typing import Any
 from hlm_ray.cluster import alive_nodes, pin_prepared
 from hlm_ray.config import Config, apply_overrides
 from hlm_ray.flops import config_step_flops
-from hlm_ray.tracking.base import RUN_REF_FILE, read_run_ref  # the child run's id, in its folder
+from hlm_ray.tracking.base import DOWNSTREAM_FILE, RUN_REF_FILE, read_run_ref
 from hlm_ray.train.run_mirror import RunMirror
 
 # The trial function itself only waits on its trainer and downstream task: it takes no CPU
 # (0.01 CPU per trial would leave a 2-CPU machine unable to run two 1-CPU trials side by side),
 # only a token of memory, because a placement group bundle cannot be empty.
 TRIAL_RESOURCES = {"cpu": 0, "memory": 64 * 2**20}
-DOWNSTREAM_FILE = "downstream.json"
 DONE_FILES = ("summary.json", DOWNSTREAM_FILE, RUN_REF_FILE)
 """What tells a retried trial which stages are done, and its MLflow run."""
 NO_DOWNSTREAM = "none"  # `sweep.recipe=none`: pretraining only
@@ -273,9 +272,9 @@ def _downstream(
                 # default; it holds only the trial function's token of memory).
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None),
             )
-            scores = ray.get(task.remote(*args, run_id, runtime.env, mirror))
+            scores, logged = ray.get(task.remote(*args, run_id, runtime.env, mirror))
         else:
-            scores = _downstream_task(*args, run_id, runtime.env)
+            scores, logged = _downstream_task(*args, run_id, runtime.env)
     except BaseException:
         if run_id:  # the task may never have started: the child run must not say FINISHED
             from hlm_ray.tracking import MlflowTracker
@@ -283,8 +282,12 @@ def _downstream(
             MlflowTracker(runtime.experiment, run_id=run_id).finish("FAILED")
         raise
     path.write_text(json.dumps(scores, indent=1))
+    if logged:  # else the scores wait in the folder for a sync (the sweep's end, `hlm sync`)
+        from hlm_ray.tracking.sync import logged_downstream
+
+        logged_downstream(out_dir)
     if mirror is not None:
-        mirror.push(out_dir, (DOWNSTREAM_FILE,))
+        mirror.push(out_dir, (DOWNSTREAM_FILE, RUN_REF_FILE))
     return scores
 
 
@@ -296,8 +299,15 @@ def _downstream_task(
     run_id: str | None,
     env: dict[str, str],
     mirror: RunMirror | None = None,
-) -> dict[str, float]:
+) -> tuple[dict[str, float], bool]:
+    """The scores, and whether they reached the MLflow run (a tracking server that did not
+    answer turns the tracker off: the scores then reach it from `downstream.json`)."""
     os.environ.update(env)
+    import ray.util
+
+    if ray.is_initialized():  # where it runs, in the sweep's log (a cluster's node may be lost)
+        where = ray.util.get_node_ip_address()
+        print(f"{Path(output_dir).parent.name}: downstream step on node {where}", flush=True)
     if mirror is not None and not Path(model_dir).is_dir():  # a task on another node
         mirror.pull(Path(model_dir).parent, ("model",))
     from hlm_ray.downstream import run_downstream
@@ -316,7 +326,8 @@ def _downstream_task(
         tracker.finish("FAILED")
         raise
     tracker.finish("FINISHED")
-    return {k: float(v) for k, v in scores.items() if isinstance(v, int | float)}
+    scores = {k: float(v) for k, v in scores.items() if isinstance(v, int | float)}
+    return scores, bool(getattr(tracker, "active", False))
 
 
 def final_metrics(
