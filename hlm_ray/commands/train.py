@@ -43,7 +43,9 @@ def add_parsers(sub) -> None:
     train.set_defaults(overhead_s=0.0)
 
     sync = add_command(sub, "sync", cmd_sync)
-    sync.add_argument("run", help="the run folder (an `hlm train --output`)")
+    sync.add_argument(
+        "run", help="the run folder (an `hlm train --output`), or a sweep's (runs/sweeps/<name>)"
+    )
     sync.add_argument(
         "--tracking-uri",
         default=None,
@@ -153,10 +155,22 @@ def cmd_sync(args) -> int:
     """send a run's metrics that MLflow missed (an outage)
 
     Send MLflow what a run recorded while the tracking server was down: the missing metric
-    points (never the ones it has), params, final artifacts, status."""
+    points (never the ones it has), params, final artifacts, status. Given a sweep's folder:
+    every trial's, then the parent run's summary, figures and status."""
     from hlm_ray.tracking.sync import sync_run
 
-    report = sync_run(args.run, tracking_uri=args.tracking_uri)
+    folder = resolve_input(args.run)  # in a job's copy of the checkout: where outputs went
+    if (folder / "sweep.json").is_file():  # tune.storage.STATE_FILE
+        from hlm_ray.tune.replay import sync_sweep
+
+        report = sync_sweep(folder, args.tracking_uri)
+        print(
+            f"synced sweep {args.run} to MLflow: {report['metrics_logged']} metric point(s) of "
+            f"{report['trials']} trial(s), {len(report['artifacts_logged'])} file(s) on the "
+            f"parent run {report['run_id']}; status {report['status']}"
+        )
+        return 0
+    report = sync_run(folder, tracking_uri=args.tracking_uri)
     print(
         f"synced {args.run} to MLflow run {report['run_id']}: {report['metrics_logged']} metric "
         f"point(s), {report['params_logged']} param(s), "

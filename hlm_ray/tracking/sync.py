@@ -226,12 +226,13 @@ def _missing_artifacts(client, run_id: str, out_dir: Path, status: str | None):
     return out
 
 
-def sync_quietly(out_dir: str | Path) -> str | None:
-    """`sync_run` at the end of a run: a one-line note when something was sent or it failed."""
+def sync_quietly(out_dir: str | Path, retry: str | None = None) -> str | None:
+    """`sync_run` at the end of a run: a one-line note when something was sent or it failed
+    (`retry`: what sends it later, when not `hlm sync` of the folder: a sweep trial's)."""
     try:
         report = sync_run(out_dir)
     except HLMError as err:
-        return f"warning: {err}"
+        return f"warning: {str(err).split('; ')[0]}; {retry}" if retry else f"warning: {err}"
     if report["metrics_logged"] or report["params_logged"] or report["artifacts_logged"]:
         return (
             f"MLflow: replayed {report['metrics_logged']} metric point(s) the tracking server "

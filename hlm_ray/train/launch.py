@@ -44,6 +44,7 @@ RAY_TRAIN_ENV = {
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
 }
 _own_cluster = False  # whether `connect` started the local cluster this process is on
+SWEEP_SYNCS = "the sweep sends its records at its end (`hlm_ray.tune.replay`)"
 
 
 def connect() -> None:
@@ -466,8 +467,8 @@ def launch(
         # (Ray's snapshot dropped) is not among them and would stay forever.
         ckpt.prune_checkpoints(out_dir, cfg.run.keep_checkpoints)
     finish(tracker, out_dir, "FINISHED", mirror)
-    if tracker.run_id is not None:
-        note = sync_quietly(out_dir)  # what the workers could not send (a tracking outage)
+    if tracker.run_id is not None:  # what the workers could not send (a tracking outage)
+        note = sync_quietly(out_dir, SWEEP_SYNCS if parent_run_id else None)
         if note:
             print(note, file=sys.stderr)
     summary_file = out_dir / "summary.json"

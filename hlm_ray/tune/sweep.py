@@ -38,7 +38,7 @@ from hlm_ray.tracking import TRACKING_URI_ENV, browse_hint, default_tracking_uri
 from hlm_ray.tracking.server import QUIET_LINKS
 from hlm_ray.tune import summary as summary_mod
 from hlm_ray.tune.placement import plan_concurrency
-from hlm_ray.tune.replay import replay_trials
+from hlm_ray.tune.replay import reopened, replay_trials, say_if_unclosed
 from hlm_ray.tune.spec import SweepSpec
 from hlm_ray.tune.storage import STATE_FILE, TUNE_DIR, SweepStorage
 from hlm_ray.tune.trial import TrialRuntime, local_trials, run_name, run_trial, trial_resources
@@ -245,6 +245,7 @@ def run_sweep(
             replay_trials(
                 [r["run"] for r in rows], runtime.trials_dir, runtime.env[TRACKING_URI_ENV]
             )
+            parent = reopened(parent)  # a tracking server stopped or restarted meanwhile
             files = summary_mod.write_summary(rows, folder, axis=spec.axis, figures=not search)
             for path in files:
                 parent.log_artifact(path)
@@ -257,6 +258,7 @@ def run_sweep(
             parent.log_metrics(plan_mod.measured_metrics(rows, seconds), step=0)
             parent.log_metrics({f"sweep/{k}_s": v for k, v in phases.items()}, step=0)
             parent.finish("KILLED" if stop.interrupted else "FINISHED")
+            say_if_unclosed(parent, folder)
         except (KeyboardInterrupt, SystemExit):
             parent.finish("KILLED")
             raise
