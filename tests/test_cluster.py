@@ -105,6 +105,36 @@ def test_rank_0_brings_the_mirror_up_to_a_checkpoint_before_reporting_it(s3, tmp
     assert seen == [True]
 
 
+def test_a_checkpoint_the_storage_keeps_waiting_is_said_and_so_is_its_end(
+    tmp_path, monkeypatch, capsys
+):
+    """An object store that stops answering stalls rank 0's checkpoint (the mirror's push, Ray's
+    upload inside `report`) with no error: one line says training waits on the storage, one
+    that it goes on. A checkpoint stored in time says nothing. Ray's upload is a sleep here."""
+    import time
+
+    import ray.train
+
+    from hlm_ray.train import storage_wait
+    from hlm_ray.train.ray_worker import RayReporter
+
+    uploads = iter([0.0, 1.5])  # seconds each report's upload takes
+    monkeypatch.setattr(ray.train, "report", lambda *a, **k: time.sleep(next(uploads)))
+    monkeypatch.setattr(ray.train.Checkpoint, "from_directory", lambda folder: folder)
+    monkeypatch.setattr(storage_wait, "STALL_S", 0.5)
+    out = make_run_folder(tmp_path)
+    reporter = RayReporter(out)  # the run folder's parent is the storage
+    for step in (10, 20):
+        reporter.checkpoint_folder(step).mkdir()
+        reporter.report({"step": step}, reporter.checkpoint_folder(step))
+    said = capsys.readouterr().out.splitlines()
+    assert said == [
+        f"checkpoint 20: the run storage {tmp_path} has not taken it in 0 s (it does not "
+        "answer?); training waits for it and goes on once it is stored",
+        f"checkpoint 20: stored in {tmp_path} after 2 s; training goes on",
+    ]
+
+
 # ------------------------------------------------------------------------ prepared corpora
 
 

@@ -364,3 +364,26 @@ def test_a_diverged_run_stops_at_the_step_and_saves_no_nan_weights(tmp_path):
     assert stopped < 12
     for folder in ckpt.list_checkpoints(out):
         assert ckpt.checkpoint_step(folder) < stopped
+
+
+def test_a_restart_before_the_first_checkpoint_sends_each_step_to_mlflow_once(
+    tmp_path, mlflow_store
+):
+    """A worker group restarted before its first checkpoint (a node lost) starts again from
+    step 0 in the same MLflow run: the steps the dead attempt sent are not sent again (the
+    cluster box saw 69 points for 60 steps, steps 1-9 twice)."""
+    from mlflow import MlflowClient
+
+    from hlm_ray.tracking import MlflowTracker
+
+    out = tmp_path / "restarted"
+    cfg = tiny_run_cfg(out, "tiny-decoder", "headless", steps=8, every=(1, 8, 8))
+    run = MlflowTracker("test-restart-from-0", out.name, tracking_uri=mlflow_store)
+    tracking = {"experiment": "test-restart-from-0", "uri": mlflow_store, "run_id": run.run_id}
+    failing = tiny_run_cfg(out, steps=8, every=(1, 8, 8), **{"run.fail_at_step": 5})
+    with pytest.raises(RuntimeError, match="injected failure at step 5"):
+        train_worker(failing.to_dict(), tracking=tracking, progress=False)
+    assert not ckpt.list_checkpoints(out)  # nothing to resume from: step 0 again
+    train_worker(cfg.to_dict(), tracking=tracking, progress=False)
+    history = MlflowClient(mlflow_store).get_metric_history(run.run_id, "train/loss")
+    assert sorted(m.step for m in history) == list(range(1, 9))

@@ -242,9 +242,9 @@ def sync_quietly(out_dir: str | Path, retry: str | None = None) -> str | None:
 
 
 class SkipLogged:
-    """Wraps a run's MLflow tracker after a resume: metric points at steps it was already sent
-    (up to `through`, the last step in `metrics.jsonl` before the resume) are not sent again,
-    so the redone steps after the checkpoint add no duplicate points."""
+    """Wraps a run's MLflow tracker after a resume or a restart: metric points at steps it was
+    already sent (up to `through`: the last step the run holds, or that `metrics.jsonl` held
+    before a resume) are not sent again, so the redone steps add no duplicate points."""
 
     def __init__(self, tracker, through: int):
         self.tracker = tracker
