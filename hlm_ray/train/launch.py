@@ -338,19 +338,23 @@ def launch(
     tags: dict[str, Any] | None = None,
     callbacks: list[Any] | None = None,
     local: bool = False,
+    placement_timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """Train `cfg` on `num_workers` Ray Train workers; returns rank 0's run summary.
 
     `resume` continues the run folder from its newest valid checkpoint; `resume_from` names a
     checkpoint folder to continue from instead (later ones are removed). A sweep trial (Train
     inside Tune) passes `parent_run_id` (its MLflow run nests under the sweep's), `tags`, and
-    `callbacks=[TuneReportCallback()]` (reports reach Tune); `local`: one worker, in-process."""
+    `callbacks=[TuneReportCallback()]` (reports reach Tune); `local`: one worker, in-process.
+    `placement_timeout_s`: how long, in all, the run waits for the cluster to place its workers
+    (`placement_wait.PLACEMENT_TIMEOUT_S` by default) before it fails."""
     launched_at = time.time()
     for key, value in RAY_TRAIN_ENV.items():
         os.environ.setdefault(key, value)
     import ray.train
 
     from hlm_ray.tracking.sync import sync_quietly
+    from hlm_ray.train import placement_wait as placement
     from hlm_ray.train.interrupt import RunInterrupted, restore_sigint, trainer_class
     from hlm_ray.train.local_mode import local_worker
     from hlm_ray.train.network import torch_config
@@ -413,6 +417,7 @@ def launch(
         "mirror": mirror.uri if mirror else None,
     }
     workers, worker_fn = (0, local_worker) if local else (num_workers, ray_worker)
+    waits = placement.placement_wait(num_workers, resources, placement_timeout_s)
     trainer = None
     fit_at = time.time()
     # The MLflow run is open from here: a Ctrl-C anywhere below, building the trainer included
@@ -429,8 +434,10 @@ def launch(
                 name=out_dir.name,
                 storage_path=storage,
                 checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
-                failure_config=ray.train.FailureConfig(max_failures=max_failures),
-                callbacks=callbacks,
+                failure_config=ray.train.FailureConfig(
+                    max_failures=max_failures, controller_failure_limit=waits.retries
+                ),
+                callbacks=[*(callbacks or []), waits],
             ),
         )
         fit_at = time.time()
@@ -452,10 +459,10 @@ def launch(
         kept = f"; last checkpoint: {last}" if last else ""
         if mirror is not None and last is None:
             kept = f"; its checkpoints are in {mirror.uri}"
-        raise HLMError(
-            f"training failed after {max_failures} restart(s): "
-            f"{str(err).strip().splitlines()[-1]}{kept}"
-        ) from err
+        why = waits.failure(err) or (
+            f"training failed after {max_failures} restart(s): {str(err).strip().splitlines()[-1]}"
+        )
+        raise HLMError(f"{why}{kept}") from err
     except BaseException:
         finish(tracker, out_dir, "FAILED", mirror)
         raise

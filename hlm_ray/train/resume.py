@@ -29,6 +29,7 @@ LAUNCH_DEFAULTS = {
     "max_failures": 2,
     "storage_path": None,
     "experiment": "hlm_ray",
+    "placement_timeout_s": None,  # launch's own default (`placement_wait.PLACEMENT_TIMEOUT_S`)
 }
 
 

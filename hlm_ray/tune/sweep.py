@@ -223,6 +223,7 @@ def run_sweep(
                 env=_trial_env(uri),
                 short=spec.axis.short,
                 max_failures=spec.max_failures,
+                placement_timeout_s=spec.placement_timeout_s,
                 report_steps=search,  # ASHA compares the steps' reports
                 local=ready["local"],  # not under ASHA: its reports need a worker group
             )

@@ -69,6 +69,8 @@ class TrialRuntime:
     (`RunMirror`), wherever its trial, its rank 0 and its downstream step run."""
     prepared: dict[str, str] = field(default_factory=dict)
     """The prepared corpora published for a cluster's nodes (`cluster.pin_prepared`)."""
+    placement_timeout_s: float | None = None
+    """How long its worker group may wait to be placed (`sweep.placement_timeout_s`)."""
     local: bool = False
     """Train in the trial's own process (`hlm_ray.train.local_mode`; the trial then holds the
     worker's CPUs, `trial_resources`); Tune's retries stand in for worker-group restarts."""
@@ -211,6 +213,7 @@ def _pretrain(
         tags=tags,
         callbacks=[TuneReportCallback()] if runtime.report_steps else [],
         local=runtime.local,
+        placement_timeout_s=runtime.placement_timeout_s,
     )
     return summary, True
 
