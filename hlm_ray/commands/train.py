@@ -71,13 +71,14 @@ def cmd_train(args, argv: list[str]) -> int:
     continues a run; --dry-run prints its cost plan (--overhead-s: a fixed cost added to it)."""
     from hlm_ray.train.checkpoint import refuse_existing, resolve_resume
     from hlm_ray.train.launch import check_output, check_workers
-    from hlm_ray.train.resume import discard_launch, resumed_config, save_launch
+    from hlm_ray.train.resume import discard_launch, resumed_config, save_launch, stored_checkpoint
     from hlm_ray.train.summary import format_summary
 
     resume = resume_from = None
     if args.resume:
-        resume = resolve_resume(resolve_input(args.resume))
-        named = resolve_input(args.resume).resolve() == resume.resolve()  # a checkpoint
+        stored = stored_checkpoint(args)  # a run whose checkpoints are in its storage (s3://)
+        resume = stored or resolve_resume(resolve_input(args.resume))
+        named = not stored and resolve_input(args.resume).resolve() == resume.resolve()
         resume_from = resume if named else None
         args.output = args.output or str(resume.parent)
         launch_settings(args, resume.parent)
@@ -125,7 +126,9 @@ def cmd_train(args, argv: list[str]) -> int:
 
         if isinstance(err, RunInterrupted):  # an MLflow run was opened and is marked KILLED
             run_dir = Path(cfg.run.output_dir)
-            said = continue_message(run_dir, str(output), argv, args.config, args.set)
+            said = continue_message(
+                run_dir, str(output), argv, args.config, args.set, args.storage_path
+            )
         else:  # preparing the tokenizer or corpus: no MLflow run was opened
             said = not_started_message(argv)
             if resume is None:

@@ -388,7 +388,7 @@ def launch(
         if mirror is not None and mirror.has_checkpoints():
             raise HLMError(
                 f"{mirror.uri} holds checkpoints of an earlier run named {out_dir.name}; "
-                "continue it with --resume, or choose another --output"
+                f"continue it with `hlm train --resume {mirror.uri}`, or choose another --output"
             )
     elif mirror is None:
         # The run folder is Ray's storage: the newest valid checkpoint in it decides.
