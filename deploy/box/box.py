@@ -74,6 +74,12 @@ def missing() -> str | None:
     for tool, package in (("ip", "iproute2"), ("unshare", "util-linux"), ("mount", "mount")):
         if shutil.which(tool) is None:
             return f"the cluster box needs `{tool}` ({package})"
+    for what, path in (("checkout", CHECKOUT), ("Python", Path(sys.prefix))):
+        if path.is_relative_to("/mnt"):
+            return (
+                f"the cluster box mounts its own /mnt in every node, which would hide the {what} "
+                f"at {path}: run it from a checkout and virtualenv outside /mnt"
+            )
     if pg_bin() is None:
         return "the cluster box needs PostgreSQL's server binaries (initdb, postgres)"
     for module, extra in (("moto", "moto[server]"), ("psycopg2", "psycopg2-binary")):
@@ -285,13 +291,36 @@ class Box(Nodes, Services):
         teardown(self.prefix)
 
 
-def main(argv: list[str] | None = None) -> int:
+ROOT = "/var/tmp/hlm-box"
+"""The box's folder unless `--root` names another."""
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line: `--root` before or after the command (`box.py up --root X` and
+    `box.py --root X up` alike); for `client` and `node`, what follows is the command to run,
+    after an optional `--`, and a `--root` there is that command's."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("command", choices=["up", "down", "status", "client", "node"])
-    parser.add_argument("rest", nargs=argparse.REMAINDER)
-    parser.add_argument("--root", default="/var/tmp/hlm-box", help="the box's folder")
+    root = argparse.ArgumentParser(add_help=False)
+    root.add_argument("--root", default=argparse.SUPPRESS, help=f"the box's folder ({ROOT})")
+    parser.add_argument("--root", default=argparse.SUPPRESS, help=f"the box's folder ({ROOT})")
+    commands = parser.add_subparsers(dest="command", required=True)
+    for name, says in (("up", "start the box"), ("down", "remove everything the box made"),
+                       ("status", "the box's nodes and services")):  # fmt: skip
+        commands.add_parser(name, parents=[root], help=says)
+    for name, says in (("client", "run a command from the client namespace"),
+                       ("node", "run a command on a node: node NAME COMMAND...")):  # fmt: skip
+        command = commands.add_parser(name, parents=[root], help=says)
+        command.add_argument("rest", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
-    root = Path(args.root)
+    args.root = Path(getattr(args, "root", ROOT))
+    rest = getattr(args, "rest", [])
+    args.rest = rest[1:] if rest[:1] == ["--"] else rest
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    root = args.root
     if args.command == "up":
         Box(root).up()
     elif args.command == "down":
@@ -307,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  node {node['NodeManagerAddress']}: {node['Resources']}")
     else:
         box = Box.load(root)
-        rest = args.rest[1:] if args.rest[:1] == ["--"] else args.rest
+        rest = args.rest
         done = box.client(rest) if args.command == "client" else box.run(rest[0], rest[1:])
         sys.stdout.write(done.stdout)
         sys.stderr.write(done.stderr)

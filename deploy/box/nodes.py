@@ -140,21 +140,8 @@ class Nodes:
         private = self.root / "nodes" / node.name
         for sub in ("upper", "work"):
             (private / sub).mkdir(parents=True, exist_ok=True)
-        data = Path(self.data_dir)
-        mounts = [
-            "mount --make-rprivate /",
-            f"mount --bind {q(self.root / 'hosts')} /etc/hosts",
-            f"mount -t tmpfs -o size=64m tmpfs /mnt && mkdir -p {SHARED}",
-            f"mount --bind {q(self.shared)} {SHARED}",
-            f"mount --bind -o ro {q(data)} {SHARED}/data",
-            f"mount -t tmpfs -o size=1m tmpfs {q(data)}",  # the machine's own copy: hidden
-            f"mount -t overlay overlay -o lowerdir={q(CHECKOUT)},upperdir={q(private / 'upper')},"
-            f"workdir={q(private / 'work')} {q(CHECKOUT)}",
-            "mount -t tmpfs -o size=6g tmpfs /tmp",
-            f"mkdir -p /tmp/home-{node.name}",
-        ]
-        if Path.home().joinpath(".cache").is_dir():  # a program that reads ~ from passwd
-            mounts.append(f"mount -t tmpfs -o size=1m tmpfs {q(Path.home() / '.cache')}")
+        mounts = pod_mounts(node.name, self.root / "hosts", self.shared, Path(self.data_dir),
+                            private)  # fmt: skip
         script = " && ".join([*mounts, "echo ready", "exec sleep infinity"])
         # Its own PID namespace too (a fresh /proc): Ray finds "other clusters" by scanning
         # processes, and a node must see only its own.
@@ -347,6 +334,40 @@ def _ip(*args: str) -> None:
     done = subprocess.run(["ip", *args], capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+def pod_mounts(node: str, hosts: Path, shared: Path, data: Path, private: Path,
+               checkout: Path = CHECKOUT, keep: tuple[Path, ...] | None = None) -> list[str]:  # fmt: skip
+    """The mounts of node `node`'s pod, in order: its /etc/hosts (`hosts`), the shared volume
+    (`shared`, the data folder `data` in it, read-only) at /mnt/shared, the checkout as a
+    copy-on-write view (its changes in `private`), the machine's data folder hidden, and a
+    private /tmp and ~/.cache. A checkout or interpreter (`keep`: the virtualenv's and the
+    Python's prefixes) under /tmp or ~/.cache would be hidden by those: each is first mounted
+    aside in the pod's own /mnt, and after them at its own path again, so the box runs from a
+    checkout and a virtualenv anywhere but /mnt (`missing` says so)."""
+    keep = tuple(Path(p) for p in (keep if keep is not None else (sys.prefix, sys.base_prefix)))
+    hidden = [Path("/tmp"), *([cache] if (cache := Path.home() / ".cache").is_dir() else [])]
+    kept = [p for p in dict.fromkeys(keep) if any(p.is_relative_to(h) for h in hidden)]
+    aside = "/mnt/.pod"
+    mounts = [
+        "mount --make-rprivate /",
+        f"mount --bind {q(hosts)} /etc/hosts",
+        f"mount -t tmpfs -o size=64m tmpfs /mnt && mkdir -p {SHARED} {aside}/checkout",
+        f"mount --bind {q(shared)} {SHARED}",
+        f"mount --bind -o ro {q(data)} {SHARED}/data",
+        f"mount -t overlay overlay -o lowerdir={q(checkout)},upperdir={q(private / 'upper')},"
+        f"workdir={q(private / 'work')} {aside}/checkout",
+        *(f"mkdir -p {aside}/{i} && mount --bind {q(p)} {aside}/{i}" for i, p in enumerate(kept)),
+        f"mount -t tmpfs -o size=1m tmpfs {q(data)}",  # the machine's own copy: hidden
+        "mount -t tmpfs -o size=6g tmpfs /tmp",
+        f"mkdir -p /tmp/home-{node}",
+        # A program that reads ~ from passwd finds an empty cache.
+        *(f"mount -t tmpfs -o size=1m tmpfs {q(h)}" for h in hidden[1:]),
+    ]
+    back = [(checkout, f"{aside}/checkout"), *((p, f"{aside}/{i}") for i, p in enumerate(kept))]
+    for path, held in sorted(back, key=lambda b: len(b[0].parts)):  # outer folders first
+        mounts.append(f"mkdir -p {q(path)} && mount --bind {held} {q(path)}")
+    return mounts
 
 
 def base_env() -> dict[str, str]:

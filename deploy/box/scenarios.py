@@ -40,7 +40,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from box import Box, missing  # noqa: E402
+from box import ROOT, Box, missing  # noqa: E402
 from cuts import partition, serve, serve_and_partition, start_reference  # noqa: E402
 from jobs import registry, sweep, sweep_resume, tracking_outage, train  # noqa: E402
 
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--serial", action="store_true", help="one scenario at a time (each one's own time)"
     )
-    parser.add_argument("--root", default="/var/tmp/hlm-box", help="the box's folder")
+    parser.add_argument("--root", default=ROOT, help=f"the box's folder ({ROOT})")
     args = parser.parse_args(argv)
     global FULL, REFERENCE
     FULL = args.full
