@@ -649,6 +649,38 @@ def test_vocab_sweep_end_to_end_then_resumes_without_retraining(
 
 
 @pytest.mark.ray
+def test_a_downstream_step_whose_process_is_lost_runs_again_in_a_new_one(
+    ray_cluster, tmp_path, capsys
+):
+    """The step's actor dies (as with its node, which the cluster box cuts): it starts again in
+    a new actor, and says so; its own errors are not retried; attempts are bounded."""
+    import ray
+
+    from hlm_ray.tune.remote_step import run_on_a_node
+
+    def _dies_once(marker: str) -> str:  # defined here: sent to the actor by value
+        import os
+        from pathlib import Path
+
+        if not Path(marker).exists():
+            Path(marker).touch()
+            os._exit(1)
+        return "scored"
+
+    def _raises() -> None:
+        raise ValueError("not a node's loss: the step's own error")
+
+    marker = str(tmp_path / "died-once")
+    assert run_on_a_node(_dies_once, (marker,), cpus=1, gpus=0, attempts=2) == "scored"
+    assert "starting it again on a node with room (attempt 2 of 2)" in capsys.readouterr().out
+    with pytest.raises(ray.exceptions.RayActorError):
+        run_on_a_node(_dies_once, (str(tmp_path / "dies"),), cpus=1, gpus=0, attempts=1)
+    with pytest.raises(ray.exceptions.RayTaskError, match="not a node"):
+        run_on_a_node(_raises, (), cpus=1, gpus=0, attempts=3)
+    assert "starting it again" not in capsys.readouterr().out
+
+
+@pytest.mark.ray
 @pytest.mark.slow
 def test_ctrl_c_before_the_trials_start_leaves_the_parent_run_killed(
     ray_cluster, sweep_server, tmp_path, monkeypatch, capsys

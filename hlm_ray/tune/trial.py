@@ -251,10 +251,11 @@ def _downstream(
     runtime: TrialRuntime, out_dir: Path, model_dir: Path, mirror: RunMirror | None = None
 ) -> dict[str, float]:
     """`run_downstream`, logging into the trial's MLflow run (nothing for `sweep.recipe=none`).
-    With GPU workers, or on a cluster of several nodes, it runs as a Ray task holding one
-    worker's resources (the trial function holds none, and may sit on a head node sized for
-    drivers); on one machine's CPUs it runs here, in the trial's process, once its trainer has
-    given the worker's CPUs back. The task finds the model through the run's mirror."""
+    With GPU workers, or on a cluster of several nodes, it runs in an actor holding one worker's
+    resources (the trial function holds none, and may sit on a head node sized for drivers),
+    started again elsewhere if its node is lost (`remote_step`); on one machine's CPUs it runs
+    here, in the trial's process, once its trainer has given the worker's CPUs back. On another
+    node the step finds the model through the run's mirror."""
     if runtime.recipe == NO_DOWNSTREAM:
         return {}
     path = out_dir / DOWNSTREAM_FILE
@@ -265,17 +266,15 @@ def _downstream(
     args = (str(model_dir), runtime.recipe, str(out_dir / "downstream"), runtime.experiment)
     try:
         if runtime.gpus_per_worker > 0 or len(alive_nodes()) > 1:
-            import ray
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+            from hlm_ray.tune.remote_step import run_on_a_node
 
-            task = ray.remote(_downstream_task).options(
-                num_cpus=runtime.cpus_per_worker,
-                num_gpus=runtime.gpus_per_worker,
-                # Outside the trial's placement group (Tune puts child tasks there by
-                # default; it holds only the trial function's token of memory).
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None),
+            scores, logged = run_on_a_node(
+                _downstream_task,
+                (*args, run_id, runtime.env, mirror),
+                cpus=runtime.cpus_per_worker,
+                gpus=runtime.gpus_per_worker,
+                attempts=1 + max(1, runtime.max_failures),
             )
-            scores, logged = ray.get(task.remote(*args, run_id, runtime.env, mirror))
         else:
             scores, logged = _downstream_task(*args, run_id, runtime.env)
     except BaseException:
