@@ -56,7 +56,7 @@ def replay_trials(runs: list[str], trials_dir: str | Path, tracking_uri: str) ->
             )
         sent += report["metrics_logged"]
     if unsent:
-        sweep = Path(trials_dir).parent
+        sweep = shown(Path(trials_dir).parent)
         say(
             f"warning: {reason}; MLflow lacks records of {len(unsent)} trial(s), kept in their "
             f"folders: once the server answers, run this sweep's command again (no trial runs "
@@ -129,5 +129,14 @@ def say_if_unclosed(parent, folder: Path) -> None:
         say(
             f"warning: the sweep's parent run {parent.run_id} is not closed: {parent.disabled_reason}"
             f"; once the server answers, run this sweep's command again (no trial runs again) "
-            f"or `hlm sync {folder}`"
+            f"or `hlm sync {shown(folder)}`"
         )
+
+
+def shown(folder: Path) -> Path:
+    """`folder` as a command names it: relative to where relative outputs go (a job's
+    `hlm sync runs/sweeps/x` finds it there, on whichever machine runs the job), else as is."""
+    from hlm_ray.paths import work_dir
+
+    folder = Path(folder)
+    return folder.relative_to(work_dir()) if folder.is_relative_to(work_dir()) else folder
