@@ -2,7 +2,7 @@
 mount and PID namespace, sharing only an S3 server, a tracking server on PostgreSQL and the Ray
 head (deploy/box/box.py). Two of deploy/box/scenarios.py's scenarios run here, as a user would
 submit them from the client namespace: `hlm train --num-workers 2` across the two worker nodes
-with its run storage in S3, and a sweep trial whose node is cut off mid-run. All eight
+with its run storage in S3, and a sweep trial whose node is cut off mid-run. All eleven
 (`python deploy/box/scenarios.py`) take too long for the suite on 2 cores; docs/clusters.md has
 their figures.
 

@@ -100,7 +100,10 @@ def _serve_config_v2() -> dict:
 BOX = ("box/box.py", "box/scenarios.py", "box/view.py", "box/load.py")
 """The cluster in a box's scripts: run by tests/test_cluster_box.py (two scenarios) and loaded
 here."""
-BOX_PARTS = ("box/nodes.py", "box/services.py", "box/client.py", "box/jobs.py", "box/cuts.py")
+BOX_PARTS = (
+    "box/nodes.py", "box/services.py", "box/client.py", "box/jobs.py", "box/cuts.py",
+    "box/outages.py",
+)  # fmt: skip
 """What the scripts import: the box's nodes and services, the client's tools, the scenarios."""
 
 

@@ -56,7 +56,7 @@ from nodes import (
     running,
     teardown,
 )
-from services import ARTIFACT_BUCKET, RUN_BUCKET, S3_ENV, Services, pg_bin, wait_until
+from services import ARTIFACT_BUCKET, RUN_BUCKET, S3_ENV, Services, pg_bin
 
 __all__ = [  # what the scenarios and tests take from here
     "ARTIFACT_BUCKET", "CHECKOUT", "CLIENT_IP", "HEAD_CLIENT_IP", "HEAD_IP", "NODE_CPUS",
@@ -265,9 +265,7 @@ class Box(Nodes, Services):
             self._postgres()
             self._buckets()
             self._mlflow()
-            head = f"http://{HEAD_IP}:{PORTS['dashboard']}/"
-            wait_until(lambda: self._http_ok("head", head), "the Ray head",
-                       self.log("ray-head.log"))  # fmt: skip
+            self.wait_head()
             for name in WORKERS:
                 self.start_ray(name)
             self.wait_nodes(1 + len(WORKERS))

@@ -108,14 +108,25 @@ class Nodes:
         """Ray started again on node `name` (whatever is left of the old one killed; its pod,
         with its disk, stays): the cluster is back to `nodes` alive nodes (`wait` False: the
         caller waits, with `wait_nodes`, once it has done something else meanwhile)."""
-        node = self.nodes[name]
-        for pid in self.pids(name):
-            if pid != node.pod:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+        self.kill_ray(name)
         self.start_ray(name)
         if wait:
             self.wait_nodes(nodes)
+
+    def kill_ray(self, name: str) -> list[int]:
+        """Every process in node `name`'s pod SIGKILLed (Ray's, and the jobs' drivers on the
+        head), the pod itself kept; the head's services, outside its pod, stay. The pids."""
+        node = self.nodes[name]
+        pids = [pid for pid in self.pod_pids(name) if pid != node.pod]
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        return pids
+
+    def pod_pids(self, name: str) -> list[int]:
+        """The processes in node `name`'s pod (its PID namespace)."""
+        own = _pid_namespace(self.nodes[name].pod)
+        return [pid for pid in self.pids(name) if _pid_namespace(pid) == own]
 
     def drop_port_to(self, name: str, port: int) -> list[str]:
         """The head's answers from `port` to node `name` are dropped (its SYN-ACKs and data
@@ -182,6 +193,13 @@ class Nodes:
         else:
             argv = [ray, "start", "--address", f"{HEAD_IP}:{PORTS['gcs']}", *common]
         return self.spawn(name, argv, f"ray-{name}.log")
+
+    def wait_head(self) -> None:
+        """Until the head's Ray answers (its dashboard, the Job API)."""
+        from services import wait_until
+
+        head = f"http://{HEAD_IP}:{PORTS['dashboard']}/"
+        wait_until(lambda: self._http_ok("head", head), "the Ray head", self.log("ray-head.log"))
 
     def alive_nodes(self) -> list[dict]:
         """The cluster's alive nodes, as the Job API's client sees them (via the head)."""
@@ -328,6 +346,13 @@ def links(prefix: str = PREFIX) -> list[str]:
     out = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
     names = [line.split(":")[1].strip().split("@")[0] for line in out.splitlines()]
     return [n for n in names if n in own_names(prefix)]
+
+
+def _pid_namespace(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid")
+    except OSError:  # gone meanwhile
+        return None
 
 
 def _ip(*args: str) -> None:

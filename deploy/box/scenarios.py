@@ -17,6 +17,9 @@ as `ray job submit`, and checked from there through MLflow and the Job API alone
 | serve | `hlm serve` with 2 replicas of half a CPU (one per worker node, checked) and an API key, asked from the client through the head; one replica's node cut off | every request answered; how long the requests in flight at the cut waited |
 | partition | a one-trial sweep (S3, pretraining only); its rank 0's node cut off (link down) after its first checkpoint | the node declared dead; the trial finishes on the other node, one child run whose loss at every step equals an undisturbed run's; the node rejoins |
 | serve+partition | both at once: the trial's node also holds a replica, and one cut takes both (what a full run does) | both scenarios' checks |
+| tracking-stop | a 2-trial sweep (S3); the MLflow server stopped (SIGSTOP) as the first downstream step starts, until the sweep ended, then killed and started again | the sweep succeeds and names the command that sends its records, `hlm sync runs/sweeps/<name>`; submitted from the client, it leaves parent and children FINISHED, every child's downstream scores in MLflow |
+| downstream-cut | a one-trial sweep (S3, headless); the node its downstream step runs on cut off during the step | the node declared dead; the step runs again on the node left and the sweep finishes without a resubmit; the child FINISHED with its scores; the node rejoins |
+| head-restart | `hlm train --num-workers 2` with its run in S3; after its first checkpoint the head's Ray (GCS, the job's driver) killed, Ray started again on every node | `hlm train --resume s3://hlm-runs/runs/<name>` continues it from its newest checkpoint to the end: one MLflow run, FINISHED, each step logged once, the model |
 
 Each scenario is a function of the box that raises `AssertionError` naming what did not hold
 and returns its figures; `tests/test_cluster_box.py` runs two of them in `make test`. The
@@ -43,6 +46,7 @@ sys.path.insert(0, str(HERE))
 from box import ROOT, Box, missing  # noqa: E402
 from cuts import partition, serve, serve_and_partition, start_reference  # noqa: E402
 from jobs import registry, sweep, sweep_resume, tracking_outage, train  # noqa: E402
+from outages import downstream_cut, head_restart, tracking_stop  # noqa: E402
 
 FULL = False  # --full: the S3 sweep runs the whole tiny preset (six trials, not two)
 
@@ -58,12 +62,18 @@ SCENARIOS: dict[str, Callable[[Box], dict]] = {
     "serve": serve,
     "partition": lambda box: partition(box, REFERENCE),
     "serve+partition": lambda box: serve_and_partition(box, REFERENCE),
+    "tracking-stop": tracking_stop,
+    "downstream-cut": downstream_cut,
+    "head-restart": head_restart,
 }
 GROUPS = [
     ("train-shared", "train-s3"),
     ("sweep-shared", "sweep-s3"),
     ("registry", "tracking-outage", "sweep-resume"),
     ("serve+partition",),
+    ("tracking-stop",),
+    ("downstream-cut",),
+    ("head-restart",),
 ]
 """Scenarios that run side by side, as two users' jobs share a cluster: Ray queues what the two
 worker nodes cannot hold at once, and each group ends before the next starts. What one needs of
@@ -72,7 +82,8 @@ tracking outage cuts only its own node's tracking traffic, and its worker fills 
 registry's runs on the other one (the resubmitted sweep runs no trial). Serve and partition
 cut a node off, so nothing else runs meanwhile; together (`serve+partition`,
 `serve_and_partition`) one cut takes a replica and the trial, as a real node goes; alone, or
-`--serial`, each makes its own cut."""
+`--serial`, each makes its own cut. The last three each stop something every job shares (the
+tracking server, a node, the head): each runs alone."""
 NEEDS = {"registry": "train-s3", "sweep-resume": "sweep-s3", "serve": "registry"}
 """What a scenario takes from another of the same run: train-s3's run (by this run's tag) for
 registry, sweep-s3's command for sweep-resume, registry's model for serve. `--only` runs them

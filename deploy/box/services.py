@@ -7,9 +7,11 @@ answers.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pwd
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -99,6 +101,35 @@ class Services:
         wait_until(lambda: self._http_ok("head", f"http://{HEAD_IP}:{PORTS['mlflow']}/health"),
                    "the MLflow server", self.log("mlflow.log"))  # fmt: skip
 
+    def mlflow_pids(self) -> list[int]:
+        """The MLflow server's processes: `mlflow server` and every process under it."""
+        roots = [pid for pid in self.pids("head") if b"mlflow\0server" in _cmdline(pid)]
+        found, todo = [], list(roots)
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            for task in Path(f"/proc/{pid}/task").glob("*/children"):
+                with contextlib.suppress(OSError):
+                    todo += [int(c) for c in task.read_text().split()]
+        return found
+
+    def signal_mlflow(self, sig: int) -> list[int]:
+        """`sig` to every process of the MLflow server (SIGSTOP: it hangs, its connections
+        open; SIGCONT: it answers again). The pids."""
+        pids = self.mlflow_pids()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+        return pids
+
+    def restart_mlflow(self) -> None:
+        """The MLflow server killed (stopped or not) and started again, on the same store."""
+        for pid in self.signal_mlflow(signal.SIGKILL):
+            deadline = time.monotonic() + 30
+            while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+        self._mlflow()
+
     def _http_ok(self, node: str, url: str) -> bool:
         probe = f"import urllib.request as u; u.urlopen({url!r}, timeout=2)"
         ns = ["ip", "netns", "exec", self.nodes[node].netns, sys.executable, "-c", probe]
@@ -114,6 +145,13 @@ def _unprivileged() -> tuple[str, dict]:
             continue
         return name, {"user": entry.pw_uid, "group": entry.pw_gid, "extra_groups": []}
     raise SystemExit("error: no unprivileged user (postgres, nobody) to run PostgreSQL as")
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
 
 
 def wait_until(ready, what: str, log: Path, timeout_s: float = START_TIMEOUT_S) -> None:
