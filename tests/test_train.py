@@ -370,20 +370,24 @@ def test_a_restart_before_the_first_checkpoint_sends_each_step_to_mlflow_once(
     tmp_path, mlflow_store
 ):
     """A worker group restarted before its first checkpoint (a node lost) starts again from
-    step 0 in the same MLflow run: the steps the dead attempt sent are not sent again (the
-    cluster box saw 69 points for 60 steps, steps 1-9 twice)."""
+    step 0 in the same MLflow run, perhaps with rank 0 on another node (no metrics.jsonl): the
+    steps the dead attempt sent are not sent again (the cluster box saw 69 points for 60 steps,
+    steps 1-9 twice). Rank 0's tracker as `setup_run` opens it, on a real store."""
     from mlflow import MlflowClient
 
     from hlm_ray.tracking import MlflowTracker
+    from hlm_ray.train.run_tracking import open_tracker
 
-    out = tmp_path / "restarted"
-    cfg = tiny_run_cfg(out, "tiny-decoder", "headless", steps=8, every=(1, 8, 8))
-    run = MlflowTracker("test-restart-from-0", out.name, tracking_uri=mlflow_store)
+    run = MlflowTracker("test-restart-from-0", "restarted", tracking_uri=mlflow_store)
     tracking = {"experiment": "test-restart-from-0", "uri": mlflow_store, "run_id": run.run_id}
-    failing = tiny_run_cfg(out, steps=8, every=(1, 8, 8), **{"run.fail_at_step": 5})
-    with pytest.raises(RuntimeError, match="injected failure at step 5"):
-        train_worker(failing.to_dict(), tracking=tracking, progress=False)
-    assert not ckpt.list_checkpoints(out)  # nothing to resume from: step 0 again
-    train_worker(cfg.to_dict(), tracking=tracking, progress=False)
+    dead = open_tracker(tmp_path / "node-a", tracking, resuming=False)  # the first attempt
+    for step in (1, 2, 3):
+        dead.log_metrics({"train/loss": 1.0 / step}, step=step)
+    restarted = open_tracker(tmp_path / "node-b", tracking, resuming=False)
+    for step in (1, 2, 3, 4):
+        restarted.log_metrics({"train/loss": 1.0 / step}, step=step)
     history = MlflowClient(mlflow_store).get_metric_history(run.run_id, "train/loss")
-    assert sorted(m.step for m in history) == list(range(1, 9))
+    assert sorted(m.step for m in history) == [1, 2, 3, 4]
+    assert read_metrics(tmp_path / "node-b") == [  # its own record is whole
+        {"step": step, "train/loss": 1.0 / step} for step in (1, 2, 3, 4)
+    ]
