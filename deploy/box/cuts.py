@@ -68,12 +68,8 @@ def partition(box: Box, reference: subprocess.Popen | None = None,
     wait_log(box, name, rf"checkpoint_{CUT_EVERY:08d}")
     lost = node_of(box, rank0)
     watch.ready()  # connected before the cut: it sees the node go to a fifth of a second
-    box.cut(lost)
-    cut_at = time.time()
     try:
-        seen = watch.result()
-        assert rank0 not in seen["addresses"], f"{rank0} still alive 180 s after its cut"
-        declared_dead_s = seen["at"] - cut_at
+        cut_at, declared_dead_s = cut_until_dead(box, rank0, watch)
         ended = wait_job(box, name)
         finished_s = time.time() - cut_at
         served = {}
@@ -103,6 +99,17 @@ def partition(box: Box, reference: subprocess.Popen | None = None,
             "job_ended_after_cut_s": round(finished_s), "continued_on": now_on,
             "max_rel_loss_diff": f"{worst:.1e}", "rejoined_after_cut_s": round(rejoined_s),
             **served}  # fmt: skip
+
+
+def cut_until_dead(box: Box, ip: str, watch) -> tuple[float, float]:
+    """The node at `ip` cut off (its link down) while `watch` (`box.watch_nodes(gone=ip)`,
+    connected) times it: the cut's time.time(), and the seconds until the head declared the
+    node dead."""
+    box.cut(node_of(box, ip))
+    cut_at = time.time()
+    seen = watch.result()
+    assert ip not in seen["addresses"], f"{ip} still alive {watch.timeout_s:.0f} s after its cut"
+    return cut_at, seen["at"] - cut_at
 
 
 def start_reference() -> subprocess.Popen:
