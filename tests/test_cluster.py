@@ -8,6 +8,7 @@ same code across namespaced nodes."""
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 from collections import namedtuple
 from pathlib import Path
@@ -103,6 +104,93 @@ def test_rank_0_brings_the_mirror_up_to_a_checkpoint_before_reporting_it(s3, tmp
     checkpoint.mkdir()
     reporter.report({"step": 10}, checkpoint)
     assert seen == [True]
+
+
+def test_a_checkpoint_the_storage_keeps_waiting_is_said_and_so_is_its_end(
+    tmp_path, monkeypatch, capsys
+):
+    """An object store that stops answering stalls rank 0's checkpoint (the mirror's push, Ray's
+    upload inside `report`) with no error: one line says training waits on the storage, one
+    that it goes on. A checkpoint stored in time says nothing. Ray's upload is a sleep here."""
+    import time
+
+    import ray.train
+
+    from hlm_ray.train import storage_wait
+    from hlm_ray.train.ray_worker import RayReporter
+
+    uploads = iter([0.0, 1.5])  # seconds each report's upload takes
+    monkeypatch.setattr(ray.train, "report", lambda *a, **k: time.sleep(next(uploads)))
+    monkeypatch.setattr(ray.train.Checkpoint, "from_directory", lambda folder: folder)
+    monkeypatch.setattr(storage_wait, "STALL_S", 0.5)
+    out = make_run_folder(tmp_path)
+    reporter = RayReporter(out)  # the run folder's parent is the storage
+    for step in (10, 20):
+        reporter.checkpoint_folder(step).mkdir()
+        reporter.report({"step": step}, reporter.checkpoint_folder(step))
+    said = capsys.readouterr().out.splitlines()
+    assert said == [
+        f"checkpoint 20: the run storage {tmp_path} has not taken it in 0 s (it does not "
+        "answer?); training waits for it and goes on once it is stored",
+        f"checkpoint 20: stored in {tmp_path} after 2 s; training goes on",
+    ]
+
+
+def test_a_run_kept_in_s3_continues_from_its_storage_alone(s3, tmp_path, monkeypatch, capsys):
+    """The head that ran `hlm train --storage-path s3://...` failed, and the new one has no run
+    folder: `hlm train --resume s3://.../runs/x` (printed `s3:/`, then "no checkpoint_*
+    folders", before) and `--resume runs/x --storage-path s3://...` continue the run with its
+    own config (its newest whole checkpoint's), launch settings and MLflow run, Ray Train
+    given the same storage and name. Ray is not started: the CLI's part is checked here, the
+    continued run on the cluster box (`head-restart`)."""
+    import hlm_ray.commands.train as train_cmd
+    from hlm_ray.presets import load_config
+
+    monkeypatch.setenv("HLM_WORK_DIR", str(tmp_path / "new-head"))
+    storage, held = f"{s3}/runs", tmp_path / "lost-head" / "x"
+    cfg = load_config("tiny-decoder", overrides={"optim.max_steps": 30, "run.output_dir": "x"})
+    for step in (10, 20, 30):  # 30: half uploaded when the head went (no manifest)
+        folder = held / f"checkpoint_{step:08d}"
+        folder.mkdir(parents=True)
+        cfg.save(folder / "config.yaml")
+        if step < 30:
+            (folder / "hlm_checkpoint.json").write_text(json.dumps({"step": step}))
+        Store.open(f"{storage}/x").upload_dir(folder, folder.name)
+    launched = {"num_workers": 2, "cpus_per_worker": 2.0, "storage_path": storage}
+    (held / "launch.json").write_text(json.dumps(launched))
+    (held / "mlflow_run.json").write_text('{"run_id": "abc", "tracking_uri": "http://mlflow"}')
+    RunMirror(f"{storage}/x").push(held, ("launch.json", "mlflow_run.json"))
+    seen = []
+
+    def run_training(cfg, args, *, resume=None, resume_from=None):
+        seen.append((cfg, vars(args).copy(), resume, resume_from))
+        raise HLMError("stopped here: Ray Train is not started in this test")
+
+    monkeypatch.setattr(train_cmd, "run_training", run_training)
+    for argv in (["--resume", f"{storage}/x"], ["--resume", "runs/x", "--storage-path", storage]):
+        assert train_cmd_main(argv) == 2
+        cfg_seen, args, resume, resume_from = seen.pop()
+        assert cfg_seen.optim.max_steps == 30 and resume.name == "checkpoint_00000020"
+        assert resume_from is None  # Ray Train takes the newest from the storage
+        assert (args["num_workers"], args["cpus_per_worker"]) == (2, 2.0)
+        assert args["storage_path"] == storage and args["output"] == "runs/x"
+        run_dir = tmp_path / "new-head" / "runs" / "x"
+        assert cfg_seen.run.output_dir == str(run_dir)
+        assert json.loads((run_dir / "mlflow_run.json").read_text())["run_id"] == "abc"
+        assert f"continuing x from its storage: {storage}/x" in capsys.readouterr().out
+        shutil.rmtree(run_dir)  # the next form, from a head without the folder again
+    for argv, said in (
+        (["--resume", f"{storage}/x/checkpoint_00000010"], "pass the run, "),
+        (["--resume", f"{storage}/y"], f"{storage}/y holds no checkpoint of run y"),
+    ):
+        assert train_cmd_main(argv) == 2
+        assert said in capsys.readouterr().err
+
+
+def train_cmd_main(argv: list[str]) -> int:
+    from hlm_ray.cli import main
+
+    return main(["train", *argv])
 
 
 # ------------------------------------------------------------------------ prepared corpora

@@ -2,7 +2,7 @@
 mount and PID namespace, sharing only an S3 server, a tracking server on PostgreSQL and the Ray
 head (deploy/box/box.py). Two of deploy/box/scenarios.py's scenarios run here, as a user would
 submit them from the client namespace: `hlm train --num-workers 2` across the two worker nodes
-with its run storage in S3, and a sweep trial whose node is cut off mid-run. All eight
+with its run storage in S3, and a sweep trial whose node is cut off mid-run. All eleven
 (`python deploy/box/scenarios.py`) take too long for the suite on 2 cores; docs/clusters.md has
 their figures.
 
@@ -21,7 +21,9 @@ import pytest
 BOX = Path(__file__).resolve().parents[1] / "deploy" / "box"
 sys.path.insert(0, str(BOX))
 import box as box_mod  # noqa: E402
-import scenarios  # noqa: E402
+import client  # noqa: E402
+import cuts  # noqa: E402
+import jobs  # noqa: E402
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 PREFIX = "hlmtest"  # not the default box's: a user's box on this machine is left alone
@@ -45,13 +47,13 @@ def box():
 
 
 def test_two_train_workers_land_on_two_nodes_with_the_run_in_s3(box):
-    figures = scenarios.train(box, "s3")
-    assert sorted(figures["worker_nodes"].split(",")) == sorted(scenarios.worker_ips(box))
-    assert figures["corpus"].startswith(f"{scenarios.S3_RUNS}/_prepared/")
+    figures = jobs.train(box, "s3")
+    assert sorted(figures["worker_nodes"].split(",")) == sorted(client.worker_ips(box))
+    assert figures["corpus"].startswith(f"{client.S3_RUNS}/_prepared/")
 
 
 def test_a_sweep_trial_whose_node_is_cut_off_finishes_on_the_other(box):
-    figures = scenarios.partition(box)
+    figures = cuts.partition(box)
     assert figures["continued_on"] != figures["cut_node"]
     assert len(box.alive_nodes()) == 3  # the node rejoined
 

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import re
+import shutil
 import subprocess
 import uuid
+from pathlib import Path
 
 import jsonschema
 import pytest
@@ -95,7 +98,13 @@ def _serve_config_v2() -> dict:
 
 
 BOX = ("box/box.py", "box/scenarios.py", "box/view.py", "box/load.py")
-"""The cluster in a box: run by tests/test_cluster_box.py (two scenarios) and loaded here."""
+"""The cluster in a box's scripts: run by tests/test_cluster_box.py (two scenarios) and loaded
+here."""
+BOX_PARTS = (
+    "box/nodes.py", "box/services.py", "box/client.py", "box/jobs.py", "box/cuts.py",
+    "box/outages.py",
+)  # fmt: skip
+"""What the scripts import: the box's nodes and services, the client's tools, the scenarios."""
 
 
 def test_every_file_in_deploy_is_checked_here():
@@ -104,18 +113,21 @@ def test_every_file_in_deploy_is_checked_here():
         for p in DEPLOY.rglob("*")
         if p.is_file() and "__pycache__" not in p.parts
     }
-    assert files == {"README.md", "serve.yaml", *MANIFESTS, *BOX}, (
+    assert files == {"README.md", "serve.yaml", *MANIFESTS, *BOX, *BOX_PARTS}, (
         "a new file in deploy/ needs a check in tests/test_deploy.py"
     )
 
 
 def test_the_box_scripts_load_and_name_their_scenarios(monkeypatch):
     """Every script of deploy/box imports, has its entry point, and the scenarios the docs
-    table names are the ones `scenarios.py --only` accepts."""
+    table names are the ones `scenarios.py --only` accepts; every part it imports imports."""
     monkeypatch.syspath_prepend(str(DEPLOY / "box"))
-    modules = {rel: importlib.import_module(rel.split("/")[1].removesuffix(".py")) for rel in BOX}
-    for rel, module in modules.items():
-        assert callable(module.main), rel
+    modules = {
+        rel: importlib.import_module(rel.split("/")[1].removesuffix(".py"))
+        for rel in (*BOX, *BOX_PARTS)
+    }
+    for rel in BOX:
+        assert callable(modules[rel].main), rel
     scenarios = modules["box/scenarios.py"]
     table = re.findall(r"^\| ([\w, +-]+) \|", scenarios.__doc__, re.M)[1:]  # not the header
     named = {n.strip() for row in table for n in row.split(",")}
@@ -138,6 +150,57 @@ def test_the_box_runs_what_a_chosen_scenario_needs_first(monkeypatch, capsys):
         order = scenarios.batches(scenarios.with_needs([name]), serial=True)
         where = {n: i for i, group in enumerate(order) for n in group}
         assert where[need] < where[name], (name, order)
+
+
+def test_the_box_takes_its_folder_before_or_after_the_command(monkeypatch):
+    """`box.py up --root X` ignored --root (the command's remainder swallowed it) and removed
+    the box at the default root; a --root after `client --` is the client command's own."""
+    monkeypatch.syspath_prepend(str(DEPLOY / "box"))
+    box = importlib.import_module("box")
+    for argv in (["up", "--root", "/x"], ["--root", "/x", "up"], ["status", "--root", "/x"]):
+        assert box.parse(argv).root == Path("/x"), argv
+    assert box.parse(["down"]).root == Path(box.ROOT)
+    given = box.parse(["client", "--root", "/x", "--", "ray", "job", "list", "--root", "y"])
+    assert (given.root, given.rest) == (Path("/x"), ["ray", "job", "list", "--root", "y"])
+    assert box.parse(["node", "w1", "ls", "-l"]).rest == ["w1", "ls", "-l"]
+
+
+def test_a_box_node_keeps_a_checkout_and_virtualenv_that_live_under_tmp(monkeypatch, tmp_path):
+    """Each node mounts a tmpfs over /tmp (and ~/.cache): a checkout or virtualenv there was
+    hidden, and the box failed naming its buckets. The node's mounts, run in a mount namespace
+    of their own, from pytest's folder under /tmp: the checkout (copy-on-write), the
+    virtualenv and the shared data are there; the machine's data folder and /tmp are not."""
+    monkeypatch.syspath_prepend(str(DEPLOY / "box"))
+    nodes = importlib.import_module("nodes")
+    if shutil.which("unshare") is None or os.geteuid() != 0:
+        pytest.skip("needs root and util-linux's unshare (as the box does)")
+    assert str(tmp_path).startswith("/tmp/")
+    checkout, venv, data, shared = (tmp_path / n for n in ("checkout", "venv", "data", "shared"))
+    for folder in (checkout, venv / "bin", data, shared / "data", tmp_path / "private" / "upper",
+                   tmp_path / "private" / "work"):  # fmt: skip
+        folder.mkdir(parents=True)
+    (checkout / "marker").write_text("checkout\n")
+    (venv / "bin" / "python").write_text("#!/bin/sh\necho venv\n")
+    (venv / "bin" / "python").chmod(0o755)
+    (data / "corpus.txt").write_text("data\n")
+    (tmp_path / "hosts").write_text("127.0.0.1 localhost\n")
+    mounts = nodes.pod_mounts("w1", tmp_path / "hosts", shared, data, tmp_path / "private",
+                              checkout=checkout, keep=(venv,))  # fmt: skip
+    checks = [
+        f"cat {checkout}/marker",
+        f"{venv}/bin/python",
+        "cat /mnt/shared/data/corpus.txt",
+        f"test ! -e {data}/corpus.txt",  # the machine's own copy, hidden
+        f"touch {checkout}/written-on-the-node",
+        f"ls {tmp_path}",  # /tmp is the node's own: only what it keeps is there
+    ]
+    script = " && ".join([*mounts, *checks])
+    done = subprocess.run(["unshare", "--mount", "--fork", "sh", "-c", script],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["checkout", "venv", "data", "checkout", "venv"], done.stdout
+    assert not (checkout / "written-on-the-node").exists()  # in the node's upper layer
+    assert (tmp_path / "private" / "upper" / "written-on-the-node").exists()
 
 
 def test_a_box_s_teardown_removes_its_namespaces_and_leaves_others_with_its_prefix(monkeypatch):

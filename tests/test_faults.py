@@ -291,6 +291,42 @@ def test_damaged_small_files_of_a_run_folder_are_one_line_on_resume(
     assert ("delete it" in err) and ("restore it" in err or "give the launch flags" in err)
 
 
+def test_a_worker_group_waiting_for_room_says_so_instead_of_rays_failure_record(
+    monkeypatch, capsys
+):
+    """Each try Ray Train gives a worker group it cannot place ends in its failure policy's
+    record "Training failed due to controller error" with a traceback, while the run only
+    waits: the controller's callback says so in one line, and Ray's record of that retry is
+    dropped (not its other records). Ray's own state and error classes."""
+    import logging
+
+    from ray.train.v2._internal.exceptions import WorkerGroupStartupTimeoutError
+    from ray.train.v2._internal.execution.controller.state import ReschedulingState, RunningState
+    from ray.train.v2.api.exceptions import ControllerError
+
+    from hlm_ray.train import placement_wait as placement
+
+    monkeypatch.delenv(placement.START_TIMEOUT_ENV, raising=False)  # Ray's 60 s a try
+    assert placement.retries(180) == 2 and placement.retries(30) == 0
+    timeout = ControllerError(WorkerGroupStartupTimeoutError(2))
+    waiting = placement.placement_wait(2, {"CPU": 2.0}, 180)
+    for _ in range(2):
+        state = ReschedulingState(training_failed_error=timeout)
+        waiting.after_controller_state_update(RunningState(), state)
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 2 and all("waiting for the cluster to place 2 worker(s)" in s for s in said)
+    assert "not placed after 120 s of the 180 s this run waits" in said[1]
+
+    def record(message: str, error: BaseException) -> logging.LogRecord:
+        return logging.LogRecord(placement.POLICY_LOGGER, logging.INFO, __file__, 1, message,
+                                 (), (type(error), error, None))  # fmt: skip
+
+    other = ControllerError(RuntimeError("the controller broke"))
+    assert not placement.quiet_placement_retries(record("[FailurePolicy] RETRY\n...", timeout))
+    assert placement.quiet_placement_retries(record("[FailurePolicy] RETRY\n...", other))
+    assert placement.quiet_placement_retries(record("[FailurePolicy] RAISE\n...", timeout))
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

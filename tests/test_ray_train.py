@@ -198,3 +198,37 @@ def test_ctrl_c_damaged_checkpoints_and_resume_on_ray(ray_cluster, mlflow_store,
     )
     kept = [ckpt.checkpoint_step(p) for p in ckpt.list_checkpoints(out)]
     assert kept == [ckpt.checkpoint_step(first), ckpt.checkpoint_step(first) + 8]
+
+
+def test_workers_the_cluster_cannot_place_wait_a_bounded_time_then_fail_in_one_line(
+    ray_cluster, mlflow_store, tmp_path, monkeypatch
+):
+    """Ray Train retries a worker group it cannot place forever, each try a "Training failed
+    due to controller error" while the job stays RUNNING (the cluster box, a node cut off and
+    not back). The run waits `placement_timeout_s` in all, then fails with one line that says
+    why. Here another job holds the cluster's CPUs; Ray gives each try 2 s."""
+    import time
+
+    import ray
+    from mlflow import MlflowClient
+
+    @ray.remote(num_cpus=2)
+    class Holder:
+        def ping(self) -> int:
+            return 1
+
+    holder = Holder.remote()
+    ray.get(holder.ping.remote())
+    monkeypatch.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "2")
+    started = time.monotonic()
+    try:
+        with pytest.raises(HLMError, match=r"could not place 1 worker\(s\) of 1 CPU in 4 s"):
+            launch(cfg_for(tmp_path / "unplaced"), num_workers=1, placement_timeout_s=4,
+                   experiment="test-ray-unplaced")  # fmt: skip
+    finally:
+        ray.kill(holder)
+    assert time.monotonic() - started < 90  # two tries of 2 s, and a controller's start
+    client = MlflowClient(mlflow_store)
+    experiment = client.get_experiment_by_name("test-ray-unplaced")
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.status == "FAILED"

@@ -2,6 +2,7 @@
 end on the shared Ray cluster (Train inside Tune, MLflow parent and child runs, resume)."""
 
 import ast
+import contextlib
 import csv
 import json
 import math
@@ -467,6 +468,108 @@ def test_a_stopped_trials_run_stays_killed_when_its_process_says_failed_late(
     assert read_run_ref(tmp_path / "stopped")["status"] == "KILLED"
 
 
+class Forwarder:
+    """A TCP forwarder on a port of its own to the server at `target` (host, port), which can
+    go down (its listener and every connection closed, as a server process killed) and come
+    back on the same port (the server started again): a real outage between a client and a
+    real MLflow server, without stopping the session's server."""
+
+    def __init__(self, target: tuple[str, int]):
+        import socket
+        import threading
+
+        self.target, self.socket, self.threading = target, socket, threading
+        self.port, self.open = 0, []
+        self.up()
+
+    def up(self) -> None:
+        self.listener = self.socket.create_server(("127.0.0.1", self.port))
+        self.port = self.listener.getsockname()[1]
+        self.threading.Thread(target=self._accept, args=(self.listener,), daemon=True).start()
+
+    def down(self) -> None:
+        for sock in [self.listener, *self.open]:
+            with contextlib.suppress(OSError):
+                sock.shutdown(self.socket.SHUT_RDWR)  # wakes the threads blocked on it
+            sock.close()
+        self.open = []
+
+    def _accept(self, listener) -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:  # closed: down
+                return
+            server = self.socket.create_connection(self.target)
+            self.open += [client, server]
+            for a, b in ((client, server), (server, client)):
+                self.threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(source, sink) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        sink.close()
+
+
+def test_the_end_of_a_sweep_closes_a_parent_run_whose_server_went_away_meanwhile(
+    mlflow_server, tmp_path, capsys
+):
+    """The tracking server killed and started again during a sweep: the parent run's tracker
+    had turned off at its first failed call, and the sweep's end left the parent RUNNING with
+    only plan.txt. Reopened with a new client, it takes the results and is closed; a server
+    still down is one line that names what finishes the job, `hlm sync <sweep folder>`, which
+    then sends the trials' records and the parent's files and closes it."""
+    import urllib.parse
+
+    from mlflow import MlflowClient
+
+    from hlm_ray.cli import main
+    from hlm_ray.tracking import MlflowTracker, write_run_ref
+    from hlm_ray.tune.replay import reopened, say_if_unclosed
+
+    address = urllib.parse.urlsplit(mlflow_server)
+    outage = Forwarder((address.hostname, address.port))
+    uri = f"http://127.0.0.1:{outage.port}"
+    parent = MlflowTracker(EXPERIMENT, "outage-parent", tracking_uri=uri)
+    outage.down()  # killed mid-sweep: the parent's next call fails, its tracker turns off
+    parent.log_metrics({"trials_finished": 2}, step=0)
+    assert not parent.active and reopened(parent) is parent  # still down: as it is
+    say_if_unclosed(parent, tmp_path / "sweep")
+    said = capsys.readouterr().out
+    assert said.count("\n") == 1 and f"`hlm sync {tmp_path / 'sweep'}`" in said
+    outage.up()  # started again
+    again = reopened(parent)
+    again.log_metrics({"trials_finished": 2}, step=0)
+    again.finish("FINISHED")
+    client = MlflowClient(mlflow_server)
+    run = client.get_run(parent.run_id)
+    assert (run.info.status, run.data.metrics) == ("FINISHED", {"trials_finished": 2.0})
+
+    # A sweep whose end met the outage: its folder has the summary and a trial's scores that
+    # MLflow lacks; `hlm sync` of the folder sends them and closes the parent.
+    folder = tmp_path / "runs" / "sweeps" / "outage"
+    spec = {"experiment": EXPERIMENT}
+    (folder / "trials").mkdir(parents=True)
+    state = {"spec": spec, "search": False, "parent_run_id": parent.run_id, "results": {}}
+    (folder / "sweep.json").write_text(json.dumps(state))
+    (folder / "summary.csv").write_text("run,status\nheadless-v1-s0-a,FINISHED\n")
+    (folder / "summary.md").write_text("| run |\n")
+    child = MlflowTracker(EXPERIMENT, "headless-v1-s0-a", tracking_uri=mlflow_server)
+    trial = folder / "trials" / "headless-v1-s0-a"
+    JsonlTracker(trial).log_metrics({"train/loss": 2.0}, step=1)
+    write_run_ref(trial, child.run_id, mlflow_server)
+    (trial / "downstream.json").write_text('{"downstream/score": 0.5}')
+    MlflowTracker(EXPERIMENT, run_id=parent.run_id, tracking_uri=mlflow_server)  # RUNNING
+    assert main(["sync", str(folder), "--tracking-uri", mlflow_server]) == 0
+    assert "2 metric point(s) of 1 trial(s), 2 file(s)" in capsys.readouterr().out
+    run = client.get_run(parent.run_id)
+    assert run.info.status == "FINISHED"
+    assert {a.path for a in client.list_artifacts(parent.run_id)} == {"summary.csv", "summary.md"}
+    assert client.get_run(child.run_id).data.metrics == {"train/loss": 2.0, "downstream/score": 0.5}
+
+
 @pytest.fixture(scope="module")
 def sweep_server(mlflow_server):
     """The module's sweeps log through the session's MLflow server."""
@@ -580,6 +683,38 @@ def test_vocab_sweep_end_to_end_then_resumes_without_retraining(
     assert len(_runs(sweep_server, "vocab-e2e")[2]) == 4
     assert [r["trial_id"] for r in _summary(folder)] == [r["trial_id"] for r in rows]
     assert main([*argv, "--set", "sweep.values=[512]"]) == 2  # another grid, same name
+
+
+@pytest.mark.ray
+def test_a_downstream_step_whose_process_is_lost_runs_again_in_a_new_one(
+    ray_cluster, tmp_path, capsys
+):
+    """The step's actor dies (as with its node, which the cluster box cuts): it starts again in
+    a new actor, and says so; its own errors are not retried; attempts are bounded."""
+    import ray
+
+    from hlm_ray.tune.remote_step import run_on_a_node
+
+    def _dies_once(marker: str) -> str:  # defined here: sent to the actor by value
+        import os
+        from pathlib import Path
+
+        if not Path(marker).exists():
+            Path(marker).touch()
+            os._exit(1)
+        return "scored"
+
+    def _raises() -> None:
+        raise ValueError("not a node's loss: the step's own error")
+
+    marker = str(tmp_path / "died-once")
+    assert run_on_a_node(_dies_once, (marker,), cpus=1, gpus=0, attempts=2) == "scored"
+    assert "starting it again on a node with room (attempt 2 of 2)" in capsys.readouterr().out
+    with pytest.raises(ray.exceptions.RayActorError):
+        run_on_a_node(_dies_once, (str(tmp_path / "dies"),), cpus=1, gpus=0, attempts=1)
+    with pytest.raises(ray.exceptions.RayTaskError, match="not a node"):
+        run_on_a_node(_raises, (), cpus=1, gpus=0, attempts=3)
+    assert "starting it again" not in capsys.readouterr().out
 
 
 @pytest.mark.ray

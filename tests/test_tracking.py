@@ -758,3 +758,38 @@ def test_the_end_of_a_sweep_sends_every_trials_logged_steps_wherever_it_was_kill
     JsonlTracker(trials / runs[0]).log_metrics({"train/loss": 0.5}, step=40)
     assert replay_trials(runs[:1], trials, dead) == 0
     assert capsys.readouterr().out.count("warning: cannot sync") == 1
+
+
+def test_a_trials_downstream_scores_reach_mlflow_after_its_step_met_an_outage(store, tmp_path):
+    """A trial's downstream step that starts while the tracking server does not answer turns
+    its tracker off: its scores are only in the folder's downstream.json. The sweep's end (and
+    `hlm sync`) sends them at step 0, where the step logs them (finite ones, as it does); a
+    trial whose step did log them costs the sweep's end no MLflow round trip."""
+    import json
+    import math
+
+    from hlm_ray.tracking.sync import logged_downstream, maybe_unsynced, sync_run
+    from hlm_ray.tune.replay import replay_trials
+
+    uri, trials = store[1], tmp_path / "trials"
+    scores = {"downstream/score": 0.25, "lambada/accuracy": 0.25, "bpb": 1.5, "none": math.nan}
+    runs = {}
+    for name in ("missed", "logged"):
+        tracker = MlflowTracker("test-downstream-replay", name, tracking_uri=uri)
+        JsonlTracker(trials / name).log_metrics({"train/loss": 1.0}, step=10)
+        tracker.log_metrics({"train/loss": 1.0}, step=10)
+        write_run_ref(trials / name, tracker.run_id, uri)
+        sync_run(trials / name)  # the end of its training: MLflow has every row
+        (trials / name / "downstream.json").write_text(json.dumps(scores))
+        if name == "logged":
+            tracker.log_metrics({k: v for k, v in scores.items() if math.isfinite(v)}, step=0)
+            logged_downstream(trials / name)
+        runs[name] = tracker.run_id
+    assert maybe_unsynced(trials / "missed") and not maybe_unsynced(trials / "logged")
+    assert replay_trials(list(runs), trials, uri) == 3
+    client = mlflow.MlflowClient(uri)
+    for run_id in runs.values():
+        metrics = client.get_run(run_id).data.metrics
+        assert {k: metrics.get(k) for k in scores} == {**scores, "none": None}
+        assert [m.step for m in client.get_metric_history(run_id, "downstream/score")] == [0]
+    assert replay_trials(list(runs), trials, uri) == 0  # nothing twice

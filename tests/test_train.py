@@ -467,3 +467,30 @@ def test_a_diverged_run_stops_at_the_step_and_saves_no_nan_weights(tmp_path, eve
         assert ckpt.checkpoint_step(folder) < stopped
         weights = load_file(folder / "model" / "model.safetensors")
         assert all(torch.isfinite(w).all() for w in weights.values()), folder.name
+
+
+def test_a_restart_before_the_first_checkpoint_sends_each_step_to_mlflow_once(
+    tmp_path, mlflow_store
+):
+    """A worker group restarted before its first checkpoint (a node lost) starts again from
+    step 0 in the same MLflow run, perhaps with rank 0 on another node (no metrics.jsonl): the
+    steps the dead attempt sent are not sent again (the cluster box saw 69 points for 60 steps,
+    steps 1-9 twice). Rank 0's tracker as `setup_run` opens it, on a real store."""
+    from mlflow import MlflowClient
+
+    from hlm_ray.tracking import MlflowTracker
+    from hlm_ray.train.run_tracking import open_tracker
+
+    run = MlflowTracker("test-restart-from-0", "restarted", tracking_uri=mlflow_store)
+    tracking = {"experiment": "test-restart-from-0", "uri": mlflow_store, "run_id": run.run_id}
+    dead = open_tracker(tmp_path / "node-a", tracking, resuming=False)  # the first attempt
+    for step in (1, 2, 3):
+        dead.log_metrics({"train/loss": 1.0 / step}, step=step)
+    restarted = open_tracker(tmp_path / "node-b", tracking, resuming=False)
+    for step in (1, 2, 3, 4):
+        restarted.log_metrics({"train/loss": 1.0 / step}, step=step)
+    history = MlflowClient(mlflow_store).get_metric_history(run.run_id, "train/loss")
+    assert sorted(m.step for m in history) == [1, 2, 3, 4]
+    assert read_metrics(tmp_path / "node-b") == [  # its own record is whole
+        {"step": step, "train/loss": 1.0 / step} for step in (1, 2, 3, 4)
+    ]

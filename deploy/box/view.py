@@ -29,10 +29,13 @@ def _client():
 
 
 def describe(run, client) -> dict:
-    """A run's status, tags, params, the steps of each metric, and its top-level artifacts."""
-    steps = {}
+    """A run's status, tags, params, the steps of each metric and its number of points, and its
+    top-level artifacts."""
+    steps, points = {}, {}
     for key in run.data.metrics:
-        steps[key] = sorted({m.step for m in client.get_metric_history(run.info.run_id, key)})
+        history = client.get_metric_history(run.info.run_id, key)
+        steps[key] = sorted({m.step for m in history})
+        points[key] = len(history)  # more than its steps: a step logged twice
     return {
         "run_id": run.info.run_id,
         "name": run.info.run_name,
@@ -41,6 +44,7 @@ def describe(run, client) -> dict:
         "metrics": run.data.metrics,
         "params": run.data.params,
         "steps": steps,
+        "points": points,
         "artifacts": sorted(a.path for a in client.list_artifacts(run.info.run_id)),
     }
 

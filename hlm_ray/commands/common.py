@@ -60,6 +60,14 @@ def launch_args(p: argparse.ArgumentParser) -> None:
         "--max-failures", type=int, help="worker-group restarts from the last checkpoint (2)"
     )
     p.add_argument("--storage-path", help="Ray storage (default: the output folder's parent)")
+    p.add_argument(
+        "--placement-timeout",
+        dest="placement_timeout_s",
+        type=float,
+        metavar="SECONDS",
+        help="how long, in all, to wait for the cluster to place the workers (a node lost and "
+        "not back, CPUs held by other jobs) before the run fails (600)",
+    )
     device_arg(p)
     p.add_argument("--experiment", help="MLflow experiment name (default hlm_ray)")
 

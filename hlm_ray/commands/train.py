@@ -43,7 +43,9 @@ def add_parsers(sub) -> None:
     train.set_defaults(overhead_s=0.0)
 
     sync = add_command(sub, "sync", cmd_sync)
-    sync.add_argument("run", help="the run folder (an `hlm train --output`)")
+    sync.add_argument(
+        "run", help="the run folder (an `hlm train --output`), or a sweep's (runs/sweeps/<name>)"
+    )
     sync.add_argument(
         "--tracking-uri",
         default=None,
@@ -69,14 +71,15 @@ def cmd_train(args, argv: list[str]) -> int:
     continues a run; --dry-run prints its cost plan (--overhead-s: a fixed cost added to it)."""
     from hlm_ray.train.checkpoint import refuse_existing, resolve_resume
     from hlm_ray.train.launch import check_output, check_workers
-    from hlm_ray.train.resume import discard_launch, resumed_config, save_launch
+    from hlm_ray.train.resume import discard_launch, resumed_config, save_launch, stored_checkpoint
     from hlm_ray.train.run_lock import acquire
     from hlm_ray.train.summary import format_summary
 
     resume = resume_from = None
     if args.resume:
-        resume = resolve_resume(resolve_input(args.resume))
-        named = resolve_input(args.resume).resolve() == resume.resolve()  # a checkpoint
+        stored = stored_checkpoint(args)  # a run whose checkpoints are in its storage (s3://)
+        resume = stored or resolve_resume(resolve_input(args.resume))
+        named = not stored and resolve_input(args.resume).resolve() == resume.resolve()
         resume_from = resume if named else None
         args.output = args.output or str(resume.parent)
         launch_settings(args, resume.parent)
@@ -128,7 +131,9 @@ def cmd_train(args, argv: list[str]) -> int:
 
         if isinstance(err, RunInterrupted):  # an MLflow run was opened and is marked KILLED
             run_dir = Path(cfg.run.output_dir)
-            said = continue_message(run_dir, str(output), argv, args.config, args.set)
+            said = continue_message(
+                run_dir, str(output), argv, args.config, args.set, args.storage_path
+            )
         else:  # preparing the tokenizer or corpus: no MLflow run was opened
             said = not_started_message(argv)
             if resume is None:
@@ -160,10 +165,22 @@ def cmd_sync(args) -> int:
     """send a run's metrics that MLflow missed (an outage)
 
     Send MLflow what a run recorded while the tracking server was down: the missing metric
-    points (never the ones it has), params, final artifacts, status."""
+    points (never the ones it has), params, final artifacts, status. Given a sweep's folder:
+    every trial's, then the parent run's summary, figures and status."""
     from hlm_ray.tracking.sync import sync_run
 
-    report = sync_run(args.run, tracking_uri=args.tracking_uri)
+    folder = resolve_input(args.run)  # in a job's copy of the checkout: where outputs went
+    if (folder / "sweep.json").is_file():  # tune.storage.STATE_FILE
+        from hlm_ray.tune.replay import sync_sweep
+
+        report = sync_sweep(folder, args.tracking_uri)
+        print(
+            f"synced sweep {args.run} to MLflow: {report['metrics_logged']} metric point(s) of "
+            f"{report['trials']} trial(s), {len(report['artifacts_logged'])} file(s) on the "
+            f"parent run {report['run_id']}; status {report['status']}"
+        )
+        return 0
+    report = sync_run(folder, tracking_uri=args.tracking_uri)
     print(
         f"synced {args.run} to MLflow run {report['run_id']}: {report['metrics_logged']} metric "
         f"point(s), {report['params_logged']} param(s), "

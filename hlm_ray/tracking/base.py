@@ -26,6 +26,9 @@ RUN_REF_FILE = "mlflow_run.json"
 """In a run folder: the id and tracking URI of the run's MLflow run (written by
 `hlm_ray.train.launch.open_mlflow_run`), so a resumed run, a restarted worker group, a sweep
 trial and `hlm finetune` / `hlm eval` all log to the same run."""
+DOWNSTREAM_FILE = "downstream.json"
+"""In a sweep trial's run folder: the scores of its downstream step ({metric: value}), which the
+step logged to the run's MLflow run at step 0; `hlm sync` replays them as it does metrics.jsonl."""
 
 
 class Tracker:

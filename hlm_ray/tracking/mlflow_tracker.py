@@ -173,6 +173,28 @@ class MlflowTracker(Tracker):
         except Exception:
             return None
 
+    def artifacts(self) -> set[str]:
+        """The run's top-level artifact paths (empty when tracking is off)."""
+        if not self.active:
+            return set()
+        try:
+            return {a.path for a in self._get_client().list_artifacts(self.run_id)}
+        except Exception as exc:  # tracking must never stop training
+            self._disable("listing the run's artifacts", exc)
+            return set()
+
+    def last_step(self, key: str) -> int:
+        """The last step of metric `key` the run holds (-1: none, or tracking is off): what an
+        earlier attempt of the run sent already."""
+        if not self.active:
+            return -1
+        try:
+            history = self._get_client().get_metric_history(self.run_id, key)
+        except Exception as exc:  # tracking must never stop training
+            self._disable("reading the run's metric history", exc)
+            return -1
+        return max((m.step for m in history), default=-1)
+
     def finish(self, status: str = "FINISHED") -> None:
         """End the run. FAILED never replaces a status the run already ended with: a sweep marks
         a trial it stopped KILLED while the trial's process is still going down, and that

@@ -8,22 +8,25 @@ here, once it is back:
     report = sync_run("runs/tiny-headless")      # {"run_id", "metrics_logged", "status", ...}
 
 Points MLflow already holds (same key and step) are not sent again, so syncing twice, or a run
-whose tracking never failed, adds nothing. The status the launcher meant to give the run
-(FINISHED, FAILED, KILLED: kept in `mlflow_run.json`) is applied, as are the params (from
-`params.json`) and the final artifacts, when the run lacks them. A run folder that never had an
-MLflow run (trained where mlflow was not installed) gets a new one, named after the folder.
+whose tracking never failed, adds nothing. A sweep trial's downstream scores (`downstream.json`,
+logged at step 0 by a later step, which may have met the outage) are sent with the rows. The
+status the launcher meant to give the run (FINISHED, FAILED, KILLED: kept in `mlflow_run.json`)
+is applied, as are the params (from `params.json`) and the final artifacts, when the run lacks
+them. A run folder that never had an MLflow run (trained where mlflow was not installed) gets a
+new one, named after the folder.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 from typing import Any
 
 from hlm_ray.errors import HLMError
+from hlm_ray.tracking.base import DOWNSTREAM_FILE, read_run_ref, write_run_ref
 from hlm_ray.tracking.base import RUN_REF_FILE as RUN_ID_FILE
-from hlm_ray.tracking.base import read_run_ref, write_run_ref
 
 
 def record_status(out_dir: str | Path, status: str) -> None:
@@ -41,8 +44,7 @@ def record_status(out_dir: str | Path, status: str) -> None:
 
 def sync_run(out_dir: str | Path, *, tracking_uri: str | None = None) -> dict[str, Any]:
     """Send what the MLflow run lacks from `out_dir`; HLMError if the server cannot be reached."""
-    from hlm_ray.tracking import read_metrics
-    from hlm_ray.tracking.store import bound_http_waits, is_number, probe, redact
+    from hlm_ray.tracking.store import bound_http_waits, probe, redact
 
     out_dir = Path(out_dir)
     info = read_run_ref(out_dir) or _open_untracked(out_dir, tracking_uri)
@@ -56,7 +58,7 @@ def sync_run(out_dir: str | Path, *, tracking_uri: str | None = None) -> dict[st
 
         client = MlflowClient(tracking_uri=uri)
         run = client.get_run(run_id)
-        rows = read_metrics(out_dir)
+        rows = records(out_dir)
         keys = sorted({k for row in rows for k in row if k != "step"})
         have = {k: {m.step for m in client.get_metric_history(run_id, k)} for k in keys}
         now = int(time.time() * 1000)
@@ -64,7 +66,7 @@ def sync_run(out_dir: str | Path, *, tracking_uri: str | None = None) -> dict[st
             Metric(key, float(value), now, int(row["step"]))
             for row in rows
             for key, value in row.items()
-            if key != "step" and is_number(value) and int(row["step"]) not in have[key]
+            if key != "step" and int(row["step"]) not in have[key]
         ]
         for start in range(0, len(missing), 1000):
             client.log_batch(run_id, metrics=missing[start : start + 1000], synchronous=True)
@@ -106,8 +108,22 @@ def sync_run(out_dir: str | Path, *, tracking_uri: str | None = None) -> dict[st
     }
 
 
+def records(out_dir: str | Path) -> list[dict[str, Any]]:
+    """What the run folder says MLflow should hold: the rows of `metrics.jsonl`, then the
+    downstream scores as one row at step 0 (where its step logged them); numbers only."""
+    from hlm_ray.tracking import read_metrics
+    from hlm_ray.tracking.store import is_number
+
+    rows = read_metrics(out_dir)
+    scores = Path(out_dir) / DOWNSTREAM_FILE
+    if scores.is_file():  # the step logged its finite scores
+        logged = json.loads(scores.read_text()).items()
+        rows.append({"step": 0, **{k: v for k, v in logged if is_number(v) and math.isfinite(v)}})
+    return [{k: v for k, v in row.items() if k == "step" or is_number(v)} for row in rows]
+
+
 SYNCED_ROWS = "synced_rows"
-"""In `mlflow_run.json`: how many rows of `metrics.jsonl` MLflow was last found to hold."""
+"""In `mlflow_run.json`: how many of the folder's `records` MLflow was last found to hold."""
 
 
 def _remember_synced(out_dir: Path, rows: int) -> None:
@@ -117,13 +133,20 @@ def _remember_synced(out_dir: Path, rows: int) -> None:
 
 
 def maybe_unsynced(out_dir: str | Path) -> bool:
-    """Whether MLflow may lack rows of the folder's `metrics.jsonl`: no sync has seen them all
-    (one was never run, or rows were written after it). False costs no MLflow round trip, which
-    a full `sync_run` pays per metric (about 1 s a trial on 2 cores)."""
-    from hlm_ray.tracking import read_metrics
-
+    """Whether MLflow may lack some of the folder's `records`: no sync has seen them all (one
+    was never run, or rows, or the downstream scores, were written after it). False costs no
+    MLflow round trip, which a full `sync_run` pays per metric (about 1 s a trial on 2 cores)."""
     info = read_run_ref(out_dir)
-    return info is None or info.get(SYNCED_ROWS) != len(read_metrics(out_dir))
+    return info is None or info.get(SYNCED_ROWS) != len(records(out_dir))
+
+
+def logged_downstream(out_dir: str | Path) -> None:
+    """The downstream step logged its scores to MLflow (its tracker stayed on): a folder whose
+    other records a sync had all seen needs no sync for them either."""
+    info = read_run_ref(out_dir)
+    count = len(records(out_dir))
+    if info is not None and info.get(SYNCED_ROWS) == count - 1:
+        _remember_synced(Path(out_dir), count)
 
 
 def locate_run(out_dir: Path, run_id: str, recorded: str | None, given: str | None) -> str:
@@ -203,12 +226,13 @@ def _missing_artifacts(client, run_id: str, out_dir: Path, status: str | None):
     return out
 
 
-def sync_quietly(out_dir: str | Path) -> str | None:
-    """`sync_run` at the end of a run: a one-line note when something was sent or it failed."""
+def sync_quietly(out_dir: str | Path, retry: str | None = None) -> str | None:
+    """`sync_run` at the end of a run: a one-line note when something was sent or it failed
+    (`retry`: what sends it later, when not `hlm sync` of the folder: a sweep trial's)."""
     try:
         report = sync_run(out_dir)
     except HLMError as err:
-        return f"warning: {err}"
+        return f"warning: {str(err).split('; ')[0]}; {retry}" if retry else f"warning: {err}"
     if report["metrics_logged"] or report["params_logged"] or report["artifacts_logged"]:
         return (
             f"MLflow: replayed {report['metrics_logged']} metric point(s) the tracking server "
@@ -218,9 +242,9 @@ def sync_quietly(out_dir: str | Path) -> str | None:
 
 
 class SkipLogged:
-    """Wraps a run's MLflow tracker after a resume: metric points at steps it was already sent
-    (up to `through`, the last step in `metrics.jsonl` before the resume) are not sent again,
-    so the redone steps after the checkpoint add no duplicate points."""
+    """Wraps a run's MLflow tracker after a resume or a restart: metric points at steps it was
+    already sent (up to `through`: the last step the run holds, or that `metrics.jsonl` held
+    before a resume) are not sent again, so the redone steps add no duplicate points."""
 
     def __init__(self, tracker, through: int):
         self.tracker = tracker

@@ -23,24 +23,34 @@ class RunInterrupted(KeyboardInterrupt):
 
 
 def continue_message(
-    run_dir: Path, output: str, argv: list[str], config: str | None, sets: list[str]
+    run_dir: Path,
+    output: str,
+    argv: list[str],
+    config: str | None,
+    sets: list[str],
+    storage: str | None = None,
 ) -> str:
     """What `hlm train` says after Ctrl-C: `--resume` (with the --config/--set given again)
-    when the run folder holds a valid checkpoint; before the first one there is nothing to
-    resume (`--resume` would refuse the folder), so the same command again, which starts over
-    (a folder without checkpoints is accepted, its metrics.jsonl rewritten)."""
+    when the run folder, or the run's `storage` (s3://...), holds a valid checkpoint; before
+    the first one there is nothing to resume (`--resume` would refuse the folder), so the same
+    command again, which starts over (a folder without checkpoints is accepted, its
+    metrics.jsonl rewritten)."""
     import shlex
 
     from hlm_ray.train.checkpoint import latest_valid
+    from hlm_ray.train.run_mirror import RunMirror
 
-    if run_dir.is_dir() and latest_valid(run_dir, warn=False) is not None:
+    mirror = RunMirror.of(run_dir, storage)
+    stored = mirror is not None and mirror.has_checkpoints()
+    if stored or (run_dir.is_dir() and latest_valid(run_dir, warn=False) is not None):
         again = " ".join(
             ["hlm train --resume", shlex.quote(output)]
             + (["--config", shlex.quote(config)] if config else [])
             + [f"--set {shlex.quote(s)}" for s in sets]
         )
+        where = mirror.uri if stored else output
         return (
-            f"the run is stopped and marked KILLED; the checkpoints in {output} are intact; "
+            f"the run is stopped and marked KILLED; the checkpoints in {where} are intact; "
             f"continue with: {again}"
         )
     return (

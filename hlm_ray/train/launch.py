@@ -46,6 +46,7 @@ RAY_TRAIN_ENV = {
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
 }
 _own_cluster = False  # whether `connect` started the local cluster this process is on
+SWEEP_SYNCS = "the sweep sends its records at its end (`hlm_ray.tune.replay`)"
 
 
 def connect() -> None:
@@ -348,19 +349,23 @@ def launch(
     tags: dict[str, Any] | None = None,
     callbacks: list[Any] | None = None,
     local: bool = False,
+    placement_timeout_s: float | None = None,
 ) -> dict[str, Any]:
     """Train `cfg` on `num_workers` Ray Train workers; returns rank 0's run summary.
 
     `resume` continues the run folder from its newest valid checkpoint; `resume_from` names a
     checkpoint folder to continue from instead (later ones are removed). A sweep trial (Train
     inside Tune) passes `parent_run_id` (its MLflow run nests under the sweep's), `tags`, and
-    `callbacks=[TuneReportCallback()]` (reports reach Tune); `local`: one worker, in-process."""
+    `callbacks=[TuneReportCallback()]` (reports reach Tune); `local`: one worker, in-process.
+    `placement_timeout_s`: how long, in all, the run waits for the cluster to place its workers
+    (`placement_wait.PLACEMENT_TIMEOUT_S` by default) before it fails."""
     launched_at = time.time()
     for key, value in RAY_TRAIN_ENV.items():
         os.environ.setdefault(key, value)
     import ray.train
 
     from hlm_ray.tracking.sync import sync_quietly
+    from hlm_ray.train import placement_wait as placement
     from hlm_ray.train.interrupt import RunInterrupted, restore_sigint, trainer_class
     from hlm_ray.train.local_mode import local_worker
     from hlm_ray.train.network import torch_config
@@ -394,7 +399,7 @@ def launch(
         if mirror is not None and mirror.has_checkpoints():
             raise HLMError(
                 f"{mirror.uri} holds checkpoints of an earlier run named {out_dir.name}; "
-                "continue it with --resume, or choose another --output"
+                f"continue it with `hlm train --resume {mirror.uri}`, or choose another --output"
             )
     elif mirror is None:
         # The run folder is Ray's storage: the newest valid checkpoint in it decides.
@@ -424,6 +429,7 @@ def launch(
         "writer": run_lock.token(out_dir),  # rank 0 stops writing once this driver is gone
     }
     workers, worker_fn = (0, local_worker) if local else (num_workers, ray_worker)
+    waits = placement.placement_wait(num_workers, resources, placement_timeout_s)
     trainer = None
     fit_at = time.time()
     # The MLflow run is open from here: a Ctrl-C anywhere below, building the trainer included
@@ -440,8 +446,10 @@ def launch(
                 name=out_dir.name,
                 storage_path=storage,
                 checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
-                failure_config=ray.train.FailureConfig(max_failures=max_failures),
-                callbacks=callbacks,
+                failure_config=ray.train.FailureConfig(
+                    max_failures=max_failures, controller_failure_limit=waits.retries
+                ),
+                callbacks=[*(callbacks or []), waits],
             ),
         )
         fit_at = time.time()
@@ -463,10 +471,10 @@ def launch(
         kept = f"; last checkpoint: {last}" if last else ""
         if mirror is not None and last is None:
             kept = f"; its checkpoints are in {mirror.uri}"
-        raise HLMError(
-            f"training failed after {max_failures} restart(s): "
-            f"{str(err).strip().splitlines()[-1]}{kept}"
-        ) from err
+        why = waits.failure(err) or (
+            f"training failed after {max_failures} restart(s): {str(err).strip().splitlines()[-1]}"
+        )
+        raise HLMError(f"{why}{kept}") from err
     except BaseException:
         finish(tracker, out_dir, "FAILED", mirror)
         raise
@@ -482,8 +490,8 @@ def launch(
         # (Ray's snapshot dropped) is not among them and would stay forever.
         ckpt.prune_checkpoints(out_dir, cfg.run.keep_checkpoints)
     finish(tracker, out_dir, "FINISHED", mirror)
-    if tracker.run_id is not None:
-        note = sync_quietly(out_dir)  # what the workers could not send (a tracking outage)
+    if tracker.run_id is not None:  # what the workers could not send (a tracking outage)
+        note = sync_quietly(out_dir, SWEEP_SYNCS if parent_run_id else None)
         if note:
             print(note, file=sys.stderr)
     summary_file = out_dir / "summary.json"

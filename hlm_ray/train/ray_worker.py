@@ -19,6 +19,7 @@ from hlm_ray.errors import HLMError, is_divergence
 from hlm_ray.train import checkpoint as ckpt
 from hlm_ray.train import run_lock
 from hlm_ray.train.run_mirror import PROGRESS, RESULTS, RunMirror
+from hlm_ray.train.storage_wait import waiting_on_storage
 
 
 class RayReporter:
@@ -38,14 +39,17 @@ class RayReporter:
         import ray.train
 
         step = int(metrics["step"])
-        if checkpoint_dir is not None and self.mirror is not None:
-            self.mirror.push(self.out_dir, PROGRESS)
-        checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
-        ray.train.report(
-            metrics, checkpoint=checkpoint, checkpoint_dir_name=f"{ckpt.PREFIX}{step:08d}"
-        )
-        if checkpoint_dir is not None:
-            shutil.rmtree(checkpoint_dir, ignore_errors=True)  # Ray copied it to storage
+        name = f"{ckpt.PREFIX}{step:08d}"
+        if checkpoint_dir is None:  # the other ranks' part of the barrier
+            ray.train.report(metrics, checkpoint=None, checkpoint_dir_name=name)
+            return
+        where = self.mirror.uri if self.mirror is not None else str(Path(self.out_dir).parent)
+        with waiting_on_storage(where, step):  # a store that stops answering is said
+            if self.mirror is not None:
+                self.mirror.push(self.out_dir, PROGRESS)
+            checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir)
+            ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
+        shutil.rmtree(checkpoint_dir, ignore_errors=True)  # Ray copied it to storage
 
 
 def ray_worker(loop_config: dict[str, Any]) -> None:

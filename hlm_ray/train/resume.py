@@ -7,11 +7,18 @@ launched (workers, CPUs, GPUs, --local, experiment) is kept in `<run>/launch.jso
 every flag not given again.
 
     cfg, launch = resumed_config(checkpoint, yaml_file=None, overrides=["optim.max_steps=300"])
+
+A run whose checkpoints are in its run storage (`--storage-path s3://...`) is continued from
+there, as `hlm train --resume s3://bucket/runs/x` or `hlm train --resume runs/x` (its storage
+from its launch.json or `--storage-path`): from a head node that lost the run folder too.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +36,7 @@ LAUNCH_DEFAULTS = {
     "max_failures": 2,
     "storage_path": None,
     "experiment": "hlm_ray",
+    "placement_timeout_s": None,  # launch's own default (`placement_wait.PLACEMENT_TIMEOUT_S`)
 }
 
 
@@ -134,3 +142,60 @@ def _diff(base: dict, other: dict, prefix: str = "") -> dict[str, Any]:
         elif base.get(key) != value:
             out[name] = value
     return out
+
+
+def stored_checkpoint(args) -> Path | None:
+    """`hlm train --resume` of a run whose checkpoints are in its run storage, not its run
+    folder (an `s3://` storage; `args.resume` a URI, or the run folder with the storage from
+    `--storage-path` or its launch.json): `args.output` and `args.storage_path` are set to the
+    run's, the run's MLflow id is fetched into its folder, and the result is a local folder
+    named after the newest whole checkpoint in the storage, holding its config.yaml, beside
+    the run's launch.json (`resumed_config`, `launch_settings`). Ray Train continues from that
+    checkpoint. None: the run folder holds the checkpoints (a plain `--resume`)."""
+    from hlm_ray.paths import resolve_input, resolve_output
+    from hlm_ray.prepare.store import Store
+    from hlm_ray.train.checkpoint import MARKER, PREFIX
+    from hlm_ray.train.run_mirror import RUN_REF, RunMirror
+
+    given = str(args.resume)
+    if "://" in given:
+        base, _, name = given.rstrip("/").rpartition("/")
+        if name.startswith(PREFIX):
+            raise HLMError(
+                f"--resume {given}: pass the run, {base}, not one of its checkpoints: it "
+                "continues from the newest whole one in its storage"
+            )
+        storage = args.storage_path or base
+        output = args.output or f"runs/{name}"
+    else:
+        folder = resolve_input(given)
+        if folder.name.startswith(PREFIX) or (folder / MARKER).is_file():
+            return None  # a checkpoint folder, named
+        name = folder.name
+        storage = args.storage_path or launch_settings(folder, {})["storage_path"]
+        output = args.output or given
+    out_dir = resolve_output(output)
+    mirror = RunMirror.of(out_dir, storage) if storage else None
+    if mirror is None:
+        return None
+    if out_dir.name != name:
+        raise HLMError(
+            f"--output {output}: the run continued from {storage} keeps its name; leave "
+            f"--output out or end it in /{name}"
+        )
+    store = Store.open(mirror.uri)
+    whole = [n for n in store.names() if n.startswith(PREFIX) and store.exists(f"{n}/{MARKER}")]
+    if not whole:
+        raise HLMError(
+            f"--resume {given}: {mirror.uri} holds no checkpoint of run {name}; name the "
+            "storage it ran with (--storage-path), or start it again"
+        )
+    newest = max(whole, key=lambda n: int(n.removeprefix(PREFIX)))
+    held = Path(tempfile.mkdtemp(prefix="hlm-resume-"))
+    atexit.register(shutil.rmtree, held, ignore_errors=True)
+    store.download(f"{newest}/config.yaml", held / newest / "config.yaml")
+    store.download(LAUNCH_FILE, held / LAUNCH_FILE)
+    mirror.pull(out_dir, RUN_REF)  # its MLflow run, continued
+    args.output, args.storage_path = output, storage
+    print(f"continuing {name} from its storage: {mirror.uri} (newest checkpoint {newest})")
+    return held / newest

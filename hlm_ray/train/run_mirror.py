@@ -31,8 +31,9 @@ PROGRESS = ("metrics.jsonl", "params.json", BEST)
 """What a restarted rank 0 needs to continue: the history, the logged params, the best copy."""
 RESULTS = (*PROGRESS, "summary.json", "config.yaml", "model", "loss_curve.png")
 """What a finished run leaves: rank 0's whole output."""
-RUN_REF = (RUN_REF_FILE,)
-"""The driver's part: the MLflow run's id and status (`hlm sync` and a sweep read it)."""
+RUN_REF = (RUN_REF_FILE, "launch.json")
+"""The driver's part: the MLflow run's id and status (`hlm sync` and a sweep read it), and how
+`hlm train` launched it (`train.resume.LAUNCH_FILE`: a run continued from the storage alone)."""
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,15 @@ def open_tracker(out_dir: Path, tracking: dict[str, Any] | None, resuming: bool 
     mlflow = MlflowTracker(
         tracking["experiment"], tracking_uri=tracking["uri"], run_id=tracking["run_id"]
     )
-    if resuming:  # steps redone after the checkpoint were sent to MLflow already
-        mlflow = SkipLogged(mlflow, last_logged_step(out_dir))
+    # Steps redone after a restart (from a checkpoint, or from step 0 before the first one,
+    # perhaps on another node) were sent to MLflow already by the attempt that died: the run
+    # itself says up to where. What it lacks below that, the end of the run sends from
+    # metrics.jsonl (`sync_quietly`).
+    sent = mlflow.last_step("train/loss")
+    if resuming:
+        sent = max(sent, last_logged_step(out_dir))
+    if sent >= 0:
+        mlflow = SkipLogged(mlflow, sent)
     return MultiTracker(WriterJsonl(out_dir), mlflow)  # the file first: MLflow only after it
 
 

@@ -25,6 +25,7 @@ import yaml
 from hlm_ray.config import OBJECTIVES, Config, apply_overrides, build
 from hlm_ray.errors import HLMError
 from hlm_ray.presets import load_config
+from hlm_ray.train.placement_wait import PLACEMENT_TIMEOUT_S
 from hlm_ray.tune.axis import Axis, Value
 
 # A trial of a tiny sweep: few steps and small evaluations, seconds of training on one CPU core.
@@ -40,7 +41,9 @@ TINY_TRIAL = (
 CC_NEWS = "data.sources=[vblagoje/cc_news]"
 
 # Settings that may change when a sweep is resumed: they do not change what a trial computes.
-RUNTIME_FIELDS = ("cpus_per_worker", "gpus_per_worker", "max_failures", "local_trials")
+RUNTIME_FIELDS = (
+    "cpus_per_worker", "gpus_per_worker", "max_failures", "local_trials", "placement_timeout_s",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,9 @@ class SweepSpec:
     """Restarts of a trial's failed Train worker group (a worker or its node lost), and retries
     of a failed trial (its process lost, a downstream error); both resume from the trial's last
     checkpoint. A trial that still fails counts as failed."""
+    placement_timeout_s: float = PLACEMENT_TIMEOUT_S
+    """How long, in all, a trial waits for the cluster to place its worker group (a node lost
+    and not back) before it fails (`hlm train --placement-timeout`)."""
     allow_smaller_vocab: bool = False
     """When BPE training stops below a requested size (the corpus has too few merges): run at
     the real size (recorded in the summary) instead of stopping with an error."""
@@ -130,6 +136,7 @@ class SweepSpec:
             (self.cpus_per_worker > 0, "cpus_per_worker", "must be > 0"),
             (self.gpus_per_worker >= 0, "gpus_per_worker", "must be >= 0"),
             (self.max_failures >= 0, "max_failures", "must be >= 0"),
+            (self.placement_timeout_s > 0, "placement_timeout_s", "must be > 0 (seconds)"),
             (self.search_samples >= 1, "search_samples", "must be >= 1"),
             (self.search_seeds >= 1, "search_seeds", "must be >= 1"),
             (self.search_extend >= 0, "search_extend", "must be >= 0"),

@@ -38,7 +38,7 @@ from hlm_ray.tracking import TRACKING_URI_ENV, browse_hint, default_tracking_uri
 from hlm_ray.tracking.server import QUIET_LINKS
 from hlm_ray.tune import summary as summary_mod
 from hlm_ray.tune.placement import plan_concurrency
-from hlm_ray.tune.replay import replay_trials
+from hlm_ray.tune.replay import reopened, replay_trials, say_if_unclosed
 from hlm_ray.tune.spec import SweepSpec
 from hlm_ray.tune.storage import STATE_FILE, TUNE_DIR, SweepStorage
 from hlm_ray.tune.trial import (
@@ -230,6 +230,7 @@ def run_sweep(
                 env=_trial_env(uri),
                 short=spec.axis.short,
                 max_failures=spec.max_failures,
+                placement_timeout_s=spec.placement_timeout_s,
                 report_steps=search,  # ASHA compares the steps' reports
                 local=ready["local"],  # not under ASHA: its reports need a worker group
             )
@@ -252,6 +253,7 @@ def run_sweep(
             replay_trials(
                 [r["run"] for r in rows], runtime.trials_dir, runtime.env[TRACKING_URI_ENV]
             )
+            parent = reopened(parent)  # a tracking server stopped or restarted meanwhile
             files = summary_mod.write_summary(rows, folder, axis=spec.axis, figures=not search)
             for path in files:
                 parent.log_artifact(path)
@@ -266,6 +268,7 @@ def run_sweep(
             status, outcome = summary_mod.sweep_status(rows, stop.interrupted)
             parent.set_tags({"sweep_outcome": outcome})
             parent.finish(status)
+            say_if_unclosed(parent, folder)
         except (KeyboardInterrupt, SystemExit):
             parent.finish("KILLED")
             raise

@@ -26,14 +26,13 @@ from hlm_ray.cluster import alive_nodes, pin_prepared
 from hlm_ray.config import Config, apply_overrides
 from hlm_ray.errors import TrainingDiverged
 from hlm_ray.flops import config_step_flops
-from hlm_ray.tracking.base import RUN_REF_FILE, read_run_ref  # the child run's id, in its folder
+from hlm_ray.tracking.base import DOWNSTREAM_FILE, RUN_REF_FILE, read_run_ref
 from hlm_ray.train.run_mirror import RunMirror
 
 # The trial function itself only waits on its trainer and downstream task: it takes no CPU
 # (0.01 CPU per trial would leave a 2-CPU machine unable to run two 1-CPU trials side by side),
 # only a token of memory, because a placement group bundle cannot be empty.
 TRIAL_RESOURCES = {"cpu": 0, "memory": 64 * 2**20}
-DOWNSTREAM_FILE = "downstream.json"
 DONE_FILES = ("summary.json", DOWNSTREAM_FILE, RUN_REF_FILE)
 """What tells a retried trial which stages are done, and its MLflow run."""
 NO_DOWNSTREAM = "none"  # `sweep.recipe=none`: pretraining only
@@ -73,6 +72,8 @@ class TrialRuntime:
     (`RunMirror`), wherever its trial, its rank 0 and its downstream step run."""
     prepared: dict[str, str] = field(default_factory=dict)
     """The prepared corpora published for a cluster's nodes (`cluster.pin_prepared`)."""
+    placement_timeout_s: float | None = None
+    """How long its worker group may wait to be placed (`sweep.placement_timeout_s`)."""
     local: bool = False
     """Train in the trial's own process (`hlm_ray.train.local_mode`; the trial then holds the
     worker's CPUs, `trial_resources`); Tune's retries stand in for worker-group restarts."""
@@ -221,6 +222,7 @@ def _pretrain(
         tags=tags,
         callbacks=[TuneReportCallback()] if runtime.report_steps else [],
         local=runtime.local,
+        placement_timeout_s=runtime.placement_timeout_s,
     )
     return summary, True
 
@@ -259,10 +261,11 @@ def _downstream(
     runtime: TrialRuntime, out_dir: Path, model_dir: Path, mirror: RunMirror | None = None
 ) -> dict[str, float]:
     """`run_downstream`, logging into the trial's MLflow run (nothing for `sweep.recipe=none`).
-    With GPU workers, or on a cluster of several nodes, it runs as a Ray task holding one
-    worker's resources (the trial function holds none, and may sit on a head node sized for
-    drivers); on one machine's CPUs it runs here, in the trial's process, once its trainer has
-    given the worker's CPUs back. The task finds the model through the run's mirror."""
+    With GPU workers, or on a cluster of several nodes, it runs in an actor holding one worker's
+    resources (the trial function holds none, and may sit on a head node sized for drivers),
+    started again elsewhere if its node is lost (`remote_step`); on one machine's CPUs it runs
+    here, in the trial's process, once its trainer has given the worker's CPUs back. On another
+    node the step finds the model through the run's mirror."""
     if runtime.recipe == NO_DOWNSTREAM:
         return {}
     path = out_dir / DOWNSTREAM_FILE
@@ -273,19 +276,17 @@ def _downstream(
     args = (str(model_dir), runtime.recipe, str(out_dir / "downstream"), runtime.experiment)
     try:
         if runtime.gpus_per_worker > 0 or len(alive_nodes()) > 1:
-            import ray
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+            from hlm_ray.tune.remote_step import run_on_a_node
 
-            task = ray.remote(_downstream_task).options(
-                num_cpus=runtime.cpus_per_worker,
-                num_gpus=runtime.gpus_per_worker,
-                # Outside the trial's placement group (Tune puts child tasks there by
-                # default; it holds only the trial function's token of memory).
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group=None),
+            scores, logged = run_on_a_node(
+                _downstream_task,
+                (*args, run_id, runtime.env, mirror),
+                cpus=runtime.cpus_per_worker,
+                gpus=runtime.gpus_per_worker,
+                attempts=1 + max(1, runtime.max_failures),
             )
-            scores = ray.get(task.remote(*args, run_id, runtime.env, mirror))
         else:
-            scores = _downstream_task(*args, run_id, runtime.env)
+            scores, logged = _downstream_task(*args, run_id, runtime.env)
     except BaseException:
         if run_id:  # the task may never have started: the child run must not say FINISHED
             from hlm_ray.tracking import MlflowTracker
@@ -293,8 +294,12 @@ def _downstream(
             MlflowTracker(runtime.experiment, run_id=run_id).finish("FAILED")
         raise
     path.write_text(json.dumps(scores, indent=1))
+    if logged:  # else the scores wait in the folder for a sync (the sweep's end, `hlm sync`)
+        from hlm_ray.tracking.sync import logged_downstream
+
+        logged_downstream(out_dir)
     if mirror is not None:
-        mirror.push(out_dir, (DOWNSTREAM_FILE,))
+        mirror.push(out_dir, (DOWNSTREAM_FILE, RUN_REF_FILE))
     return scores
 
 
@@ -306,8 +311,15 @@ def _downstream_task(
     run_id: str | None,
     env: dict[str, str],
     mirror: RunMirror | None = None,
-) -> dict[str, float]:
+) -> tuple[dict[str, float], bool]:
+    """The scores, and whether they reached the MLflow run (a tracking server that did not
+    answer turns the tracker off: the scores then reach it from `downstream.json`)."""
     os.environ.update(env)
+    import ray.util
+
+    if ray.is_initialized():  # where it runs, in the sweep's log (a cluster's node may be lost)
+        where = ray.util.get_node_ip_address()
+        print(f"{Path(output_dir).parent.name}: downstream step on node {where}", flush=True)
     if mirror is not None and not Path(model_dir).is_dir():  # a task on another node
         mirror.pull(Path(model_dir).parent, ("model",))
     from hlm_ray.downstream import run_downstream
@@ -326,7 +338,8 @@ def _downstream_task(
         tracker.finish("FAILED")
         raise
     tracker.finish("FINISHED")
-    return {k: float(v) for k, v in scores.items() if isinstance(v, int | float)}
+    scores = {k: float(v) for k, v in scores.items() if isinstance(v, int | float)}
+    return scores, bool(getattr(tracker, "active", False))
 
 
 def final_metrics(
