@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 from importlib.metadata import version
 from pathlib import Path
 
@@ -60,6 +61,53 @@ def test_version_answers_without_importing_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.splitlines() == [f"hlm {version('hlm_ray')}", "False False"]
+
+
+BAD_INPUT = {  # command line -> the start of its one-line error
+    "train --preset tiny-decodr": "error: unknown preset 'tiny-decodr'",
+    "train --set optim.max_step=10": "error: unknown config field optim.max_step",
+    "train --set optim.lr=abc": "error: optim.lr='abc' is not allowed",
+    "train --local --num-workers 0": "error: --local trains in this process, one worker",
+    "train --num-workers 0": "error: --num-workers 0: use 1 or more",
+    "train --output {file}/run": "error: output {file}/run: {file} is a file",
+    "train --resume {nowhere}": "error: ",
+    "eval --model {nowhere} --task lambda": "error: unknown evaluation task 'lambda'",
+    "eval --model {nowhere} --task lambada": "error: model {nowhere} does not exist",
+    "finetune --task glu:sst2 --model {nowhere}": "error: unknown task 'glu:sst2'",
+    "generate --model {nowhere} hello": "error: model {nowhere} does not exist",
+    "serve --model {nowhere}": "error: model {nowhere} does not exist",
+}
+
+
+def test_bad_input_is_answered_before_torch_is_imported(tmp_path):
+    """A mistyped preset, config key or value, flag, task or folder is one `error:` line and
+    status 2 before torch, transformers, Ray or MLflow are imported (they cost 17-39 s on a busy
+    2-core machine); `hlm presets` too needs none of them. One process runs every case."""
+    import subprocess
+    import sys
+
+    names = {"file": str(tmp_path / "a-file"), "nowhere": str(tmp_path / "nowhere")}
+    (tmp_path / "a-file").write_text("")
+    cases = {k.format(**names): v.format(**names) for k, v in BAD_INPUT.items()}
+    code = (
+        "import contextlib, io, json, shlex, sys\nfrom hlm_ray.cli import main\nout = {}\n"
+        "for line in json.loads(sys.argv[1]):\n    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err):\n        code = main(shlex.split(line))\n"
+        "    out[line] = [code, err.getvalue()]\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n    out['presets'] = [main(['presets']), '']\n"
+        "heavy = ('torch', 'transformers', 'ray', 'mlflow')\n"
+        "print(json.dumps([out, [m for m in heavy if m in sys.modules]]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(list(cases))],
+        capture_output=True, text=True, check=True, cwd=tmp_path,
+    )  # fmt: skip
+    answers, imported = json.loads(done.stdout.splitlines()[-1])
+    assert imported == []
+    assert answers.pop("presets") == [0, ""]
+    for line, start in cases.items():
+        code, err = answers[line]
+        assert code == 2 and err.startswith(start) and err.count("\n") == 1, (line, err)
 
 
 def _script(kind: str):

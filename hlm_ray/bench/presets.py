@@ -17,6 +17,9 @@ from functools import partial
 from hlm_ray.config import ModelConfig
 from hlm_ray.errors import HLMError
 
+BENCHMARKS = ("loss_head", "train_step", "ray_overhead")
+"""What `hlm bench --only` chooses from, in the order they run (`suite.run_bench`)."""
+
 LOSS_METHODS = (
     "cwt_plain",
     "cwt_dedup",

@@ -67,10 +67,11 @@ def cmd_train(args, argv: list[str]) -> int:
     Pretrain one model from a preset (plus YAML and --set overrides) on Ray Train or in this
     process; checkpoints, metrics and the final model go to the run folder and MLflow. --resume
     continues a run; --dry-run prints its cost plan (--overhead-s: a fixed cost added to it)."""
+    # Plain Python up to the run itself: a mistyped preset, key or value, a wrong flag or
+    # output folder is answered before torch, transformers, Ray or MLflow are imported.
     from hlm_ray.train.checkpoint import refuse_existing, resolve_resume
-    from hlm_ray.train.launch import check_output, check_workers
+    from hlm_ray.train.preflight import check_output
     from hlm_ray.train.resume import discard_launch, resumed_config, save_launch
-    from hlm_ray.train.summary import format_summary
 
     resume = resume_from = None
     if args.resume:
@@ -101,8 +102,6 @@ def cmd_train(args, argv: list[str]) -> int:
         return _print_plan(cfg, args)
     if resume is None:
         refuse_existing(cfg.run.output_dir)
-    if not args.local:
-        check_workers(args.num_workers)
     check_output(Path(cfg.run.output_dir))
     save_launch(cfg.run.output_dir, vars(args))
     where = "this process" if args.local else f"Ray Train, {args.num_workers} worker(s)"
@@ -130,6 +129,8 @@ def cmd_train(args, argv: list[str]) -> int:
                 discard_launch(cfg.run.output_dir)
         print(f"\ninterrupted: {said}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    from hlm_ray.train.summary import format_summary
+
     print(format_summary([summary]))
     return 0
 

@@ -230,12 +230,16 @@ def plan_ports(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     """Deploy, print where, block until Ctrl-C, shut down. Bad options raise HLMError before
     Ray starts."""
+    from hlm_ray.pretrained import REGISTRY_SCHEME, resolve_model_dir
+
+    config = app_args(args)
+    limits = connection_limits(args)
+    if not config.model.startswith(REGISTRY_SCHEME):
+        resolve_model_dir(config.model)  # a mistyped folder: answered before Ray and torch load
     from hlm_ray.serve.app import make_app, model_name
     from hlm_ray.serve.guard import API_KEY_ENV
     from hlm_ray.serve.launch import start
 
-    config = app_args(args)
-    limits = connection_limits(args)
     app = make_app(  # checks the model first: a wrong one is the likelier mistake
         config,
         num_replicas=args.replicas,

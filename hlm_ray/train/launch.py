@@ -32,6 +32,7 @@ from hlm_ray.errors import HLMError, one_line
 from hlm_ray.paths import CACHE_ENV
 from hlm_ray.train import checkpoint as ckpt
 from hlm_ray.train.inputs import build_corpus, build_prepared, build_tokenizer
+from hlm_ray.train.preflight import check_output, check_storage, check_workers
 from hlm_ray.train.ray_worker import ray_worker
 from hlm_ray.train.run_mirror import PROGRESS, RESULTS, RUN_REF, RunMirror
 
@@ -162,49 +163,6 @@ def check_resources(
             f"--num-workers {num_workers} × {cpus_per_worker:g} CPU needs {need:g} CPUs but the "
             f"cluster has {total.get('CPU', 0):g}; lower --num-workers or --cpus-per-worker"
         )
-
-
-def check_storage(storage_path: str) -> None:
-    if "://" in storage_path:
-        return  # a remote URI: Ray's pyarrow filesystem reports its own errors
-    path = Path(storage_path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".hlm-write-probe-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as err:
-        raise HLMError(
-            f"storage path {path} is not writable ({err.strerror}); "
-            "choose another --output or --storage-path"
-        ) from None
-
-
-def check_output(out_dir: Path) -> None:
-    """The run folder can be created and written (checked before any MLflow run is opened)."""
-    out_dir = Path(out_dir)
-    blocker = next((p for p in [out_dir, *out_dir.parents] if p.exists()), None)
-    if blocker is not None and not blocker.is_dir():
-        raise HLMError(
-            f"output {out_dir}: {blocker} is a file, not a folder; choose another --output"
-        )
-    created = [p for p in [out_dir, *out_dir.parents] if not p.exists()]
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / f".hlm-write-probe-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-        for folder in created:  # leave no trace: later checks may still refuse the run
-            folder.rmdir()
-    except OSError as err:
-        raise HLMError(
-            f"output folder {out_dir} is not writable ({err.strerror}); choose another --output"
-        ) from None
-
-
-def check_workers(num_workers: int) -> None:
-    if num_workers < 1:
-        raise HLMError(f"--num-workers {num_workers}: use 1 or more (Ray Train workers)")
 
 
 def prepare_resume(
