@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hlm_ray import threads
 from hlm_ray.errors import exit_status
 from hlm_ray.tune import scripts as sweep_scripts
 from hlm_ray.tune.scripts import SWEEPS  # noqa: F401 (the kinds `hlm sweep` offers)
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         print(_version())  # torch and transformers (seconds on a small machine)
         raise SystemExit(0)
     args = build_parser(argv).parse_args(argv)
+    if args.command in threads.COMMANDS:  # before torch is imported: see hlm_ray/threads.py
+        threads.passive_openmp()
 
     def command() -> int:
         # train and sweep print the command that continues an interrupted run: they get argv.

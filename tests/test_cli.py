@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 from importlib.metadata import version
 from pathlib import Path
 
@@ -96,14 +97,18 @@ def test_bad_input_is_answered_before_torch_is_imported(tmp_path):
         "    out[line] = [code, err.getvalue()]\n"
         "with contextlib.redirect_stdout(io.StringIO()):\n    out['presets'] = [main(['presets']), '']\n"
         "heavy = ('torch', 'transformers', 'ray', 'mlflow')\n"
+        "import os\nprint(os.environ.get('OMP_WAIT_POLICY'))\n"
         "print(json.dumps([out, [m for m in heavy if m in sys.modules]]))"
     )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     done = subprocess.run(
         [sys.executable, "-c", code, json.dumps(list(cases))],
-        capture_output=True, text=True, check=True, cwd=tmp_path,
+        capture_output=True, text=True, check=True, cwd=tmp_path, env=env,
     )  # fmt: skip
-    answers, imported = json.loads(done.stdout.splitlines()[-1])
+    *_, policy, result = done.stdout.splitlines()
+    answers, imported = json.loads(result)
     assert imported == []
+    assert policy == "PASSIVE"  # set for the in-process commands, before torch (threads.py)
     assert answers.pop("presets") == [0, ""]
     for line, start in cases.items():
         code, err = answers[line]
@@ -207,9 +212,10 @@ def _train_plan_wall_time(capsys, *extra: str) -> str:
 def test_train_dry_run_adds_the_overhead_it_is_given(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     plain = _train_plan_wall_time(capsys)
-    assert "wall time   0 s (+ 0 s fixed cost" in plain  # one run: no fixed cost unless asked
+    assert "wall time   0 s, training only (no fixed cost" in plain  # unless asked
     with_overhead = _train_plan_wall_time(capsys, "--overhead-s", "7200")
-    assert "wall time   2.0 h (+ 7200 s fixed cost" in with_overhead
+    # Included in the wall time, and said so (it read as extra time).
+    assert "wall time   2.0 h, including the fixed cost of 7200 s per trial" in with_overhead
     assert not (tmp_path / "runs").exists()
 
 
@@ -264,3 +270,22 @@ def test_a_failed_evaluation_leaves_no_empty_folder(
     out.mkdir()
     assert main(["eval", "--model", tiny_decoder_dir, "--task", "bpb", "--output", str(out)]) == 2
     assert out.is_dir()
+
+
+def test_openmp_waits_passively_unless_the_user_says_otherwise(monkeypatch):
+    """Spinning OpenMP threads collapse in-process training on shared cores (hlm_ray/threads.py):
+    the in-process commands set OMP_WAIT_POLICY=PASSIVE before torch loads libgomp, and keep a
+    user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT; once torch is loaded it is too late, and
+    nothing is set."""
+    import sys
+
+    from hlm_ray.threads import COMMANDS, passive_openmp
+
+    assert {"train", "finetune", "eval", "generate"} <= set(COMMANDS)
+    monkeypatch.delitem(sys.modules, "torch")  # as in a fresh `hlm` process
+    env = {}
+    assert passive_openmp(env) and env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    for own in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "1000"}):
+        assert not passive_openmp(dict(own))
+    monkeypatch.undo()
+    assert "torch" in sys.modules and not passive_openmp(env := {}) and env == {}

@@ -29,7 +29,6 @@ from hlm_ray.device import resolve_device
 from hlm_ray.errors import HLMError
 
 
-
 @dataclass
 class BenchResult:
     preset: BenchPreset

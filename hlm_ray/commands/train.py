@@ -138,16 +138,32 @@ def cmd_train(args, argv: list[str]) -> int:
 def _print_plan(cfg, args) -> int:
     from hlm_ray.plan import assumptions_from, format_plan, train_plan
 
-    # A GPU-denominated plan: one GPU per worker, whether or not --gpu is given.
+    assumptions = assumptions_from(args)
+    # On GPUs when the run would use them (--gpu, or a GPU here) or a GPU plan is asked for
+    # (--gpu-type, --mfu, --cluster-gpus); else on this machine's CPUs, where it would run.
+    on_gpus = args.gpu or (args.gpu is None and (assumptions.gpu_asked or _local_gpus()))
+    threads = None
+    if args.local and not on_gpus:  # this process: torch's own thread count
+        import torch
+
+        threads = torch.get_num_threads()
     plan = train_plan(
         cfg,
-        assumptions_from(args),
+        assumptions,
         workers=args.num_workers,
-        gpus_per_worker=1.0,
+        gpus_per_worker=1.0 if on_gpus else 0.0,
         cpus_per_worker=args.cpus_per_worker,
+        threads=threads,
+        say=lambda line: print(line, file=sys.stderr, flush=True),
     )
     print(format_plan(plan))
     return 0
+
+
+def _local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def cmd_sync(args) -> int:

@@ -16,6 +16,10 @@ Data), `store` (atomic files, shards) and `reader` (memory-mapped blocks).
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hlm_ray.prepare.request import Prepared
 
 # Imported when first used (PEP 562): `hlm data --help`, built with every `hlm` command's parser,
 # would otherwise import torch and Ray Data through the pipeline.

@@ -204,7 +204,8 @@ def _plan(spec: SweepSpec, args: argparse.Namespace, name: str) -> str:
 
     trials = len(spec.cells())
     fit = lambda nodes: plan_concurrency(spec, trials, nodes)  # noqa: E731
-    return format_plan(sweep_plan(spec, assumptions_from(args), fit=fit, name=name))
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    return format_plan(sweep_plan(spec, assumptions_from(args), fit=fit, name=name, say=say))
 
 
 def _run(spec: SweepSpec, args: argparse.Namespace, name: str):

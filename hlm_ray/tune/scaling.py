@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import math
+import sys
 import time
 from typing import Any
 
@@ -174,6 +175,7 @@ def plan_text(spec: SweepSpec, args: argparse.Namespace, name: str) -> str:
 
     lr = shared_lr(spec)
     part = names(name)
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     worst = with_lrs(spec, dict.fromkeys(spec.objectives, lr))
     parts = [
         (search_spec(spec), part["search"], "1. the learning-rate search (value = lr)"),
@@ -192,7 +194,7 @@ def plan_text(spec: SweepSpec, args: argparse.Namespace, name: str) -> str:
         trials = len(part_spec.cells())
         total += trials
         fit = lambda nodes, s=part_spec, n=trials: plan_concurrency(s, n, nodes)  # noqa: E731
-        plan = sweep_plan(part_spec, assumptions_from(args), fit=fit, name=part_name)
+        plan = sweep_plan(part_spec, assumptions_from(args), fit=fit, name=part_name, say=say)
         lines += [f"== {title}", format_plan(plan), ""]
     lines.append(f"{total} trials at most (part 3 runs only for an arm whose search chose a rate "
                  f"other than {lr:g})")  # fmt: skip

@@ -255,6 +255,8 @@ def run_sweep(
             seconds = time.perf_counter() - started
             phases["after_trials"] = seconds - phases["before_trials"] - phases["trials"]
             parent.log_metrics(plan_mod.measured_metrics(rows, seconds), step=0)
+            if spec.gpus_per_worker == 0 and not search:  # for later plans on this machine
+                _record_fixed_costs(rows, spec, name)
             parent.log_metrics({f"sweep/{k}_s": v for k, v in phases.items()}, step=0)
             parent.finish("KILLED" if stop.interrupted else "FINISHED")
         except (KeyboardInterrupt, SystemExit):
@@ -283,6 +285,15 @@ def run_sweep(
         interrupted=stop.interrupted,
         link=link,
     )
+
+
+def _record_fixed_costs(rows, spec: SweepSpec, name: str) -> None:
+    from hlm_ray.cpu_plan import record_fixed_costs
+
+    def family(row) -> str:
+        return spec.cell_config(row["value"], row["objective"], row["seed"]).model.family
+
+    record_fixed_costs(rows, spec.recipe, name, family)
 
 
 def _open_parent(spec, name, uri, state, search, concurrency, real_vocab):
