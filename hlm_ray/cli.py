@@ -30,6 +30,7 @@ import sys
 
 from hlm_ray import threads
 from hlm_ray.errors import exit_status
+from hlm_ray.train.interrupt import sigint_interrupts
 from hlm_ray.tune import scripts as sweep_scripts
 from hlm_ray.tune.scripts import SWEEPS  # noqa: F401 (the kinds `hlm sweep` offers)
 
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser(argv).parse_args(argv)
     if args.command in threads.COMMANDS:  # before torch is imported: see hlm_ray/threads.py
         threads.passive_openmp()
+    sigint_interrupts()  # Ctrl-C stops a run, also one started in the background by a script
 
     def command() -> int:
         # train and sweep print the command that continues an interrupted run: they get argv.

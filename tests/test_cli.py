@@ -289,3 +289,25 @@ def test_openmp_waits_passively_unless_the_user_says_otherwise(monkeypatch):
         assert not passive_openmp(dict(own))
     monkeypatch.undo()
     assert "torch" in sys.modules and not passive_openmp(env := {}) and env == {}
+
+
+def test_a_command_started_with_sigint_ignored_still_stops_on_sigint(tmp_path):
+    """A script's background job starts with SIGINT ignored (`hlm train ... &` in a
+    non-interactive shell); `hlm` and the sweep scripts make it raise KeyboardInterrupt again,
+    so `kill -INT` stops the run as Ctrl-C does. One process, started that way."""
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "import contextlib, io, signal\nfrom hlm_ray.cli import main\n"
+        "print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n    main(['presets'])\n"
+        "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True, text=True, check=True, cwd=tmp_path,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )  # fmt: skip
+    assert done.stdout.split() == ["True", "True"]

@@ -73,3 +73,24 @@ def test_a_port_taken_during_a_local_start_is_tried_once_more_on_new_ports(monke
     with pytest.raises(HLMError, match="could not start a local Ray cluster.*already occupied"):
         launch.connect()
     assert len(calls) == launch.LOCAL_START_ATTEMPTS
+
+
+def test_a_local_start_keeps_rays_token_notice_off_the_console(monkeypatch, capfd, no_cluster):
+    """Ray 2.60 turns token authentication on for a cluster ray.init starts, with a WARNING
+    on every run (here Ray's own function, called where Ray calls it, in ray.init): `connect`
+    keeps it off the console for a local start, and leaves the setting itself alone."""
+    import logging
+    import os
+
+    from ray._private.authentication import authentication_token_setup as tokens
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    logger = logging.getLogger(launch.TOKEN_NOTICE_LOGGER)
+    monkeypatch.setattr(logger, "level", logging.NOTSET)  # as in a fresh process: restored
+    monkeypatch.setattr(logger, "disabled", False)  # after the test
+    assert logger is logging.getLogger(tokens.__name__)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: tokens._warn_token_auth_enabled())
+    launch.connect()  # Ray's "ray" logger writes to stderr, and does not propagate
+    assert "Token authentication" not in capfd.readouterr().err
+    assert "RAY_AUTH_MODE" not in os.environ

@@ -36,13 +36,16 @@ from hlm_ray.train.preflight import check_output, check_storage, check_workers
 from hlm_ray.train.ray_worker import ray_worker
 from hlm_ray.train.run_mirror import PROGRESS, RESULTS, RUN_REF, RunMirror
 
-# Ray Train settings for short runs, unless the user set them: the controller polls its workers
+# Ray Train settings, unless the user set them: for short runs, the controller polls its workers
 # every 2 s by default, which every report, the start and the end of a fit wait on (seconds per
 # trial in a sweep); the preemption watcher (observability only) is one more actor process per
 # fit. Ray passes both on from the driver (or trial) to the controller.
 RAY_TRAIN_ENV = {
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    # A worker's print as a print (Ray forwards it to the console once), not also as a log
+    # record of Ray Train's print patch, which put it on the console a second time.
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
 }
 _own_cluster = False  # whether `connect` started the local cluster this process is on
 
@@ -59,6 +62,8 @@ def connect() -> None:
     if address and address not in ("auto", "local"):
         _probe(address)  # ray.init retries an unreachable address for minutes
     local = _starts_local(address)
+    if local:
+        quiet_token_notice()
     attempts = LOCAL_START_ATTEMPTS if local else 1
     for attempt in range(1, attempts + 1):
         try:
@@ -86,6 +91,17 @@ def connect() -> None:
 
 
 LOCAL_START_ATTEMPTS = 2
+TOKEN_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
+
+
+def quiet_token_notice() -> None:
+    """Ray 2.60 turns token authentication on for a cluster `ray.init` starts and says so, a
+    WARNING on every run that asks nothing of the user: kept off the console (the setting
+    itself stays Ray's). Not by setting RAY_AUTH_MODE=token instead: read after Ray is
+    imported, it left this process without the token its new cluster then asked for."""
+    import logging
+
+    logging.getLogger(TOKEN_NOTICE_LOGGER).setLevel(logging.ERROR)
 
 
 def stop_own_cluster() -> None:
@@ -388,6 +404,9 @@ def launch(
                 checkpoint_config=ray.train.CheckpointConfig(num_to_keep=cfg.run.keep_checkpoints),
                 failure_config=ray.train.FailureConfig(max_failures=max_failures),
                 callbacks=callbacks,
+                # Ray Train's INFO lines (a `TrainingReport(...)` dump per checkpoint) stay in
+                # the session's log files, off the console.
+                logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             ),
         )
         fit_at = time.time()

@@ -63,8 +63,9 @@ class SweepScript:
         """Parse `argv`, run the sweep, print its table (and report); the exit status. `prog`:
         the command that ran it (default ``python sweeps/<name>.py``), used in help and in the
         command printed to continue an interrupted sweep."""
-        from hlm_ray.train.interrupt import EXIT_INTERRUPTED
+        from hlm_ray.train.interrupt import EXIT_INTERRUPTED, sigint_interrupts
 
+        sigint_interrupts()  # also in a sweep a script started in the background
         argv = list(sys.argv[1:] if argv is None else argv)
         prog = prog or f"python sweeps/{self.axis.name}.py"
         args = self.parser(prog).parse_args(argv)
