@@ -11,6 +11,7 @@ import pytest
 import ray
 
 from hlm_ray.errors import HLMError
+from hlm_ray.local_ray import TOKEN_NOTICE_LOGGER
 from hlm_ray.train import launch
 
 
@@ -25,7 +26,7 @@ def no_cluster(monkeypatch):
     """As in a fresh process: no Ray joined yet (the test session's cluster stays untouched)."""
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
-    monkeypatch.setattr(launch, "_starts_local", lambda address: not address or address == "local")
+    monkeypatch.setattr(launch, "starts_local", lambda address: not address or address == "local")
 
 
 def test_an_unreachable_address_is_named_with_what_to_do(monkeypatch, no_cluster):
@@ -86,7 +87,7 @@ def test_a_local_start_keeps_rays_token_notice_off_the_console(monkeypatch, capf
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
-    logger = logging.getLogger(launch.TOKEN_NOTICE_LOGGER)
+    logger = logging.getLogger(TOKEN_NOTICE_LOGGER)
     monkeypatch.setattr(logger, "level", logging.NOTSET)  # as in a fresh process: restored
     monkeypatch.setattr(logger, "disabled", False)  # after the test
     assert logger is logging.getLogger(tokens.__name__)

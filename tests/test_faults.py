@@ -443,6 +443,32 @@ def test_a_guarded_child_dies_with_its_killed_parent(tmp_path):
     pytest.fail("the guarded process group outlived its parent")
 
 
+def test_a_guarded_group_is_stopped_with_sigterm_once(tmp_path):
+    """`stop_group` stops a guarded command with one SIGTERM (an `mlflow server`'s uvicorn
+    shuts down cleanly on it; on SIGINT it logged a KeyboardInterrupt traceback at every normal
+    stop), through its watchdog; the command's own child too."""
+    from hlm_ray.watchdog import spawn_guarded, stop_group
+
+    seen = tmp_path / "signals"
+    code = (
+        "import signal, subprocess, sys, time\n"
+        "child = subprocess.Popen(['sleep', '120'])\n"
+        "def on(signum, frame):\n"
+        f"    open({str(seen)!r}, 'a').write(signal.Signals(signum).name + '\\n')\n"
+        "    child.terminate(); child.wait(); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, on); signal.signal(signal.SIGINT, on)\n"
+        "print('ready', flush=True); time.sleep(120)\n"
+    )
+    process = spawn_guarded([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert process.stdout.readline() == b"ready\n"
+    started = time.monotonic()
+    stop_group(process)
+    assert seen.read_text() == "SIGTERM\n"
+    assert time.monotonic() - started < 5  # not the watchdog's SIGKILL after its grace
+    with pytest.raises(ProcessLookupError):
+        os.killpg(process.pid, 0)
+
+
 def test_checkpoints_from_before_manifests_still_resume(tmp_path):
     folder = fake_checkpoint(tmp_path, 10)
     meta = json.loads((folder / ckpt.MARKER).read_text())

@@ -29,6 +29,7 @@ from typing import Any
 from hlm_ray.cluster import alive_nodes, check_tracking, machines, worker_paths
 from hlm_ray.config import Config, apply_overrides
 from hlm_ray.errors import HLMError, one_line
+from hlm_ray.local_ray import local_cluster_options, quiet_token_notice, starts_local
 from hlm_ray.paths import CACHE_ENV
 from hlm_ray.train import checkpoint as ckpt
 from hlm_ray.train.inputs import build_corpus, build_prepared, build_tokenizer
@@ -61,7 +62,7 @@ def connect() -> None:
     address = os.environ.get("RAY_ADDRESS")
     if address and address not in ("auto", "local"):
         _probe(address)  # ray.init retries an unreachable address for minutes
-    local = _starts_local(address)
+    local = starts_local(address)
     if local:
         quiet_token_notice()
     attempts = LOCAL_START_ATTEMPTS if local else 1
@@ -91,17 +92,6 @@ def connect() -> None:
 
 
 LOCAL_START_ATTEMPTS = 2
-TOKEN_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
-
-
-def quiet_token_notice() -> None:
-    """Ray 2.60 turns token authentication on for a cluster `ray.init` starts and says so, a
-    WARNING on every run that asks nothing of the user: kept off the console (the setting
-    itself stays Ray's). Not by setting RAY_AUTH_MODE=token instead: read after Ray is
-    imported, it left this process without the token its new cluster then asked for."""
-    import logging
-
-    logging.getLogger(TOKEN_NOTICE_LOGGER).setLevel(logging.ERROR)
 
 
 def stop_own_cluster() -> None:
@@ -116,37 +106,6 @@ def stop_own_cluster() -> None:
 
 def _port_taken(message: str) -> bool:
     return "Failed to bind" in message or "already in use" in message or "occupied" in message
-
-
-def _starts_local(address: str | None) -> bool:
-    """Whether `ray.init(address)` starts a new local cluster (nothing to join)."""
-    if address == "local":
-        return True
-    if address:
-        return False
-    from ray._private.services import get_ray_address_from_environment
-
-    return get_ray_address_from_environment(None, None) is None
-
-
-def local_cluster_options() -> dict[str, Any]:
-    """`ray.init` options for a local cluster of this process that lives beside others on the
-    machine (another run or sweep started at the same time, each with its own cluster).
-
-    Ray Train's placement-group cleaner asks the State API about its controller without an
-    address; with two local clusters, Ray's lookup finds both GCS processes and fails every few
-    seconds ("Found multiple active Ray instances", a traceback each time). The cluster's
-    dashboard (the State API server) gets a port chosen here, and its processes are told where
-    it is (`RAY_API_SERVER_ADDRESS`, which that lookup reads first)."""
-    from hlm_ray.tracking.server import free_port
-
-    port = free_port()  # Ray's dashboard takes it a moment later
-    return {
-        "include_dashboard": True,  # Train V2 cleans placement groups through the State API
-        "dashboard_host": "127.0.0.1",
-        "dashboard_port": port,
-        "runtime_env": {"env_vars": {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}},
-    }
 
 
 def _probe(address: str) -> None:
