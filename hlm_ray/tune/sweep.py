@@ -369,7 +369,8 @@ def _tuner(spec, store: SweepStorage, runtime, search, concurrency, verbose, num
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, runtime=runtime), trial_resources(runtime)
     )
-    if store.tuner_exists():
+    TrialProgress.resumed = store.tuner_exists()  # its lines' times start with this run
+    if TrialProgress.resumed:
         return tune.Tuner.restore(
             f"{store.tune_path}/{TUNE_DIR}",
             trainable,
