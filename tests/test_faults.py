@@ -521,3 +521,50 @@ def test_trials_cut_short_by_ctrl_c_are_killed_not_stopped_by_asha(tmp_path, mlf
     assert rows[0]["status"] == "KILLED"
     _close_orphans(rows, spec, runtime)
     assert MlflowClient(mlflow_store).get_run(child.run_id).info.status == "KILLED"
+
+
+def test_ray_stop_stops_the_processes_of_one_session_folder_and_no_other(tmp_path):
+    """`python -m hlm_ray.ray_stop DIR` (the README's stop for a cluster with its own
+    --temp-dir): every process with a file open under DIR or DIR in its command line, and their
+    children, stopped; one that ignores SIGTERM killed after the grace period; a process
+    outside DIR untouched. Plain processes stand for Ray's here; the README test stops a real
+    cluster with it."""
+    import psutil
+
+    from hlm_ray.ray_stop import cluster_processes, stop
+
+    session = tmp_path / "ray-mine" / "session_1" / "logs"
+    session.mkdir(parents=True)
+    (session / "gcs_server.out").write_text("")
+    holds_a_log = (
+        "import signal, subprocess, sys, time\n"
+        f"log = open({str(session / 'gcs_server.out')!r})\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as a slow GCS server\n"
+        "subprocess.Popen(['sleep', '120'])\n"
+        "print('ready', flush=True); time.sleep(120)\n"
+    )
+    named = "import time; print('ready', flush=True); time.sleep(120)"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", holds_a_log], stdout=subprocess.PIPE),
+        subprocess.Popen(
+            [sys.executable, "-c", named, str(tmp_path / "ray-mine")], stdout=subprocess.PIPE
+        ),  # fmt: skip
+        subprocess.Popen(
+            [sys.executable, "-c", named, str(tmp_path / "ray-other")], stdout=subprocess.PIPE
+        ),  # fmt: skip
+    ]
+    try:
+        for p in procs:
+            assert p.stdout.readline() == b"ready\n"
+        found = {p.pid for p in cluster_processes(tmp_path / "ray-mine")}
+        child = psutil.Process(procs[0].pid).children()[0].pid
+        assert found == {procs[0].pid, child, procs[1].pid}
+        started = time.monotonic()
+        assert stop(tmp_path / "ray-mine", grace_s=1.0) == 3
+        assert time.monotonic() - started >= 1.0  # one ignored SIGTERM: killed after the grace
+        for pid in found:  # (psutil reaped this test's own children: no exit status to read)
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+        assert procs[2].poll() is None  # another folder's process
+    finally:
+        for p in procs:
+            p.kill()
