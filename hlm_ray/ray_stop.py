@@ -13,6 +13,7 @@ outlived SIGTERM by half a minute: what is still there after the grace period ge
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -42,10 +43,8 @@ def cluster_processes(temp_dir: str | Path) -> list:
         if uses:
             found[proc.pid] = proc
     for proc in list(found.values()):
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             found.update({c.pid: c for c in proc.children(recursive=True) if c.pid not in mine})
-        except psutil.NoSuchProcess:
-            continue
     return list(found.values())
 
 
@@ -55,16 +54,12 @@ def stop(temp_dir: str | Path, grace_s: float = GRACE_S) -> int:
 
     procs = cluster_processes(temp_dir)
     for proc in procs:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             proc.terminate()
-        except psutil.NoSuchProcess:
-            pass
     _, alive = psutil.wait_procs(procs, timeout=grace_s)
     for proc in alive:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             proc.kill()
-        except psutil.NoSuchProcess:
-            pass
     psutil.wait_procs(alive, timeout=5)
     return len(procs)
 
