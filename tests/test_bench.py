@@ -84,6 +84,18 @@ def test_smoke_run_writes_every_table_and_figure(smoke) -> None:
         "vanilla/liger | skipped: HLMError: objective.vanilla_impl=liger"
         in (smoke / "results.md").read_text()
     )
+    # The step with no loss head at all, at the preset's no-head vocabulary only, and the
+    # headless step against it.
+    none = [r for r in rows if r["arm"] == "no-head/lazy"]
+    assert {(r["model"], r["V"], r["status"]) for r in none} == {
+        ("neox-smoke", "256", "ok"), ("bert-smoke", "256", "ok")
+    }  # fmt: skip
+    assert all(r["objective"] == "none" and float(r["head_share"]) == 0 for r in none)
+    table = text.split("## Headless against no loss head at all")[1]
+    for model in ("neox-smoke", "bert-smoke"):
+        [row] = [line for line in table.splitlines() if line.startswith(f"| {model} | 256 |")]
+        ratio = float(row.split("|")[6])
+        assert ratio > 0
 
 
 def test_smoke_targets_and_mlflow_run(smoke) -> None:
@@ -131,6 +143,8 @@ def test_train_step_rows_carry_hand_counted_flops(smoke) -> None:
         V = int(r["V"])
         if r["objective"] == "vanilla":
             head = 3 * K * 2 * D * V  # logits h·Wᵀ at every target row
+        elif r["objective"] == "none":  # the no-head arm: the body alone
+            head = 0
         else:
             U = int(r["U"])  # distinct target ids: the dedup CWT's columns
             assert 0 < U <= min(K, V)
