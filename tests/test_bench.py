@@ -293,3 +293,27 @@ def test_ray_overhead_rows(ray_cluster) -> None:
     assert [r["arm"] for r in rows] == ["bare", "ray", "bare"]
     assert all(r["windows"] >= 1 and r["step_ms"] > 0 for r in rows)
     assert overhead_ratio(rows) > 0
+
+
+def test_the_threads_benchmark_times_each_arm_in_a_process_of_its_own(monkeypatch) -> None:
+    """`python -m hlm_ray.bench.threads` (its harness, not its timings): an arm is a process with
+    its OpenMP settings (one real one here, the passive arm); the rounds alternate the arms
+    beside the busy loops asked for, which are stopped after, and each arm's figure is its
+    median (the other arms' processes replaced by fixed times, for speed)."""
+    import psutil
+
+    from hlm_ray.bench import threads
+
+    assert threads.time_arm("passive", "tiny-decoder", 0.05) > 0
+    assert threads.ARMS["passive"] == {"OMP_WAIT_POLICY": "PASSIVE"}
+    made = {"spin": iter([30.0, 10.0, 20.0]), "passive": iter([2.0, 3.0, 1.0]),
+            "1 thread": iter([4.0, 4.0, 5.0])}  # fmt: skip
+    monkeypatch.setattr(threads, "time_arm", lambda arm, preset, seconds: next(made[arm]))
+    lines = []
+    before = {p.pid for p in psutil.Process().children()}
+    [row] = threads.run("tiny-decoder", [1], rounds=3, seconds=0.1, log=lines.append)
+    assert (row["busy"], row["spin"], row["passive"], row["1 thread"]) == (1, 20.0, 2.0, 4.0)
+    assert (
+        lines[0].startswith("1 busy loop(s): spin 20.0 ms") and "spin ÷ passive 10.00" in lines[0]
+    )
+    assert {p.pid for p in psutil.Process().children()} <= before  # the busy loop is gone

@@ -103,7 +103,7 @@ def arms_for(model: ModelConfig, spec: TrainStepSpec, vocab: int | None = None) 
     return arms
 
 
-class _Built:
+class BuiltArm:
     """One arm's model, objective module and optimizer, ready to step."""
 
     def __init__(self, arm: Arm, sm: StepModel, vocab: int, device: torch.device):
@@ -335,7 +335,7 @@ def _alternate(entries, sm, spec, device, amp, progress, desc) -> dict[str, dict
     """Build and warm up every entry (label, arm, vocab, batches), time them in alternation
     (A B C A B C ...; one more round if a spread is wide), then one untimed step each for
     peak memory. Returns {label: {"status", "times", "peak_mb"} or {"status", "note"}}."""
-    built: dict[str, tuple[_Built, list]] = {}
+    built: dict[str, tuple[BuiltArm, list]] = {}
     results: dict[str, dict] = {}
     steps = spec.warmup + spec.repeats * (1 + spec.extra_rounds) + 1
     bar = tqdm(total=len(entries) * steps, desc=desc, disable=not progress, leave=False)
@@ -344,7 +344,7 @@ def _alternate(entries, sm, spec, device, amp, progress, desc) -> dict[str, dict
     try:
         for label, arm, vocab, batches in entries:  # build and warm up every arm first
             try:
-                b = _Built(arm, sm, vocab, device)
+                b = BuiltArm(arm, sm, vocab, device)
                 xs = [batches[i % len(batches)] for i in range(spec.warmup)]
                 warm = [timed(lambda b=b, x=x: b.step(x, amp, device), device) for x in xs]
             except Exception as err:  # a backend that is missing, a compile failure, OOM
