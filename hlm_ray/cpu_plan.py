@@ -234,14 +234,25 @@ def rate_lines(rates: dict[str, Any], cpu_hours: float) -> list[str]:
     return lines
 
 
-def fixed_lines(fixed: dict[str, tuple[FixedCost, FixedCost]]) -> list[str]:
-    """Per model family: the fixed cost of one trial, its parts and where each comes from."""
-    return [
-        f"  fixed cost per trial {start.seconds + downstream.seconds:.0f} s ({family}s): "
-        f"start-up, validation, checkpoints {start.seconds:.0f} s ({start.source}); "
-        f"downstream {downstream.seconds:.0f} s ({downstream.source}); --overhead-s sets both"
-        for family, (start, downstream) in sorted(fixed.items())
-    ]
+def fixed_lines(fixed: dict[str, tuple], overhead_s: float | None = None) -> list[str]:
+    """Per model family: the fixed cost of one trial, its parts and where each comes from (or
+    `overhead_s`, given); then the sweep's own start and end."""
+    if overhead_s is not None:
+        lines = [f"  fixed cost per trial {overhead_s:.0f} s: start-up, downstream (--overhead-s)"]
+    else:
+        families = {family: costs for family, costs in fixed.items() if family != "sweep"}
+        lines = [
+            f"  fixed cost per trial {start.seconds + downstream.seconds:.0f} s ({family}s): "
+            f"start-up, validation, checkpoints {start.seconds:.0f} s ({start.source}); "
+            f"downstream {downstream.seconds:.0f} s ({downstream.source}); --overhead-s sets both"
+            for family, (start, downstream) in sorted(families.items())
+        ]
+    for cost in fixed.get("sweep", ()):
+        lines.append(
+            f"  the sweep's own      {cost.seconds:.0f} s: Ray's start, the inputs, the MLflow "
+            f"server, the summary ({cost.source})"
+        )
+    return lines
 
 
 # ------------------------------------------------------------------- a trial's fixed costs
@@ -251,6 +262,18 @@ DEFAULT_START_S = 30.0
 validation and checkpoints of one trial on 2 shared cores."""
 DEFAULT_DOWNSTREAM_S = 30.0
 """Assumed when no sweep with the recipe ran here (recipe "none": no downstream step)."""
+DEFAULT_SWEEP_S = 45.0
+"""Assumed when no sweep ran here: a sweep's own start and end (Ray's start, the inputs'
+preparation, the MLflow server, the summary)."""
+
+
+def sweep_cost() -> FixedCost:
+    """A sweep's own start and end on this machine: the latest sweep's (its inputs' preparation
+    included, when it prepared them), else `DEFAULT_SWEEP_S`, said."""
+    kept = _read().get("fixed", {}).get(machine(), {}).get("sweep")
+    if kept:
+        return FixedCost(kept["s"], f"measured: sweep {kept['sweep']}, {kept['at']}", True)
+    return FixedCost(DEFAULT_SWEEP_S, "assumed: no sweep measured here yet", False)
 
 
 def fixed_costs(recipe: str, family: str) -> tuple[FixedCost, FixedCost]:
@@ -277,18 +300,24 @@ def fixed_costs(recipe: str, family: str) -> tuple[FixedCost, FixedCost]:
 
 
 def record_fixed_costs(
-    rows: list[dict[str, Any]], recipe: str, sweep: str, family_of: Callable[[dict], str]
+    rows: list[dict[str, Any]],
+    recipe: str,
+    sweep: str,
+    family_of: Callable[[dict], str],
+    sweep_s: float | None = None,
 ) -> dict[str, Any]:
     """Keep a finished sweep's measured fixed costs for later plans on this machine: the mean
-    start-up of the trials that trained in this attempt, and the mean downstream step per model
-    family (`family_of(row)`: "encoder" or "decoder"). Returns what it kept (nothing from a
-    sweep without a finished trial)."""
+    start-up of the trials that trained in this attempt, the mean downstream step per model
+    family (`family_of(row)`: "encoder" or "decoder"), and `sweep_s`, the sweep's own start and
+    end. Returns what it kept (nothing from a sweep without a finished trial)."""
     done = [{**r, "family": family_of(r)} for r in rows if r.get("status") == "FINISHED"]
     start = [r["trial/pretrain_overhead_s"] for r in done if _trained(r)]
     kept: dict[str, Any] = {}
     stamp = {"sweep": sweep, "at": time.strftime("%Y-%m-%d %H:%M")}
     if start:
         kept["start"] = {"s": statistics.mean(start), "n": len(start), **stamp}
+    if start and sweep_s is not None:  # (a resumed sweep with nothing left to train: not one)
+        kept["sweep"] = {"s": sweep_s, **stamp}
     down = {}
     for family in sorted({r.get("family") for r in done if r.get("family")}):
         values = [

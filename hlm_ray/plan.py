@@ -57,8 +57,7 @@ class Assumptions:
     gpu_asked: bool = False
     """--gpu-type, --mfu or --cluster-gpus was given: `hlm train` plans on GPUs."""
     measure: bool = True
-    """A CPU plan may time a step of a shape this machine has no rate for (a dry run); False
-    inside a sweep, whose plan uses the kept rates only."""
+    """A CPU plan may time a step not timed here yet (a dry run; not a sweep's own plan)."""
 
     def __post_init__(self):
         if _peak(self.gpu) is None:
@@ -83,8 +82,7 @@ class TrialPlan:
     vocab_size: int
     head_share: float
     steps: int = 0
-    """Optimizer steps (a budget's, resolved with the bound U: at most what the run gets; on
-    CPUs a `budget.seconds` trial's are the steps its deadline allows at the measured rate)."""
+    """Optimizer steps (a budget's with the bound U; on CPUs a deadline's at the measured rate)."""
     family: str = "decoder"
     seconds: float | None = None
     """CPU plans: training and validation seconds at the measured rate (None: no rate here)."""
@@ -100,12 +98,10 @@ class Plan:
     concurrency: int
     cluster: dict[str, float]
     notes: list[str] = field(default_factory=list)
-    hardware: str = "gpu"
-    """"gpu": priced by FLOPs at the assumed MFU; "cpu": by steps timed on this machine."""
+    hardware: str = "gpu"  # "gpu": FLOPs at the assumed MFU; "cpu": steps timed on this machine
     fixed: dict[str, tuple] = field(default_factory=dict)
-    """CPU plans: {model family: (start-up, downstream) `cpu_plan.FixedCost`s}."""
-    rates: dict[str, float] = field(default_factory=dict)
-    """CPU plans: {"measured_now", "kept", "missing", "load"}: where the step times came from."""
+    """CPU plans: {family: (start-up, downstream) FixedCosts, "sweep": (its own start, end)}."""
+    rates: dict[str, float] = field(default_factory=dict)  # CPU plans: where step times came from
 
     @property
     def total_flops(self) -> float:
@@ -152,7 +148,7 @@ class Plan:
         slots = [0.0] * max(1, self.concurrency)
         for d in durations:
             heapq.heapreplace(slots, slots[0] + d)
-        return max(slots)
+        return max(slots) + sum(cost.seconds for cost in self.fixed.get("sweep", ()))
 
 
 def trial_plan(
@@ -195,7 +191,7 @@ def sweep_plan(
         )
         for c in spec.cells()
     ]
-    from hlm_ray.cpu_plan import fixed_costs
+    from hlm_ray.cpu_plan import fixed_costs, sweep_cost
 
     hardware = "gpu" if spec.gpus_per_worker > 0 else "cpu"
     cluster, notes = _cluster(assumptions, hardware == "gpu")
@@ -216,6 +212,8 @@ def sweep_plan(
             if trial.family not in plan.fixed:
                 plan.fixed[trial.family] = fixed_costs(spec.recipe, trial.family)
         plan.trials.append(trial)
+    if hardware == "cpu":
+        plan.fixed["sweep"] = (sweep_cost(),)
     return plan
 
 
@@ -323,10 +321,10 @@ def format_plan(plan: Plan) -> str:
 def _fixed_lines(plan: Plan) -> list[str]:
     """The fixed cost per trial and where it comes from (included in the wall time)."""
     a = plan.assumptions
-    if a.overhead_s is None and plan.hardware == "cpu" and plan.fixed:
+    if plan.hardware == "cpu" and plan.fixed:
         from hlm_ray.cpu_plan import fixed_lines
 
-        return fixed_lines(plan.fixed)
+        return fixed_lines(plan.fixed, a.overhead_s)
     seconds = DEFAULT_OVERHEAD_S if a.overhead_s is None else a.overhead_s
     said = "--overhead-s" if a.overhead_s is not None else "assumed, --overhead-s"
     return [f"  fixed cost per trial {seconds:.0f} s: start-up, checkpoints, downstream ({said})"]
@@ -334,6 +332,8 @@ def _fixed_lines(plan: Plan) -> list[str]:
 
 def _included(plan: Plan) -> str:
     fixed = {plan.fixed_seconds(t) for t in plan.trials}
+    if "sweep" in plan.fixed:
+        return "including the fixed costs above"
     if fixed == {0.0}:
         return "training only (no fixed cost counted: --overhead-s adds one per trial)"
     if len(fixed) == 1:

@@ -184,14 +184,16 @@ def test_a_sweeps_fixed_costs_are_measured_here_and_priced_into_later_plans(
          "trial/downstream_s": d, "value": 512, "objective": "headless", "seed": 0}
         for s, d in ((20.0, 40.0), (30.0, 50.0))
     ] + [{"status": "FAILED", "trial/pretrain_overhead_s": 500.0, "value": 512}]  # fmt: skip
-    kept = record_fixed_costs(rows, spec.recipe, "vocab-here", lambda row: "encoder")
+    assert "the sweep's own      45 s" in format_plan(before)  # assumed: no sweep yet
+    kept = record_fixed_costs(rows, spec.recipe, "vocab-here", lambda r: "encoder", sweep_s=12.0)
     assert kept["start"]["s"] == 25.0 and kept["downstream"]["tiny encoder"]["s"] == 45.0
     after = sweep_plan(spec, Assumptions(), fit=fit)
     text = format_plan(after)
     assert "start-up, validation, checkpoints 25 s (measured: mean of 2 trial(s) of sweep " in text
     assert "downstream 45 s (measured: mean of 2 trial(s) of sweep vocab-here" in text
+    assert "the sweep's own      12 s: Ray's start, the inputs, the MLflow server, the " in text
     training = sum(after.trial_seconds(t) for t in after.trials)
-    assert after.wall_seconds == pytest.approx(training + 2 * 70.0)  # one at a time
-    assert "including the fixed cost of 70 s per trial" in text
+    assert after.wall_seconds == pytest.approx(training + 2 * 70.0 + 12.0)  # one at a time
+    assert "including the fixed costs above" in text
     given = sweep_plan(spec, Assumptions(overhead_s=5.0), fit=fit)
-    assert given.wall_seconds == pytest.approx(training + 2 * 5.0)
+    assert given.wall_seconds == pytest.approx(training + 2 * 5.0 + 12.0)

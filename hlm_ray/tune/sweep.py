@@ -256,7 +256,7 @@ def run_sweep(
             phases["after_trials"] = seconds - phases["before_trials"] - phases["trials"]
             parent.log_metrics(plan_mod.measured_metrics(rows, seconds), step=0)
             if spec.gpus_per_worker == 0 and not search:  # for later plans on this machine
-                _record_fixed_costs(rows, spec, name)
+                _record_fixed_costs(rows, spec, name, phases)
             parent.log_metrics({f"sweep/{k}_s": v for k, v in phases.items()}, step=0)
             parent.finish("KILLED" if stop.interrupted else "FINISHED")
         except (KeyboardInterrupt, SystemExit):
@@ -287,13 +287,14 @@ def run_sweep(
     )
 
 
-def _record_fixed_costs(rows, spec: SweepSpec, name: str) -> None:
+def _record_fixed_costs(rows, spec: SweepSpec, name: str, phases: dict[str, float]) -> None:
     from hlm_ray.cpu_plan import record_fixed_costs
 
     def family(row) -> str:
         return spec.cell_config(row["value"], row["objective"], row["seed"]).model.family
 
-    record_fixed_costs(rows, spec.recipe, name, family)
+    own = phases["before_trials"] + phases["after_trials"]  # the sweep's, around its trials
+    record_fixed_costs(rows, spec.recipe, name, family, sweep_s=own)
 
 
 def _open_parent(spec, name, uri, state, search, concurrency, real_vocab):
