@@ -39,8 +39,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
 from hlm_ray.config import Config, apply_overrides
 from hlm_ray.errors import HLMError
 from hlm_ray.flops import config_step_flops
@@ -165,6 +163,7 @@ def deadline_passed(train_seconds: float, budget_seconds: float | None) -> bool:
     if budget_seconds is None:
         return False
     passed = train_seconds >= budget_seconds
+    import torch
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -180,4 +179,6 @@ def first_step_unique_columns(micro_batch, ranks: range) -> int:
     """U of step 0's first micro-batch: distinct target ids over `ranks` (all workers with
     cross-worker negatives, else rank 0). `micro_batch(rank)` returns that rank's target ids;
     the data order is a function of (seed, step), so every worker measures the same U."""
+    import torch  # here, not at the top: a plan (`hlm train --dry-run`) needs no torch
+
     return int(torch.unique(torch.cat([micro_batch(rank) for rank in ranks])).numel())

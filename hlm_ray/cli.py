@@ -28,7 +28,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hlm_ray import threads
 from hlm_ray.errors import exit_status
+from hlm_ray.train.interrupt import sigint_interrupts
 from hlm_ray.tune import scripts as sweep_scripts
 from hlm_ray.tune.scripts import SWEEPS  # noqa: F401 (the kinds `hlm sweep` offers)
 
@@ -43,7 +45,10 @@ def _version() -> str:
         return "hlm unknown (not installed)"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The `hlm` parser. `argv`: the command line it is built for, when known: a sweep script
+    is loaded (torch, transformers: seconds) only for `hlm sweep KIND`, so that a typo in any
+    other command is answered at once. None: every script, for what walks the whole parser."""
     parser = argparse.ArgumentParser(
         prog="hlm",
         description="Headless language models on Ray: pretrain (headless or vanilla), fine-tune, "
@@ -59,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train.add_parsers(sub)  # train, sync, compare, presets
     downstream.add_parsers(sub)  # finetune, eval
-    sweep_scripts.add_parser(sub)
+    sweep_scripts.add_parser(sub, only=_sweep_kind(argv))
     generate.add_parsers(sub)
     serve_cli.add_parser(sub).set_defaults(handler=serve_cli.run)
     bench_cli.add_parser(sub).set_defaults(handler=bench_cli.run)
@@ -67,12 +72,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _sweep_kind(argv: list[str] | None) -> str | None:
+    """The KIND of `hlm sweep KIND ...` in `argv`; "" for any other command (no script
+    loaded); None when `argv` is None (every script loaded)."""
+    if argv is None:
+        return None
+    words = [a for a in argv if not a.startswith("-")]  # `hlm` has no option that takes a value
+    return words[1] if words[:1] == ["sweep"] and len(words) > 1 else ""
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv == ["--version"]:  # a newcomer's first command: without the parser, which imports
         print(_version())  # torch and transformers (seconds on a small machine)
         raise SystemExit(0)
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
+    if args.command in threads.COMMANDS:  # before torch is imported: see hlm_ray/threads.py
+        threads.passive_openmp()
+    sigint_interrupts()  # Ctrl-C stops a run, also one started in the background by a script
 
     def command() -> int:
         # train and sweep print the command that continues an interrupted run: they get argv.

@@ -81,3 +81,25 @@ def console_to_log(path: Path) -> Iterator[Console]:
         if terminal is not streams[0]:
             terminal.close()
         log.close()
+
+
+class Lines:
+    """A progress bar's file where the output is not a terminal (a Ray worker's, which Ray
+    forwards to the driver's console line by line, each prefixed `(RayTrainWorker pid=...)`):
+    every refresh of the bar becomes one whole line. tqdm writes a carriage return before each
+    refresh and blanks to clear the bar, which there showed as the prefix over an empty line.
+
+        bar = tqdm(total=n, file=Lines(sys.stderr), mininterval=10)
+    """
+
+    def __init__(self, stream: TextIO) -> None:
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        line = text.replace("\r", "").strip()
+        if line:
+            self.stream.write(line + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self.stream.flush()

@@ -1,22 +1,21 @@
-"""A cost plan before spending: trials, tokens, FLOPs, GPU-hours and wall time, from the FLOP
-model alone (nothing is started: no Ray, no data, no MLflow).
+"""A cost plan before spending: trials, tokens, FLOPs, and the wall time on the hardware the
+trials will run on (nothing is started: no Ray, no data, no MLflow).
 
-    python sweeps/vocab.py --preset paper --dry-run              # H100 bf16 at 40% MFU
-    python sweeps/batch_size.py --preset paper --dry-run --gpu-type A100 --mfu 0.35
-    hlm train --preset pythia-70m --num-workers 8 --gpu --dry-run
+    python sweeps/vocab.py --preset paper --dry-run --gpu-type A100 --mfu 0.35   # on GPUs
+    python sweeps/headline.py --preset cpu --dry-run             # this machine's CPUs, measured
+    plan = sweep_plan(spec, Assumptions(), fit=lambda nodes: 2)  # then plan.wall_seconds
+    print(format_plan(plan)); tracker.log_metrics(plan_metrics(plan), step=0)
 
-    plan = sweep_plan(spec, Assumptions(gpu="H100", mfu=0.4, cluster_gpus=8))
-    print(format_plan(plan))
-    tracker.log_metrics(plan_metrics(plan), step=0)   # a real sweep: on its parent run
-
-What is counted: pretraining only, `optim.max_steps` optimizer steps of `global_batch_size`
-sequences (or the steps a `budget.tokens` / `budget.flops` becomes, `hlm_ray.budget`; a
-`budget.seconds` run is planned at its cap, `optim.max_steps`), each micro-batch priced by
-`hlm_ray.flops.config_step_flops` (matmul FLOPs, forward + backward). The dedup CWT's columns are priced at their bound U = min(W·K, V) (real text has
-fewer distinct ids: runs log the measured `train/U`), so a headless trial's FLOPs are an upper
-bound. Wall time: FLOPs / (MFU × peak × the trial's GPUs), plus a fixed cost per trial (Ray and
-TorchTrainer start-up, checkpoints, the downstream step: `trial/overhead_s` of a real sweep),
-with the trials packed onto the concurrency the cluster allows (longest first).
+Counted: pretraining, `optim.max_steps` steps of `global_batch_size` sequences (or the steps a
+`budget.tokens` / `budget.flops` becomes, `hlm_ray.budget`), each micro-batch priced by
+`hlm_ray.flops.config_step_flops`, the dedup CWT at its bound U = min(W·K, V) (runs log the
+measured `train/U`): a headless trial's FLOPs are an upper bound. Wall time on GPUs (trials
+with GPU workers; `hlm train --gpu`, --gpu-type, --mfu or --cluster-gpus): FLOPs / (MFU × peak
+× the trial's GPUs). On CPUs (everything else): each trial's step timed on this machine on its
+own model (`hlm_ray.cpu_plan`, kept per machine and shape) times its steps (a `budget.seconds`
+trial stops at its deadline), plus its validations. Either way plus a fixed cost per trial
+(start-up, validation, checkpoints, the downstream step), on CPUs what the latest sweep here
+measured where there was one; trials packed onto the concurrency the cluster allows.
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import heapq
 import math
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
 
@@ -37,6 +36,7 @@ from hlm_ray.flops import PEAK_FLOPS, config_step_flops
 DEFAULT_GPU = "H100"
 DEFAULT_MFU = 0.40
 DEFAULT_OVERHEAD_S = 60.0
+"""A GPU trial's fixed cost when none is given (a CPU plan takes what sweeps here measured)."""
 
 
 @dataclass(frozen=True)
@@ -51,8 +51,13 @@ class Assumptions:
     """GPUs of the cluster; None: this machine's (or 8, one node, when it has none)."""
     cluster_cpus: float | None = None
     """CPUs of the cluster; None: this machine's (or 8 per assumed GPU)."""
-    overhead_s: float = DEFAULT_OVERHEAD_S
-    """Fixed cost of one trial: start-up, checkpoints, the downstream step."""
+    overhead_s: float | None = None
+    """Fixed cost of one trial: start-up, checkpoints, the downstream step. None: on GPUs
+    `DEFAULT_OVERHEAD_S`, on CPUs what sweeps on this machine measured (`cpu_plan`)."""
+    gpu_asked: bool = False
+    """--gpu-type, --mfu or --cluster-gpus was given: `hlm train` plans on GPUs."""
+    measure: bool = True
+    """A CPU plan may time a step not timed here yet (a dry run; not a sweep's own plan)."""
 
     def __post_init__(self):
         if _peak(self.gpu) is None:
@@ -77,7 +82,12 @@ class TrialPlan:
     vocab_size: int
     head_share: float
     steps: int = 0
-    """Optimizer steps (a budget's, resolved with the bound U: at most what the run gets)."""
+    """Optimizer steps (a budget's with the bound U; on CPUs a deadline's at the measured rate)."""
+    family: str = "decoder"
+    seconds: float | None = None
+    """CPU plans: training and validation seconds at the measured rate (None: no rate here)."""
+    step_s: float | None = None
+    """CPU plans: the measured seconds of one optimizer step."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,10 @@ class Plan:
     concurrency: int
     cluster: dict[str, float]
     notes: list[str] = field(default_factory=list)
+    hardware: str = "gpu"  # "gpu": FLOPs at the assumed MFU; "cpu": steps timed on this machine
+    fixed: dict[str, tuple] = field(default_factory=dict)
+    """CPU plans: {family: (start-up, downstream) FixedCosts, "sweep": (its own start, end)}."""
+    rates: dict[str, float] = field(default_factory=dict)  # CPU plans: where step times came from
 
     @property
     def total_flops(self) -> float:
@@ -98,10 +112,27 @@ class Plan:
         return sum(t.tokens for t in self.trials)
 
     def trial_seconds(self, trial: TrialPlan) -> float:
-        """Training time of one trial on its GPUs at the stated MFU (no fixed cost)."""
+        """Training time of one trial (no fixed cost): on its GPUs at the stated MFU, or on
+        CPUs at the measured step time (0 for a trial with no rate here)."""
+        if self.hardware == "cpu":
+            return trial.seconds or 0.0
         return trial.flops / (
             self.assumptions.mfu * self.assumptions.peak_flops * max(trial.gpus, 1)
         )
+
+    def fixed_seconds(self, trial: TrialPlan) -> float:
+        """One trial's fixed cost: --overhead-s when given, else on CPUs the measured (or
+        assumed) start-up and downstream of its family, on GPUs `DEFAULT_OVERHEAD_S`."""
+        if self.assumptions.overhead_s is not None:
+            return self.assumptions.overhead_s
+        if self.hardware == "cpu" and trial.family in self.fixed:
+            start, downstream = self.fixed[trial.family]
+            return start.seconds + downstream.seconds
+        return DEFAULT_OVERHEAD_S
+
+    @property
+    def cpu_hours(self) -> float:
+        return sum(self.trial_seconds(t) * t.cpus for t in self.trials) / 3600
 
     @property
     def gpu_hours(self) -> float:
@@ -112,13 +143,12 @@ class Plan:
     def wall_seconds(self) -> float:
         """Longest-first list scheduling of the trials onto `concurrency` slots."""
         durations = sorted(
-            (self.trial_seconds(t) + self.assumptions.overhead_s for t in self.trials),
-            reverse=True,
+            (self.trial_seconds(t) + self.fixed_seconds(t) for t in self.trials), reverse=True
         )
         slots = [0.0] * max(1, self.concurrency)
         for d in durations:
             heapq.heapreplace(slots, slots[0] + d)
-        return max(slots)
+        return max(slots) + sum(cost.seconds for cost in self.fixed.get("sweep", ()))
 
 
 def trial_plan(
@@ -138,6 +168,7 @@ def trial_plan(
         vocab_size=vocab,
         head_share=step.head_share,
         steps=cfg.optim.max_steps,
+        family=cfg.model.family,
     )
 
 
@@ -147,21 +178,43 @@ def sweep_plan(
     *,
     fit: Callable[[list[dict[str, float]]], int],
     name: str | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> Plan:
     """The plan of a `SweepSpec`'s grid (one trial per cell); `fit(nodes)` is how many trials
-    run side by side on those nodes (`hlm_ray.tune.placement.plan_concurrency`)."""
-    trials = [
-        trial_plan(
+    run side by side on those nodes (`hlm_ray.tune.placement.plan_concurrency`). Trials with
+    GPU workers are priced on GPUs, the others on this machine's CPUs (one thread per CPU of a
+    worker, as Ray gives its workers); `say(line)` announces a step being timed."""
+    cells = [
+        (
             spec.cell_config(c["value"], c["objective"], c["seed"]),
             f"{c['objective']} {spec.axis.name}={c['value']} seed {c['seed']}",
-            workers=spec.workers_per_trial,
-            gpus_per_worker=spec.gpus_per_worker,
-            cpus_per_worker=spec.cpus_per_worker,
         )
         for c in spec.cells()
     ]
-    cluster, notes = _cluster(assumptions, spec.gpus_per_worker > 0)
-    return Plan(name or spec.axis.name, trials, assumptions, fit([cluster]), cluster, notes)
+    from hlm_ray.cpu_plan import fixed_costs, sweep_cost
+
+    hardware = "gpu" if spec.gpus_per_worker > 0 else "cpu"
+    cluster, notes = _cluster(assumptions, hardware == "gpu")
+    if hardware == "cpu" and assumptions.gpu_asked:
+        notes.append("--gpu-type, --mfu and --cluster-gpus do not apply: the trials run on CPUs")
+    plan = Plan(name or spec.axis.name, [], assumptions, fit([cluster]), cluster, notes, hardware)
+    workers, threads = spec.workers_per_trial, max(1, int(spec.cpus_per_worker))
+    for cfg, label in cells:
+        trial = trial_plan(
+            cfg,
+            label,
+            workers=workers,
+            gpus_per_worker=spec.gpus_per_worker,
+            cpus_per_worker=spec.cpus_per_worker,
+        )
+        if hardware == "cpu":
+            trial = _priced_on_cpus(plan, cfg, trial, workers, threads, say)
+            if trial.family not in plan.fixed:
+                plan.fixed[trial.family] = fixed_costs(spec.recipe, trial.family)
+        plan.trials.append(trial)
+    if hardware == "cpu":
+        plan.fixed["sweep"] = (sweep_cost(),)
+    return plan
 
 
 def train_plan(
@@ -171,9 +224,13 @@ def train_plan(
     workers: int,
     gpus_per_worker: float,
     cpus_per_worker: float,
+    threads: int | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> Plan:
     """The plan of one `hlm train` run; its fixed cost (start-up, checkpoints) is the
-    assumptions' `overhead_s` (`hlm train --dry-run` makes it 0 unless `--overhead-s` says)."""
+    assumptions' `overhead_s` (`hlm train --dry-run` makes it 0 unless `--overhead-s` says).
+    `gpus_per_worker` 0: priced on this machine's CPUs, `threads` per worker (default: one per
+    CPU of a worker, as Ray gives them)."""
     trial = trial_plan(
         cfg,
         f"{cfg.objective.name} {cfg.preset or cfg.model.arch}",
@@ -181,23 +238,53 @@ def train_plan(
         gpus_per_worker=gpus_per_worker,
         cpus_per_worker=cpus_per_worker,
     )
-    cluster, notes = _cluster(assumptions, gpus_per_worker > 0)
-    return Plan("hlm train", [trial], assumptions, 1, cluster, notes)
+    hardware = "gpu" if gpus_per_worker > 0 else "cpu"
+    cluster, notes = _cluster(assumptions, hardware == "gpu")
+    plan = Plan("hlm train", [], assumptions, 1, cluster, notes, hardware)
+    if hardware == "cpu":
+        threads = threads or max(1, int(cpus_per_worker))
+        trial = _priced_on_cpus(plan, cfg, trial, workers, threads, say)
+    plan.trials.append(trial)
+    return plan
+
+
+def _priced_on_cpus(plan: Plan, cfg: Config, trial: TrialPlan, workers, threads, say):
+    """`trial` with its seconds at the step time measured here (kept, or timed now when the
+    plan may measure); the plan's `rates` count where they came from."""
+    from hlm_ray.cpu_plan import price_trial
+
+    cfg, _ = resolve_budget(cfg, trial.vocab_size, world_size=workers)
+    priced = price_trial(cfg, trial.vocab_size, trial.steps, workers=workers, threads=threads,
+                         measure=plan.assumptions.measure, say=say, counts=plan.rates)  # fmt: skip
+    if priced is None:
+        return trial
+    seconds, steps, step_s = priced
+    share = steps / trial.steps if trial.steps else 1.0
+    return replace(trial, seconds=seconds, step_s=step_s, steps=steps,
+                   tokens=round(trial.tokens * share), flops=trial.flops * share)  # fmt: skip
 
 
 def format_plan(plan: Plan) -> str:
     a = plan.assumptions
+    cpu = plan.hardware == "cpu"
     lines = [f"plan for {plan.name}: {len(plan.trials)} trial(s), nothing started", ""]
+    last = f"{'step s':>8s} {'train s':>8s}" if cpu else f"{'GPU-h':>8s}"
     header = (
         f"  {'trial':34s} {'steps':>8s} {'V':>8s} {'tokens':>10s} {'FLOPs':>10s} {'head':>6s} "
-        f"{'GPU-h':>8s}"
+        f"{last}"
     )
     lines.append(header)
     for t in plan.trials:
-        gpu_h = t.flops / (a.mfu * a.peak_flops) / 3600
+        if cpu:
+            step_s, train_s = (
+                ("-", "-") if t.seconds is None else (f"{t.step_s:.3g}", f"{t.seconds:,.0f}")
+            )
+            cost = f"{step_s:>8s} {train_s:>8s}"
+        else:
+            cost = f"{t.flops / (a.mfu * a.peak_flops) / 3600:>8.2f}"
         lines.append(
             f"  {t.label:34s} {t.steps:>8,d} {t.vocab_size:>8,d} {_si(t.tokens):>10s} {t.flops:>10.3g} "
-            f"{t.head_share:>6.1%} {gpu_h:>8.2f}"
+            f"{t.head_share:>6.1%} {cost}"
         )
     per = plan.trials[0]
     lines += [
@@ -207,18 +294,51 @@ def format_plan(plan: Plan) -> str:
         f"  FLOPs per trial      {_span([t.flops for t in plan.trials], '{:.3g}'.format)}",
         f"  FLOPs                {plan.total_flops:.3g} in all "
         f"(FLOP model: matmuls, forward + backward; pretraining only)",
-        f"  GPU                  {a.gpu} bf16, peak {a.peak_flops / 1e12:.0f} TFLOP/s, "
-        f"at {a.mfu:.0%} MFU (--gpu-type, --mfu)",
-        f"  GPU-hours            {plan.gpu_hours:,.1f}",
+    ]
+    if cpu:
+        from hlm_ray.cpu_plan import rate_lines
+
+        lines += rate_lines(plan.rates, plan.cpu_hours)
+    else:
+        lines += [
+            f"  GPU                  {a.gpu} bf16, peak {a.peak_flops / 1e12:.0f} TFLOP/s, "
+            f"at {a.mfu:.0%} MFU (--gpu-type, --mfu)",
+            f"  GPU-hours            {plan.gpu_hours:,.1f}",
+        ]
+    flag = "--cluster-cpus" if cpu else "--cluster-gpus, --cluster-cpus"
+    lines += [
         f"  cluster              {plan.cluster.get('GPU', 0):g} GPU(s), "
-        f"{plan.cluster.get('CPU', 0):g} CPU(s) (--cluster-gpus, --cluster-cpus)",
+        f"{plan.cluster.get('CPU', 0):g} CPU(s) ({flag})",
         f"  concurrency          {plan.concurrency} trial(s) at a time, "
         f"{per.gpus:g} GPU(s) and {per.cpus:g} CPU(s) each",
-        f"  expected wall time   {_duration(plan.wall_seconds)} "
-        f"(+ {a.overhead_s:.0f} s fixed cost per trial, --overhead-s)",
+        *_fixed_lines(plan),
+        f"  expected wall time   {_duration(plan.wall_seconds)}, {_included(plan)}",
     ]
     lines += [f"  note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def _fixed_lines(plan: Plan) -> list[str]:
+    """The fixed cost per trial and where it comes from (included in the wall time)."""
+    a = plan.assumptions
+    if plan.hardware == "cpu" and plan.fixed:
+        from hlm_ray.cpu_plan import fixed_lines
+
+        return fixed_lines(plan.fixed, a.overhead_s)
+    seconds = DEFAULT_OVERHEAD_S if a.overhead_s is None else a.overhead_s
+    said = "--overhead-s" if a.overhead_s is not None else "assumed, --overhead-s"
+    return [f"  fixed cost per trial {seconds:.0f} s: start-up, checkpoints, downstream ({said})"]
+
+
+def _included(plan: Plan) -> str:
+    fixed = {plan.fixed_seconds(t) for t in plan.trials}
+    if "sweep" in plan.fixed:
+        return "including the fixed costs above"
+    if fixed == {0.0}:
+        return "training only (no fixed cost counted: --overhead-s adds one per trial)"
+    if len(fixed) == 1:
+        return f"including the fixed cost of {fixed.pop():.0f} s per trial"
+    return "including the fixed costs per trial above"
 
 
 def plan_metrics(plan: Plan) -> dict[str, float]:
@@ -228,8 +348,11 @@ def plan_metrics(plan: Plan) -> dict[str, float]:
         "plan/tokens_per_trial": float(plan.trials[0].tokens),
         "plan/flops": plan.total_flops,
         "plan/flops_per_trial": plan.total_flops / len(plan.trials),
-        "plan/gpu_hours": plan.gpu_hours,
-        "plan/mfu": plan.assumptions.mfu,
+        **(
+            {"plan/cpu_hours": plan.cpu_hours}
+            if plan.hardware == "cpu"
+            else {"plan/gpu_hours": plan.gpu_hours, "plan/mfu": plan.assumptions.mfu}
+        ),
         "plan/concurrency": float(plan.concurrency),
         "plan/wall_s": plan.wall_seconds,
     }
@@ -239,7 +362,13 @@ def measured_metrics(rows: list[dict[str, Any]], seconds: float) -> dict[str, fl
     """What a finished sweep measured, beside the plan (`measured/...`)."""
     done = [r for r in rows if r.get("status") == "FINISHED"]
     out = {"measured/wall_s": seconds, "measured/trials_finished": float(len(done))}
-    for key, name in (("trial/overhead_s", "overhead_s"), ("trial/wall_s", "trial_wall_s")):
+    for key, name in (
+        ("trial/overhead_s", "overhead_s"),
+        ("trial/wall_s", "trial_wall_s"),
+        ("trial/train_s", "train_s"),
+        ("trial/pretrain_overhead_s", "pretrain_overhead_s"),
+        ("trial/downstream_s", "downstream_s"),
+    ):
         values = [float(r[key]) for r in done if _finite(r.get(key))]
         if values:
             out[f"measured/mean_{name}"] = sum(values) / len(values)
@@ -251,7 +380,9 @@ def log_sweep_plan(parent, spec, name, assumptions, concurrency, folder, search)
     `plan/...` metrics and `plan.txt`; the measured figures follow at the end."""
     if search:  # random samples of one cell: the grid's plan does not describe it
         return None
-    plan = sweep_plan(spec, assumptions or Assumptions(), fit=lambda _: concurrency, name=name)
+    # Kept step times only: timing the missing shapes here would hold up the trials.
+    assumptions = replace(assumptions or Assumptions(), measure=False)
+    plan = sweep_plan(spec, assumptions, fit=lambda _: concurrency, name=name)
     path = folder / "plan.txt"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(format_plan(plan) + "\n")
@@ -267,22 +398,28 @@ def add_arguments(p) -> None:
         action="store_true",
         help="print the cost plan (trials, tokens, FLOPs, GPU-hours, wall time); start nothing",
     )
-    p.add_argument("--gpu-type", default=DEFAULT_GPU, help=f"plan: GPU (default {DEFAULT_GPU})")
-    p.add_argument("--mfu", type=float, default=DEFAULT_MFU, help="plan: MFU (default 0.4)")
+    p.add_argument(
+        "--gpu-type", help=f"plan: the GPU (default {DEFAULT_GPU}; a plan on GPUs for hlm train)"
+    )
+    p.add_argument("--mfu", type=float, help=f"plan: MFU on GPUs (default {DEFAULT_MFU})")
     p.add_argument("--cluster-gpus", type=int, help="plan: GPUs of the cluster")
     p.add_argument("--cluster-cpus", type=float, help="plan: CPUs of the cluster")
     p.add_argument(
-        "--overhead-s", type=float, default=DEFAULT_OVERHEAD_S, help="plan: fixed cost per trial"
+        "--overhead-s",
+        type=float,
+        help="plan: fixed cost per trial, included in the wall time (default: on CPUs what "
+        f"sweeps here measured, on GPUs {DEFAULT_OVERHEAD_S:.0f} s)",
     )
 
 
 def assumptions_from(args) -> Assumptions:
     return Assumptions(
-        gpu=args.gpu_type,
-        mfu=args.mfu,
+        gpu=args.gpu_type or DEFAULT_GPU,
+        mfu=DEFAULT_MFU if args.mfu is None else args.mfu,
         cluster_gpus=args.cluster_gpus,
         cluster_cpus=args.cluster_cpus,
         overhead_s=args.overhead_s,
+        gpu_asked=any(x is not None for x in (args.gpu_type, args.mfu, args.cluster_gpus)),
     )
 
 
@@ -307,15 +444,17 @@ def _file_vocab_size(path: str | None, fallback: int) -> int:
 
 def _cluster(a: Assumptions, needs_gpu: bool) -> tuple[dict[str, float], list[str]]:
     notes = []
+    if not needs_gpu:  # a CPU plan: the cluster's GPUs are not used
+        return {"CPU": float(a.cluster_cpus or os.cpu_count() or 1), "GPU": 0.0}, notes
     gpus = a.cluster_gpus
     if gpus is None:
         gpus = _local_gpus()
-        if gpus == 0 and needs_gpu:
+        if gpus == 0:
             gpus = 8
             notes.append("no GPU here: assumed one node with 8 GPUs (set --cluster-gpus)")
     cpus = a.cluster_cpus
     if cpus is None:
-        cpus = float(os.cpu_count() or 1) if not needs_gpu else max(8.0 * gpus, os.cpu_count() or 1)
+        cpus = max(8.0 * gpus, os.cpu_count() or 1)
     return {"CPU": float(cpus), "GPU": float(gpus)}, notes
 
 

@@ -23,12 +23,14 @@ import contextlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-
-from transformers import PreTrainedModel, PreTrainedTokenizerFast
+from typing import TYPE_CHECKING
 
 from hlm_ray.config import Config
 from hlm_ray.errors import HLMError
 from hlm_ray.paths import resolve_input
+
+if TYPE_CHECKING:  # transformers is imported where a model is loaded, not to find its folder
+    from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 REGISTRY_SCHEME = "models:/"
 _KINDS = ("auto", "causal_lm", "encoder", "masked_lm")

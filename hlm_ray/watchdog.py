@@ -7,9 +7,10 @@
 `spawn_guarded` runs the command under a small watchdog (``python -m hlm_ray.watchdog PID --
 CMD...``) in a new process group. The watchdog asks the kernel for SIGTERM when its parent dies
 (``prctl(PR_SET_PDEATHSIG)``, Linux) and also checks its parent once a second (other systems,
-or a parent that died before the request was made). Either way it stops the whole group: SIGINT
-first (an `mlflow server` and its workers shut down at once on it), SIGKILL for whatever is left
-after `GRACE_S`. The sweep's local tracking server runs this way, so a killed sweep driver does
+or a parent that died before the request was made). Either way it stops the whole group: SIGTERM
+first (an `mlflow server` and its uvicorn worker shut down cleanly on it; on SIGINT uvicorn
+re-raised the signal as a KeyboardInterrupt, a traceback at the end of the server's log at every
+normal stop), SIGKILL for whatever is left after `GRACE_S`. `stop_group` asks the watchdog. The sweep's local tracking server runs this way, so a killed sweep driver does
 not leave it (and its ten worker processes) running.
 
 Call `spawn_guarded` from the main thread: the kernel's parent-death signal follows the thread
@@ -37,11 +38,12 @@ def spawn_guarded(command: list[str], **popen_kwargs) -> subprocess.Popen:
 
 
 def stop_group(process: subprocess.Popen, timeout_s: float = 15.0) -> None:
-    """Stop `process`'s group (as started by `spawn_guarded`): SIGINT, then SIGKILL."""
+    """Stop `process`'s group (as started by `spawn_guarded`): its watchdog stops the group
+    (SIGTERM, then SIGKILL after `GRACE_S`); SIGKILL to all of it after `timeout_s`."""
     if process.poll() is not None:
         return
     try:
-        os.killpg(process.pid, signal.SIGINT)
+        process.send_signal(signal.SIGTERM)  # the watchdog: one signal each for the others
         process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
@@ -63,7 +65,7 @@ def _stop_everything(child: subprocess.Popen) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(0, signal.SIGINT)
+        os.killpg(0, signal.SIGTERM)
     deadline = time.monotonic() + GRACE_S
     while child.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -73,11 +73,19 @@ def _leave_a_core_to_ray(request, monkeypatch):
 
 
 @pytest.fixture(autouse=True)
-def _hlm_cache_dir(tmp_path, monkeypatch):
-    """Point HLM_CACHE_DIR at a per-test temp folder: tests never touch the user's cache."""
+def _hlm_cache_dir(tmp_path, monkeypatch, _plan_rates):
+    """Point HLM_CACHE_DIR at a per-test temp folder: tests never touch the user's cache. The
+    step times CPU plans measure are kept for the session (each dry run would time its shapes
+    again), in a file of its own (HLM_PLAN_RATES)."""
     cache = tmp_path / "hlm_cache"
     monkeypatch.setenv("HLM_CACHE_DIR", str(cache))
+    monkeypatch.setenv("HLM_PLAN_RATES", str(_plan_rates))
     return cache
+
+
+@pytest.fixture(scope="session")
+def _plan_rates(tmp_path_factory):
+    return tmp_path_factory.mktemp("plan") / "plan_rates.json"
 
 
 @pytest.fixture(scope="session", autouse=True)

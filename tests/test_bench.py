@@ -84,6 +84,18 @@ def test_smoke_run_writes_every_table_and_figure(smoke) -> None:
         "vanilla/liger | skipped: HLMError: objective.vanilla_impl=liger"
         in (smoke / "results.md").read_text()
     )
+    # The step with no loss head at all, at the preset's no-head vocabulary only, and the
+    # headless step against it.
+    none = [r for r in rows if r["arm"] == "no-head/lazy"]
+    assert {(r["model"], r["V"], r["status"]) for r in none} == {
+        ("neox-smoke", "256", "ok"), ("bert-smoke", "256", "ok")
+    }  # fmt: skip
+    assert all(r["objective"] == "none" and float(r["head_share"]) == 0 for r in none)
+    table = text.split("## Headless against no loss head at all")[1]
+    for model in ("neox-smoke", "bert-smoke"):
+        [row] = [line for line in table.splitlines() if line.startswith(f"| {model} | 256 |")]
+        ratio = float(row.split("|")[6])
+        assert ratio > 0
 
 
 def test_smoke_targets_and_mlflow_run(smoke) -> None:
@@ -131,6 +143,8 @@ def test_train_step_rows_carry_hand_counted_flops(smoke) -> None:
         V = int(r["V"])
         if r["objective"] == "vanilla":
             head = 3 * K * 2 * D * V  # logits h·Wᵀ at every target row
+        elif r["objective"] == "none":  # the no-head arm: the body alone
+            head = 0
         else:
             U = int(r["U"])  # distinct target ids: the dedup CWT's columns
             assert 0 < U <= min(K, V)
@@ -279,3 +293,27 @@ def test_ray_overhead_rows(ray_cluster) -> None:
     assert [r["arm"] for r in rows] == ["bare", "ray", "bare"]
     assert all(r["windows"] >= 1 and r["step_ms"] > 0 for r in rows)
     assert overhead_ratio(rows) > 0
+
+
+def test_the_threads_benchmark_times_each_arm_in_a_process_of_its_own(monkeypatch) -> None:
+    """`python -m hlm_ray.bench.threads` (its harness, not its timings): an arm is a process with
+    its OpenMP settings (one real one here, the passive arm); the rounds alternate the arms
+    beside the busy loops asked for, which are stopped after, and each arm's figure is its
+    median (the other arms' processes replaced by fixed times, for speed)."""
+    import psutil
+
+    from hlm_ray.bench import threads
+
+    assert threads.time_arm("passive", "tiny-decoder", 0.05) > 0
+    assert threads.ARMS["passive"] == {"OMP_WAIT_POLICY": "PASSIVE"}
+    made = {"spin": iter([30.0, 10.0, 20.0]), "passive": iter([2.0, 3.0, 1.0]),
+            "1 thread": iter([4.0, 4.0, 5.0])}  # fmt: skip
+    monkeypatch.setattr(threads, "time_arm", lambda arm, preset, seconds: next(made[arm]))
+    lines = []
+    before = {p.pid for p in psutil.Process().children()}
+    [row] = threads.run("tiny-decoder", [1], rounds=3, seconds=0.1, log=lines.append)
+    assert (row["busy"], row["spin"], row["passive"], row["1 thread"]) == (1, 20.0, 2.0, 4.0)
+    assert (
+        lines[0].startswith("1 busy loop(s): spin 20.0 ms") and "spin ÷ passive 10.00" in lines[0]
+    )
+    assert {p.pid for p in psutil.Process().children()} <= before  # the busy loop is gone

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import os
 from importlib.metadata import version
 from pathlib import Path
 
@@ -60,6 +62,57 @@ def test_version_answers_without_importing_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.splitlines() == [f"hlm {version('hlm_ray')}", "False False"]
+
+
+BAD_INPUT = {  # command line -> the start of its one-line error
+    "train --preset tiny-decodr": "error: unknown preset 'tiny-decodr'",
+    "train --set optim.max_step=10": "error: unknown config field optim.max_step",
+    "train --set optim.lr=abc": "error: optim.lr='abc' is not allowed",
+    "train --local --num-workers 0": "error: --local trains in this process, one worker",
+    "train --num-workers 0": "error: --num-workers 0: use 1 or more",
+    "train --output {file}/run": "error: output {file}/run: {file} is a file",
+    "train --resume {nowhere}": "error: ",
+    "eval --model {nowhere} --task lambda": "error: unknown evaluation task 'lambda'",
+    "eval --model {nowhere} --task lambada": "error: model {nowhere} does not exist",
+    "finetune --task glu:sst2 --model {nowhere}": "error: unknown task 'glu:sst2'",
+    "generate --model {nowhere} hello": "error: model {nowhere} does not exist",
+    "serve --model {nowhere}": "error: model {nowhere} does not exist",
+}
+
+
+def test_bad_input_is_answered_before_torch_is_imported(tmp_path):
+    """A mistyped preset, config key or value, flag, task or folder is one `error:` line and
+    status 2 before torch, transformers, Ray or MLflow are imported (they cost 17-39 s on a busy
+    2-core machine); `hlm presets` too needs none of them. One process runs every case."""
+    import subprocess
+    import sys
+
+    names = {"file": str(tmp_path / "a-file"), "nowhere": str(tmp_path / "nowhere")}
+    (tmp_path / "a-file").write_text("")
+    cases = {k.format(**names): v.format(**names) for k, v in BAD_INPUT.items()}
+    code = (
+        "import contextlib, io, json, shlex, sys\nfrom hlm_ray.cli import main\nout = {}\n"
+        "for line in json.loads(sys.argv[1]):\n    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err):\n        code = main(shlex.split(line))\n"
+        "    out[line] = [code, err.getvalue()]\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n    out['presets'] = [main(['presets']), '']\n"
+        "heavy = ('torch', 'transformers', 'ray', 'mlflow')\n"
+        "import os\nprint(os.environ.get('OMP_WAIT_POLICY'))\n"
+        "print(json.dumps([out, [m for m in heavy if m in sys.modules]]))"
+    )
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    done = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(list(cases))],
+        capture_output=True, text=True, check=True, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    *_, policy, result = done.stdout.splitlines()
+    answers, imported = json.loads(result)
+    assert imported == []
+    assert policy == "PASSIVE"  # set for the in-process commands, before torch (threads.py)
+    assert answers.pop("presets") == [0, ""]
+    for line, start in cases.items():
+        code, err = answers[line]
+        assert code == 2 and err.startswith(start) and err.count("\n") == 1, (line, err)
 
 
 def _script(kind: str):
@@ -162,9 +215,10 @@ def _train_plan_wall_time(capsys, *extra: str) -> str:
 def test_train_dry_run_adds_the_overhead_it_is_given(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     plain = _train_plan_wall_time(capsys)
-    assert "wall time   0 s (+ 0 s fixed cost" in plain  # one run: no fixed cost unless asked
+    assert "wall time   0 s, training only (no fixed cost" in plain  # unless asked
     with_overhead = _train_plan_wall_time(capsys, "--overhead-s", "7200")
-    assert "wall time   2.0 h (+ 7200 s fixed cost" in with_overhead
+    # Included in the wall time, and said so (it read as extra time).
+    assert "wall time   2.0 h, including the fixed cost of 7200 s per trial" in with_overhead
     assert not (tmp_path / "runs").exists()
 
 
@@ -219,3 +273,44 @@ def test_a_failed_evaluation_leaves_no_empty_folder(
     out.mkdir()
     assert main(["eval", "--model", tiny_decoder_dir, "--task", "bpb", "--output", str(out)]) == 2
     assert out.is_dir()
+
+
+def test_openmp_waits_passively_unless_the_user_says_otherwise(monkeypatch):
+    """Spinning OpenMP threads collapse in-process training on shared cores (hlm_ray/threads.py):
+    the in-process commands set OMP_WAIT_POLICY=PASSIVE before torch loads libgomp, and keep a
+    user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT; once torch is loaded it is too late, and
+    nothing is set."""
+    import sys
+
+    from hlm_ray.threads import COMMANDS, passive_openmp
+
+    assert {"train", "finetune", "eval", "generate"} <= set(COMMANDS)
+    monkeypatch.delitem(sys.modules, "torch")  # as in a fresh `hlm` process
+    env = {}
+    assert passive_openmp(env) and env == {"OMP_WAIT_POLICY": "PASSIVE"}
+    for own in ({"OMP_WAIT_POLICY": "ACTIVE"}, {"GOMP_SPINCOUNT": "1000"}):
+        assert not passive_openmp(dict(own))
+    monkeypatch.undo()
+    assert "torch" in sys.modules and not passive_openmp(env := {}) and env == {}
+
+
+def test_a_command_started_with_sigint_ignored_still_stops_on_sigint(tmp_path):
+    """A script's background job starts with SIGINT ignored (`hlm train ... &` in a
+    non-interactive shell); `hlm` and the sweep scripts make it raise KeyboardInterrupt again,
+    so `kill -INT` stops the run as Ctrl-C does. One process, started that way."""
+    import signal
+    import subprocess
+    import sys
+
+    code = (
+        "import contextlib, io, signal\nfrom hlm_ray.cli import main\n"
+        "print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n    main(['presets'])\n"
+        "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True, text=True, check=True, cwd=tmp_path,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )  # fmt: skip
+    assert done.stdout.split() == ["True", "True"]

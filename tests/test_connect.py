@@ -11,6 +11,7 @@ import pytest
 import ray
 
 from hlm_ray.errors import HLMError
+from hlm_ray.local_ray import TOKEN_NOTICE_LOGGER
 from hlm_ray.train import launch
 
 
@@ -25,7 +26,7 @@ def no_cluster(monkeypatch):
     """As in a fresh process: no Ray joined yet (the test session's cluster stays untouched)."""
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
-    monkeypatch.setattr(launch, "_starts_local", lambda address: not address or address == "local")
+    monkeypatch.setattr(launch, "starts_local", lambda address: not address or address == "local")
 
 
 def test_an_unreachable_address_is_named_with_what_to_do(monkeypatch, no_cluster):
@@ -97,3 +98,24 @@ def test_a_start_that_times_out_under_load_is_tried_again_then_one_line(monkeypa
     assert "\n" not in message and "timed out during startup" in message
     assert "load average" in message and "run the same command again" in message
     assert "continues where it stopped" in message
+
+
+def test_a_local_start_keeps_rays_token_notice_off_the_console(monkeypatch, capfd, no_cluster):
+    """Ray 2.60 turns token authentication on for a cluster ray.init starts, with a WARNING
+    on every run (here Ray's own function, called where Ray calls it, in ray.init): `connect`
+    keeps it off the console for a local start, and leaves the setting itself alone."""
+    import logging
+    import os
+
+    from ray._private.authentication import authentication_token_setup as tokens
+
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    logger = logging.getLogger(TOKEN_NOTICE_LOGGER)
+    monkeypatch.setattr(logger, "level", logging.NOTSET)  # as in a fresh process: restored
+    monkeypatch.setattr(logger, "disabled", False)  # after the test
+    assert logger is logging.getLogger(tokens.__name__)
+    monkeypatch.setattr(ray, "init", lambda *a, **k: tokens._warn_token_auth_enabled())
+    launch.connect()  # Ray's "ray" logger writes to stderr, and does not propagate
+    assert "Token authentication" not in capfd.readouterr().err
+    assert "RAY_AUTH_MODE" not in os.environ

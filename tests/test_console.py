@@ -75,3 +75,56 @@ def test_a_sweep_stops_the_cluster_it_started_before_its_console_comes_back(
     assert stopped == ([True] if own else [])
     assert not launch._own_cluster
     assert capsys.readouterr().out.rstrip().endswith("MLflow: open this")
+
+
+def test_a_trial_is_numbered_by_its_place_in_the_sweep_also_when_resumed():
+    """Tune's trial ids end with the order it made them in and keep it on resume: the line of a
+    resumed sweep's fifth trial says 5/6, not 1/2 (the first to start in this run); its time
+    says it starts with the resume."""
+    from types import SimpleNamespace
+
+    from hlm_ray.tune.progress import TrialProgress, trial_number
+
+    assert trial_number("a1b2c_00004") == 5 and trial_number("odd") is None
+    config = {"value": 1000, "config": {"objective": {"name": "headless"}, "run": {"seed": 1}}}
+    trial = SimpleNamespace(trial_id="a1b2c_00004", config=config)
+    progress = TrialProgress(num_trials=6, short="vocab")
+    progress.began[trial.trial_id] = 0.0
+    try:
+        TrialProgress.resumed = True
+        line = progress._line(trial, "finished" + progress._took(trial))
+    finally:
+        TrialProgress.resumed = False
+    assert " trial 5/6 finished in " in line and " s since the sweep resumed: vocab=1000" in line
+
+
+def test_a_progress_bar_where_the_output_is_not_a_terminal_writes_whole_lines():
+    """A Ray worker's tqdm bar: Ray forwards its output line by line, each prefixed with the
+    worker; a carriage return or a clearing write showed the prefix over an empty line."""
+    import io
+
+    from tqdm import tqdm
+
+    from hlm_ray.console import Lines
+
+    out = io.StringIO()
+    bar = tqdm(total=3, desc="headless gpt_neox", file=Lines(out), mininterval=0)
+    for _ in range(3):
+        bar.update(1)
+    bar.close()
+    lines = out.getvalue().split("\n")
+    assert lines[-1] == "" and "\r" not in out.getvalue()
+    assert all(line.startswith("headless gpt_neox:") for line in lines[:-1]), lines
+    assert "3/3" in lines[-2]
+
+
+def test_a_reports_image_links_reach_the_terminal_as_figure_paths(tmp_path):
+    """The report's Markdown is printed at the end of a sweep: an image link there is noise
+    (`![...](fig7a_...png)`); the figure's path, from where the command ran, is not."""
+    from hlm_ray.tune.cli import console_text
+
+    md = "## Figures\n\n![score vs vocabulary](fig7a_score.png)\n\n![](/abs/b.png) and text\n"
+    assert console_text(md, tmp_path / "vocab-tiny") == (
+        f"## Figures\n\nfigure: {tmp_path}/vocab-tiny/fig7a_score.png (score vs vocabulary)\n\n"
+        "figure: /abs/b.png and text\n"
+    )

@@ -589,3 +589,10 @@ def test_decoder_tasks_score_at_the_trained_length_and_record_it(tok, tmp_path, 
     assert bpb["metrics"]["bpb/bits_per_byte"] == pytest.approx(
         hand_bpb(model, tok, texts, 16), rel=1e-4
     )
+
+
+def test_the_task_names_checked_before_torch_are_the_tasks():
+    """`hlm eval` checks --task against `harness.TASKS` before it imports torch."""
+    from hlm_ray.evaluate.harness import TASKS
+
+    assert tuple(EVAL_TASKS) == TASKS

@@ -621,6 +621,32 @@ def test_a_guarded_child_dies_with_its_killed_parent(tmp_path):
     pytest.fail("the guarded process group outlived its parent")
 
 
+def test_a_guarded_group_is_stopped_with_sigterm_once(tmp_path):
+    """`stop_group` stops a guarded command with one SIGTERM (an `mlflow server`'s uvicorn
+    shuts down cleanly on it; on SIGINT it logged a KeyboardInterrupt traceback at every normal
+    stop), through its watchdog; the command's own child too."""
+    from hlm_ray.watchdog import spawn_guarded, stop_group
+
+    seen = tmp_path / "signals"
+    code = (
+        "import signal, subprocess, sys, time\n"
+        "child = subprocess.Popen(['sleep', '120'])\n"
+        "def on(signum, frame):\n"
+        f"    open({str(seen)!r}, 'a').write(signal.Signals(signum).name + '\\n')\n"
+        "    child.terminate(); child.wait(); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, on); signal.signal(signal.SIGINT, on)\n"
+        "print('ready', flush=True); time.sleep(120)\n"
+    )
+    process = spawn_guarded([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    assert process.stdout.readline() == b"ready\n"
+    started = time.monotonic()
+    stop_group(process)
+    assert seen.read_text() == "SIGTERM\n"
+    assert time.monotonic() - started < 5  # not the watchdog's SIGKILL after its grace
+    with pytest.raises(ProcessLookupError):
+        os.killpg(process.pid, 0)
+
+
 def test_checkpoints_from_before_manifests_still_resume(tmp_path):
     folder = fake_checkpoint(tmp_path, 10)
     meta = json.loads((folder / ckpt.MARKER).read_text())
@@ -673,3 +699,50 @@ def test_trials_cut_short_by_ctrl_c_are_killed_not_stopped_by_asha(tmp_path, mlf
     assert rows[0]["status"] == "KILLED"
     _close_orphans(rows, spec, runtime)
     assert MlflowClient(mlflow_store).get_run(child.run_id).info.status == "KILLED"
+
+
+def test_ray_stop_stops_the_processes_of_one_session_folder_and_no_other(tmp_path):
+    """`python -m hlm_ray.ray_stop DIR` (the README's stop for a cluster with its own
+    --temp-dir): every process with a file open under DIR or DIR in its command line, and their
+    children, stopped; one that ignores SIGTERM killed after the grace period; a process
+    outside DIR untouched. Plain processes stand for Ray's here; the README test stops a real
+    cluster with it."""
+    import psutil
+
+    from hlm_ray.ray_stop import cluster_processes, stop
+
+    session = tmp_path / "ray-mine" / "session_1" / "logs"
+    session.mkdir(parents=True)
+    (session / "gcs_server.out").write_text("")
+    holds_a_log = (
+        "import signal, subprocess, sys, time\n"
+        f"log = open({str(session / 'gcs_server.out')!r})\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)  # as a slow GCS server\n"
+        "subprocess.Popen(['sleep', '120'])\n"
+        "print('ready', flush=True); time.sleep(120)\n"
+    )
+    named = "import time; print('ready', flush=True); time.sleep(120)"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", holds_a_log], stdout=subprocess.PIPE),
+        subprocess.Popen(
+            [sys.executable, "-c", named, str(tmp_path / "ray-mine")], stdout=subprocess.PIPE
+        ),  # fmt: skip
+        subprocess.Popen(
+            [sys.executable, "-c", named, str(tmp_path / "ray-other")], stdout=subprocess.PIPE
+        ),  # fmt: skip
+    ]
+    try:
+        for p in procs:
+            assert p.stdout.readline() == b"ready\n"
+        found = {p.pid for p in cluster_processes(tmp_path / "ray-mine")}
+        child = psutil.Process(procs[0].pid).children()[0].pid
+        assert found == {procs[0].pid, child, procs[1].pid}
+        started = time.monotonic()
+        assert stop(tmp_path / "ray-mine", grace_s=1.0) == 3
+        assert time.monotonic() - started >= 1.0  # one ignored SIGTERM: killed after the grace
+        for pid in found:  # (psutil reaped this test's own children: no exit status to read)
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+        assert procs[2].poll() is None  # another folder's process
+    finally:
+        for p in procs:
+            p.kill()

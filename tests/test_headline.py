@@ -383,6 +383,31 @@ def test_the_headline_figure_is_a_forest_plot_of_the_differences(tmp_path, saved
     assert not ax.containers and [t.get_text() for t in ax.texts] == ["no interval"]
 
 
+def test_the_forest_plots_axis_labels_do_not_run_together(tmp_path, saved_figures):
+    """A LAMBADA accuracy near zero (differences of 1e-4) beside a long family label: its
+    axis's tick labels (-0.00015, ...) ran into each other; they stand apart now."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    trials = []
+    for seed, (h, v) in enumerate([(0.00013, 0.00021), (0.00006, 0.00017), (0.00019, 0.00009)]):
+        trials.append(report.Trial("gpt2-cpu-seconds", "headless", seed, {"acc": h}))
+        trials.append(report.Trial("gpt2-cpu-seconds", "vanilla", seed, {"acc": v}))
+    score = report.Score("acc", "LAMBADA accuracy (last word)", "gpt2-cpu-seconds", baseline=0.0)
+    report.plot_forest(report.compare(trials, [score]), tmp_path / "f.png", title="t")
+    [fig] = saved_figures
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    [ax] = fig.axes
+    low, high = ax.get_xlim()
+    labels = [
+        t for t in ax.get_xticklabels() if t.get_text() and low <= t.get_position()[0] <= high
+    ]
+    boxes = [t.get_window_extent(canvas.get_renderer()) for t in labels]
+    assert len(boxes) >= 3
+    apart = all(a.x1 < b.x0 for a, b in zip(boxes, boxes[1:], strict=False))
+    assert apart, [t.get_text() for t in labels]
+
+
 # ------------------------------------------------------------------------------ the sweep
 
 

@@ -168,6 +168,8 @@ def pg_server(postgres, tmp_path_factory, mlflow_store):
     finally:
         os.environ["MLFLOW_TRACKING_URI"] = mlflow_store
         stop_group(process)
+    # A normal stop ends the server's log without a traceback (SIGINT left a KeyboardInterrupt).
+    assert "Traceback" not in log.read_text().split("Shutting down")[-1]
 
 
 @pytest.mark.ray

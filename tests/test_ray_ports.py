@@ -2,7 +2,8 @@
 default ports (GCS 6379, dashboard 8265, its agent 52365, the client server 10001), and
 `ray job submit` as the README's first block writes it fails there. The README's second block,
 run as written (its job's entrypoint swapped for a probe, the sweep itself is the demo's test),
-starts a cluster beside it, submits to it, and `pkill -f <its session folder>` stops it alone.
+starts a cluster beside it, submits to it, and the README's stop line
+(`python -m hlm_ray.ray_stop <its session folder>`) stops it, all of it, and it alone.
 
 Both clusters run in a network namespace of this test's own (loopback only), so the default
 ports are free for the "other" Ray whatever else runs on the machine; a private HOME keeps the
@@ -58,7 +59,12 @@ def test_the_readme_submits_beside_a_ray_that_holds_the_default_ports():
     block = readme_block()
     top = Path(tempfile.mkdtemp(prefix="rp", dir="/tmp"))  # short: Ray's socket paths
     mine = top / "mine"
+    # Before its last line, the stop: the other Ray is up then too.
+    assert block.strip().splitlines()[-1] == "python -m hlm_ray.ray_stop /tmp/ray-mine", block
+    up = 'curl -s -o /dev/null http://127.0.0.1:8265 && echo "other before: up"\n'
+    block = block.replace("python -m hlm_ray.ray_stop", up + "python -m hlm_ray.ray_stop")
     block = block.replace("/tmp/ray-mine", str(mine))
+    left = f"from hlm_ray.ray_stop import cluster_processes; print('left', len(cluster_processes('{mine}')))"
     block = re.sub(r"-- \\\n\s*python sweeps/vocab.py --preset tiny", f"-- {PROBE}", block)
     assert PROBE in block, block
     script = f"""set -e
@@ -67,11 +73,9 @@ ip link set lo up
 ray start --head --num-cpus=1 --dashboard-host=127.0.0.1 --temp-dir={top}/other \\
     --disable-usage-stats
 {block}
-curl -s -o /dev/null http://127.0.0.1:8265 && echo "other before: up"
-pkill -f {mine}
-for i in $(seq 60); do curl -s -o /dev/null http://127.0.0.1:8275 || break; sleep 1; done
-curl -s -o /dev/null http://127.0.0.1:8275 && echo "mine after pkill: up" || echo "mine after pkill: down"
-curl -s -o /dev/null http://127.0.0.1:8265 && echo "other after pkill: up"
+curl -s -o /dev/null http://127.0.0.1:8275 && echo "mine after stop: up" || echo "mine after stop: down"
+python -c "{left}"
+curl -s -o /dev/null http://127.0.0.1:8265 && echo "other after stop: up"
 """
     netns = f"hlmtest-ports-{uuid.uuid4().hex[:6]}"
     env = {
@@ -80,7 +84,7 @@ curl -s -o /dev/null http://127.0.0.1:8265 && echo "other after pkill: up"
         "LANG": os.environ.get("LANG", "C.UTF-8"),
         "RAY_USAGE_STATS_ENABLED": "0",
     }
-    # From a file: `pkill -f` matches command lines, and `bash -c` carries the script in its own.
+    # From a file: the stop matches command lines, and `bash -c` carries the script in its own.
     (top / "run.sh").write_text(script)
     subprocess.run(["ip", "netns", "add", netns], check=True)
     try:
@@ -98,5 +102,6 @@ curl -s -o /dev/null http://127.0.0.1:8265 && echo "other after pkill: up"
     said = done.stdout + done.stderr
     assert done.returncode == 0, said[-4000:]
     assert "cpus 2.0" in said, said[-4000:]  # the job ran on the README's cluster (2 CPUs)
-    assert "other before: up" in said and "other after pkill: up" in said, said[-2000:]
-    assert "mine after pkill: down" in said, said[-2000:]
+    assert "other before: up" in said and "other after stop: up" in said, said[-2000:]
+    assert "mine after stop: down" in said and "left 0" in said, said[-2000:]
+    assert re.search(r"stopped \d{2,} process\(es\) of the Ray cluster", said), said[-2000:]

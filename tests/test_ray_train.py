@@ -232,3 +232,36 @@ def test_workers_the_cluster_cannot_place_wait_a_bounded_time_then_fail_in_one_l
     experiment = client.get_experiment_by_name("test-ray-unplaced")
     (run,) = client.search_runs([experiment.experiment_id])
     assert run.info.status == "FAILED"
+
+
+def test_the_train_console_carries_progress_and_the_summary_not_rays_dumps(ray_cluster, tmp_path):
+    """`hlm train` on Ray, as a user runs it: a process of its own on a local cluster of its
+    own. Its console has the start line, the worker's progress as whole lines and the summary;
+    not Ray Train's INFO lines (a `TrainingReport(...)` dump per checkpoint), Ray's token
+    authentication warning, a worker's print twice, carriage returns (a bar refresh drawn over
+    the worker's prefix) or a `(RayTrainWorker pid=...)` prefix over an empty line. (In the
+    Ray group, for its cluster start: not beside the session cluster's other tests.)"""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_AUTH_MODE"}
+    env["RAY_ADDRESS"] = "local"
+    argv = ["train", "--preset", "tiny-decoder", "--output", str(tmp_path / "run"),
+            "--set", "optim.max_steps=20", "--set", "run.checkpoint_every=10"]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "hlm_ray.cli", *argv],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    console = re.sub(r"\x1b\[[0-9;]*m", "", done.stdout + done.stderr)  # Ray's colours
+    (tmp_path / "console.txt").write_text(console)
+    assert done.returncode == 0, console[-3000:]
+    assert "training tiny-decoder (gpt_neox, headless) on Ray Train, 1 worker(s)" in console
+    assert re.search(r"\(RayTrainWorker pid=\d+\) headless gpt_neox: 100%.*20/20", console)
+    assert "| headless | gpt_neox | 20 |" in console  # the summary
+    for noise in ("TrainingReport(", "Reporting training result", "Checkpoint successfully",
+                  "Requesting resources", "Token authentication", "\r"):  # fmt: skip
+        assert noise not in console, (noise, console[-3000:])
+    assert not re.search(r"\((RayTrainWorker|TrainController) pid=\d+\)\s*$", console, re.M)
+    assert console.count("workers on nodes: rank 0") == 1

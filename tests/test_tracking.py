@@ -793,3 +793,31 @@ def test_a_trials_downstream_scores_reach_mlflow_after_its_step_met_an_outage(st
         assert {k: metrics.get(k) for k in scores} == {**scores, "none": None}
         assert [m.step for m in client.get_metric_history(run_id, "downstream/score")] == [0]
     assert replay_trials(list(runs), trials, uri) == 0  # nothing twice
+
+
+def test_compare_figures_log_loss_axes_are_labelled_in_plain_numbers(tmp_path, monkeypatch):
+    """A loss curve inside one decade was labelled `6×10⁰`, `6.8×10⁰` (one panel with only two
+    labels): plain numbers now, several of them."""
+    import json
+
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from hlm_ray.train.summary import plot_runs
+
+    run = tmp_path / "vanilla"
+    run.mkdir()
+    rows = [{"step": s, "train/loss": 6.9 - 0.026 * s} for s in range(1, 51)]  # 6.87 -> 5.6
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "summary.json").write_text(json.dumps({"tokens_per_s": 100.0}))
+    saved = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path, **kw: saved.append(fig))
+    plot_runs([run], tmp_path / "compare.png")
+    [fig] = saved
+    FigureCanvasAgg(fig).draw()
+    ax = fig.axes[0]
+    low, high = ax.get_ylim()
+    shown = [t.get_text() for t in ax.get_yticklabels() + ax.get_yticklabels(minor=True)
+             if t.get_text() and low <= t.get_position()[1] <= high]  # fmt: skip
+    assert len(shown) >= 4 and not any("times" in s or "^" in s for s in shown), shown
+    assert all(float(s) for s in shown)

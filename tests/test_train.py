@@ -172,7 +172,7 @@ def test_interrupted_checkpoint_save_leaves_the_last_one_intact(tmp_path, monkey
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt  # Ctrl-C in the middle of writing a checkpoint
 
-    monkeypatch.setattr(ckpt.torch, "save", interrupted)
+    monkeypatch.setattr(torch, "save", interrupted)
     model = reload_plain(tmp_path / "run" / "model", cfg)
     with pytest.raises(KeyboardInterrupt):
         ckpt.write_checkpoint(

@@ -25,8 +25,7 @@ HELP = "benchmark headless vs vanilla: loss head, training step, Ray overhead"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    from hlm_ray.bench.presets import BENCH_PRESETS
-    from hlm_ray.bench.suite import BENCHMARKS
+    from hlm_ray.bench.presets import BENCH_PRESETS, BENCHMARKS  # not suite's torch: a parser
 
     p.add_argument(
         "--preset",

@@ -192,3 +192,22 @@ def compiled_cross_entropy() -> Callable:
     if "ce" not in _COMPILED:
         _COMPILED["ce"] = torch.compile(plain_cross_entropy, dynamic=True)
     return _COMPILED["ce"]
+
+
+class NoHeadObjective(torch.nn.Module):
+    """A training step with no loss head at all: the body's hidden states, a loss that costs
+    nothing beside them (their mean square, so that backward reaches every body weight), the
+    same embedding table and optimizer. What a headless step is measured against: its loss
+    head's whole cost is the difference. Returns what `LMObjective` returns."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids_BL, labels_BL=None, **_):
+        from hlm_ray.models import hidden_states
+        from hlm_ray.objectives import LossOutput
+
+        hidden_BLD = hidden_states(self.model, input_ids_BL)
+        loss = hidden_BLD.float().pow(2).mean()
+        return {"loss": LossOutput(loss=loss, num_rows=input_ids_BL.numel())}

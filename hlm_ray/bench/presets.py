@@ -17,6 +17,9 @@ from functools import partial
 from hlm_ray.config import ModelConfig
 from hlm_ray.errors import HLMError
 
+BENCHMARKS = ("loss_head", "train_step", "ray_overhead")
+"""What `hlm bench --only` chooses from, in the order they run (`suite.run_bench`)."""
+
 LOSS_METHODS = (
     "cwt_plain",
     "cwt_dedup",
@@ -105,6 +108,9 @@ class TrainStepSpec:
     """Distinct random micro-batches cycled through (token ids uniform over the vocabulary)."""
     flat_repeats: int = 8
     """Timed alternations of the flat-in-V comparison (its arms are cheap: headless only)."""
+    no_head_vocabs: tuple[int, ...] = (131072,)
+    """Points of these vocabularies also time a `no-head/lazy` arm: the same model's step with
+    no loss head at all (the limit the loss head's cost is measured against)."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +178,7 @@ SMOKE = BenchPreset(
         flat_repeats=1,
         # A fused kernel: a skipped row with its reason where it cannot run (CPU, CI).
         vanilla_impls=("full", "linear", "liger"),
+        no_head_vocabs=(256,),
     ),
     ray_overhead=RayOverheadSpec(
         steps=4,

@@ -326,6 +326,39 @@ def step_table(rows: list[dict], flat: bool = False) -> str:
     return _md_table(header, body)
 
 
+def no_head_rows(steps: list[dict]) -> list[dict]:
+    """Per point that timed a `no-head/lazy` arm: the `headless/lazy` step (the same model,
+    table and optimizer) ÷ that step, how much the loss head adds to a step with none (the
+    limit of its cost), beside the FLOP model's ratio, 1 / (1 - head share)."""
+    rows = ok_rows(steps)
+    out = []
+    for none in [r for r in rows if r["arm"] == "no-head/lazy"]:
+        point = (none["model"], none["V"], none["micro_batch"])
+        here = [r for r in rows if (r["model"], r["V"], r["micro_batch"]) == point]
+        headless = next((r for r in here if r["arm"] == "headless/lazy"), None)
+        if headless is None:
+            continue
+        share = headless["head_share"]
+        out.append({
+            "model": none["model"], "V": none["V"], "micro_batch": none["micro_batch"],
+            "step_ms": headless["step_ms"], "no_head_ms": none["step_ms"],
+            "ratio": headless["step_ms"] / none["step_ms"],
+            "flop_ratio": 1 / (1 - share) if share < 1 else None,
+        })  # fmt: skip
+    return out
+
+
+def no_head_table(rows: list[dict]) -> str:
+    body = [
+        [r["model"], r["V"], r["micro_batch"], f"{r['step_ms']:.1f}", f"{r['no_head_ms']:.1f}",
+         f"{r['ratio']:.3f}", _num(r["flop_ratio"], ".3f")]
+        for r in rows
+    ]  # fmt: skip
+    header = ["model", "V", "B", "headless/lazy step ms", "no-head/lazy step ms",
+              "headless ÷ no head", "FLOP model"]  # fmt: skip
+    return _md_table(header, body)
+
+
 def ray_table(rows: list[dict]) -> str:
     body = [
         [r["run"] + 1, r["arm"], r["steps"], r["windows"],
@@ -377,6 +410,16 @@ def markdown_report(
         parts += [
             "", "## Flat in V: headless at the smallest and largest V, alternated", "",
             step_table(flat, flat=True),
+        ]  # fmt: skip
+    no_head = no_head_rows(points)
+    if no_head:
+        parts += [
+            "", "## Headless against no loss head at all", "",
+            "The headless step (`headless/lazy`) ÷ the same model's step with no loss head "
+            "(`no-head/lazy`: the body's output, a loss that costs nothing beside it, the same "
+            "table and lazy update), timed in alternation with the other arms: what the loss "
+            "head adds, against the FLOP model's 1 / (1 − head share).",
+            "", no_head_table(no_head),
         ]  # fmt: skip
     if loss_rows:
         parts += [

@@ -24,11 +24,9 @@ import torch
 from hlm_ray.bench import report
 from hlm_ray.bench.common import environment
 from hlm_ray.bench.figures import write_figures
-from hlm_ray.bench.presets import BenchPreset
+from hlm_ray.bench.presets import BENCHMARKS, BenchPreset
 from hlm_ray.device import resolve_device
 from hlm_ray.errors import HLMError
-
-BENCHMARKS = ("loss_head", "train_step", "ray_overhead")
 
 
 @dataclass

@@ -35,6 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from hlm_ray.bench.common import (
+    NoHeadObjective,
     compiled_cross_entropy,
     peak_bytes,
     spread,
@@ -77,10 +78,12 @@ class Arm:
         return self.is_vanilla and not self.mlm_full_logits and not self.compile_blocks
 
 
-def arms_for(model: ModelConfig, spec: TrainStepSpec) -> list[Arm]:
+def arms_for(model: ModelConfig, spec: TrainStepSpec, vocab: int | None = None) -> list[Arm]:
     # The input table of a vanilla GPT-NeoX is untied from its head: it can be lazy too.
     vanilla_update = "lazy" if model.arch == "gpt_neox" else "dense"
     arms = [Arm("headless/dense", "headless"), Arm("headless/lazy", "headless", "lazy")]
+    if vocab in spec.no_head_vocabs:  # the body alone: the limit of the loss head's cost
+        arms.append(Arm("no-head/lazy", "none", "lazy"))
     arms += [Arm(f"vanilla/{impl}", "vanilla", vanilla_update, impl) for impl in spec.vanilla_impls]
     if model.family == "encoder":
         arms.append(Arm("vanilla/full-seq", "vanilla", vanilla_update, "full", True))
@@ -100,15 +103,14 @@ def arms_for(model: ModelConfig, spec: TrainStepSpec) -> list[Arm]:
     return arms
 
 
-class _Built:
+class BuiltArm:
     """One arm's model, objective module and optimizer, ready to step."""
 
     def __init__(self, arm: Arm, sm: StepModel, vocab: int, device: torch.device):
         torch.manual_seed(0)  # the same initial weights in every arm of a point
         cfg = replace(sm.model, attn_impl=arm.attn_impl)
-        self.model = build_model(
-            cfg, vocab_size=vocab, objective=arm.objective, special_ids=SPECIAL
-        )
+        built_as = "headless" if arm.objective == "none" else arm.objective  # the same model
+        self.model = build_model(cfg, vocab_size=vocab, objective=built_as, special_ids=SPECIAL)
         self.model.to(device).train()
         if arm.compile_blocks:
             compile_blocks(self.model)
@@ -120,7 +122,12 @@ class _Built:
             vanilla_impl=arm.ce_impl if fused else "torch",
             mlm_full_logits=arm.mlm_full_logits,
         )
-        self.module = (CompiledHeadObjective if compiled else LMObjective)(self.model, objective)
+        if arm.objective == "none":
+            self.module = NoHeadObjective(self.model)
+        else:
+            self.module = (CompiledHeadObjective if compiled else LMObjective)(
+                self.model, objective
+            )
         optim = OptimConfig(lr=1e-4, weight_decay=0.01, embedding_update=arm.embedding_update)
         self.optimizer = build_optimizer(self.model, optim)
 
@@ -209,16 +216,18 @@ def _flops(sm: StepModel, arm: Arm, vocab: int, micro_batch: int, K: int, U: int
     # measured distinct ids to it (the batches' own K differs by sampling noise).
     model_K = rows_per_loss(sm.model.family, micro_batch, sm.seq_len)
     U = max(1, min(model_K, round(U * model_K / K)))
-    return step_flops(
+    objective = "headless" if arm.objective == "none" else arm.objective  # no head: its body
+    flops = step_flops(
         sm.model,
         vocab_size=vocab,
-        objective=arm.objective,
+        objective=objective,
         micro_batch=micro_batch,
         seq_len=sm.seq_len,
         mlm_full_logits=arm.mlm_full_logits,
-        unique_columns=U if arm.objective == "headless" else None,
+        unique_columns=U if objective == "headless" else None,
         causal_attention_factor=causal,
     )
+    return replace(flops, head=0.0) if arm.objective == "none" else flops
 
 
 def run_train_step(
@@ -272,7 +281,7 @@ def _base(sm: StepModel, vocab: int, micro_batch: int, spec: TrainStepSpec, devi
 
 
 def _run_point(sm, vocab, micro_batch, spec, device, amp, peak_flops, dropped, progress):
-    arms = arms_for(sm.model, spec)
+    arms = arms_for(sm.model, spec, vocab)
     batches = make_batches(sm, vocab, micro_batch, spec.batches, device)
     K, U = _targets(batches)
     entries = [(arm.name, arm, vocab, batches) for arm in arms if arm.name not in dropped]
@@ -326,7 +335,7 @@ def alternate(entries, sm, spec, device, amp, progress, desc) -> dict[str, dict]
     """Build and warm up every entry (label, arm, vocab, batches), time them in alternation
     (A B C A B C ...; one more round if a spread is wide), then one untimed step each for
     peak memory. Returns {label: {"status", "times", "peak_mb"} or {"status", "note"}}."""
-    built: dict[str, tuple[_Built, list]] = {}
+    built: dict[str, tuple[BuiltArm, list]] = {}
     results: dict[str, dict] = {}
     steps = spec.warmup + spec.repeats * (1 + spec.extra_rounds) + 1
     bar = tqdm(total=len(entries) * steps, desc=desc, disable=not progress, leave=False)
@@ -335,7 +344,7 @@ def alternate(entries, sm, spec, device, amp, progress, desc) -> dict[str, dict]
     try:
         for label, arm, vocab, batches in entries:  # build and warm up every arm first
             try:
-                b = _Built(arm, sm, vocab, device)
+                b = BuiltArm(arm, sm, vocab, device)
                 xs = [batches[i % len(batches)] for i in range(spec.warmup)]
                 warm = [timed(lambda b=b, x=x: b.step(x, amp, device), device) for x in xs]
             except Exception as err:  # a backend that is missing, a compile failure, OOM

@@ -117,10 +117,12 @@ def load_args_config(args, output: str | None, objective: str | None):
 
 def launch_settings(args, run_dir: Path | None = None) -> None:
     """Fill the launch flags not given: from the run's launch.json on resume, else defaults."""
+    from hlm_ray.train.preflight import check_workers
     from hlm_ray.train.resume import LAUNCH_DEFAULTS, launch_settings
 
     given = {k: getattr(args, k, None) for k in LAUNCH_DEFAULTS}
     vars(args).update(launch_settings(run_dir, given))
+    check_workers(args.num_workers, local=args.local)
 
 
 def run_training(cfg, args, *, resume: Path | None = None, resume_from: Path | None = None):

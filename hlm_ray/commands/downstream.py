@@ -177,18 +177,20 @@ def cmd_eval(args) -> int:
 
     Score a model on evaluation tasks at the context length it was trained on; JSON per task in
     --output, a table printed, and metrics logged to the model's MLflow run (eval/...)."""
-    from hlm_ray import downstream
-    from hlm_ray.evaluate import format_results
-    from hlm_ray.evaluate.harness import require_harness, split_tasks
+    from hlm_ray.evaluate.harness import check_tasks, require_harness, split_tasks
     from hlm_ray.pretrained import resolve_model_dir
 
     tasks = split_tasks(args.task)
+    check_tasks(tasks)  # before torch: a mistyped task is answered at once
     require_harness(tasks)
     output = args.output or str(Path(resolve_model_dir(args.model)).parent / "eval")
     if args.model.startswith("models:/"):
         output = args.output or default_output(args.model, "eval")
     out_dir = resolve_output(output)
     existed = Path(out_dir).exists()
+    from hlm_ray import downstream
+    from hlm_ray.evaluate import format_results
+
     tracker = downstream.run_tracker(args.model, args.experiment)
     try:
         results = downstream.evaluate(

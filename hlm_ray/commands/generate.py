@@ -36,6 +36,10 @@ def cmd_generate(args) -> int:
     Load a decoder (a vanilla run, a headless one through its prior readout, or one fine-tuned
     with `hlm finetune --task clm`) and print the prompt and a sample, streamed as it is
     decoded."""
+    from hlm_ray.pretrained import REGISTRY_SCHEME, resolve_model_dir
+
+    if not args.model.startswith(REGISTRY_SCHEME):
+        resolve_model_dir(args.model)  # a mistyped folder is answered before torch is imported
     from hlm_ray.generate import Generator
 
     generator = Generator.load(

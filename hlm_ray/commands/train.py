@@ -69,11 +69,12 @@ def cmd_train(args, argv: list[str]) -> int:
     Pretrain one model from a preset (plus YAML and --set overrides) on Ray Train or in this
     process; checkpoints, metrics and the final model go to the run folder and MLflow. --resume
     continues a run; --dry-run prints its cost plan (--overhead-s: a fixed cost added to it)."""
+    # Plain Python up to the run itself: a mistyped preset, key or value, a wrong flag or
+    # output folder is answered before torch, transformers, Ray or MLflow are imported.
     from hlm_ray.train.checkpoint import refuse_existing, resolve_resume
-    from hlm_ray.train.launch import check_output, check_workers
+    from hlm_ray.train.preflight import check_output
     from hlm_ray.train.resume import discard_launch, resumed_config, save_launch, stored_checkpoint
     from hlm_ray.train.run_lock import acquire
-    from hlm_ray.train.summary import format_summary
 
     resume = resume_from = None
     if args.resume:
@@ -108,8 +109,6 @@ def cmd_train(args, argv: list[str]) -> int:
         return _print_plan(cfg, args)
     if resume is None:
         refuse_existing(cfg.run.output_dir)
-    if not args.local:
-        check_workers(args.num_workers)
     check_output(Path(cfg.run.output_dir))
     release = acquire(cfg.run.output_dir)  # one writer per run folder, from launch.json on
     save_launch(cfg.run.output_dir, vars(args))
@@ -142,6 +141,8 @@ def cmd_train(args, argv: list[str]) -> int:
         return EXIT_INTERRUPTED
     finally:
         release()
+    from hlm_ray.train.summary import format_summary
+
     print(format_summary([summary]))
     return 0
 
@@ -149,16 +150,32 @@ def cmd_train(args, argv: list[str]) -> int:
 def _print_plan(cfg, args) -> int:
     from hlm_ray.plan import assumptions_from, format_plan, train_plan
 
-    # A GPU-denominated plan: one GPU per worker, whether or not --gpu is given.
+    assumptions = assumptions_from(args)
+    # On GPUs when the run would use them (--gpu, or a GPU here) or a GPU plan is asked for
+    # (--gpu-type, --mfu, --cluster-gpus); else on this machine's CPUs, where it would run.
+    on_gpus = args.gpu or (args.gpu is None and (assumptions.gpu_asked or _local_gpus()))
+    threads = None
+    if args.local and not on_gpus:  # this process: torch's own thread count
+        import torch
+
+        threads = torch.get_num_threads()
     plan = train_plan(
         cfg,
-        assumptions_from(args),
+        assumptions,
         workers=args.num_workers,
-        gpus_per_worker=1.0,
+        gpus_per_worker=1.0 if on_gpus else 0.0,
         cpus_per_worker=args.cpus_per_worker,
+        threads=threads,
+        say=lambda line: print(line, file=sys.stderr, flush=True),
     )
     print(format_plan(plan))
     return 0
+
+
+def _local_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
 
 
 def cmd_sync(args) -> int:

@@ -11,10 +11,32 @@ The scoring functions work on any Hugging Face model + tokenizer without the tas
 `score_lambada`, `bits_per_byte`, `synonym_similarity`, `anisotropy`.
 """
 
-from hlm_ray.evaluate.bpb import bits_per_byte, default_bpb_texts
-from hlm_ray.evaluate.embeddings import anisotropy, synonym_pairs, synonym_similarity
-from hlm_ray.evaluate.lambada import load_lambada, score_lambada, score_lambada_reference
-from hlm_ray.evaluate.report import EVAL_TASKS, EvalTask, format_results, get_task, write_result
+import importlib
+
+# Imported when first used (PEP 562): `hlm eval` checks its --task names with `harness`, a
+# module of this package, before it imports torch and transformers through the others.
+_LAZY = {
+    "bits_per_byte": "bpb",
+    "default_bpb_texts": "bpb",
+    "anisotropy": "embeddings",
+    "synonym_pairs": "embeddings",
+    "synonym_similarity": "embeddings",
+    "load_lambada": "lambada",
+    "score_lambada": "lambada",
+    "score_lambada_reference": "lambada",
+    "EVAL_TASKS": "report",
+    "EvalTask": "report",
+    "format_results": "report",
+    "get_task": "report",
+    "write_result": "report",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "EVAL_TASKS",

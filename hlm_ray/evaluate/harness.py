@@ -84,6 +84,21 @@ def split_tasks(text: str) -> list[str]:
     return items
 
 
+TASKS = ("lambada", "bpb", "synonyms", "anisotropy")
+"""The built-in tasks (`report.EVAL_TASKS`, whose modules import torch: named here so that a
+mistyped --task is answered before that import; a test keeps the two equal)."""
+
+
+def check_tasks(tasks: list[str]) -> None:
+    """Each of `tasks` (`split_tasks`'s) is a built-in task or a harness item."""
+    for name in tasks:
+        if not name.startswith(PREFIX) and name not in TASKS:
+            raise HLMError(
+                f"unknown evaluation task {name!r}; the tasks are {', '.join(TASKS)}, "
+                "and harness:<lm-eval task>[,...]"
+            )
+
+
 def require_harness(tasks: list[str]) -> None:
     """One line naming the extra when `tasks` (`split_tasks`'s) ask for the harness and it is
     not installed, before a model is resolved or a run opened."""

@@ -186,11 +186,9 @@ def get_task(name: str) -> EvalTask:
 
         task_name, description, fn = harness_task(name)
         return EvalTask(task_name, description, True, fn)
-    if name not in EVAL_TASKS:
-        raise HLMError(
-            f"unknown evaluation task {name!r}; the tasks are {', '.join(EVAL_TASKS)}, "
-            "and harness:<lm-eval task>[,...]"
-        )
+    from hlm_ray.evaluate.harness import check_tasks
+
+    check_tasks([name])
     return EVAL_TASKS[name]
 
 

@@ -15,11 +15,30 @@ Data), `store` (atomic files, shards) and `reader` (memory-mapped blocks).
 
 from __future__ import annotations
 
-from hlm_ray.prepare.corpus_tokenizer import training_sample
-from hlm_ray.prepare.pipeline import prepare
-from hlm_ray.prepare.reader import TokenBlocks, open_prepared
-from hlm_ray.prepare.request import FORMAT_VERSION, Prepared, PrepareRequest
-from hlm_ray.prepare.split import is_validation
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hlm_ray.prepare.request import Prepared
+
+# Imported when first used (PEP 562): `hlm data --help`, built with every `hlm` command's parser,
+# would otherwise import torch and Ray Data through the pipeline.
+_LAZY = {
+    "training_sample": "corpus_tokenizer",
+    "prepare": "pipeline",
+    "TokenBlocks": "reader",
+    "open_prepared": "reader",
+    "FORMAT_VERSION": "request",
+    "Prepared": "request",
+    "PrepareRequest": "request",
+    "is_validation": "split",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def ensure_prepared(
@@ -32,6 +51,10 @@ def ensure_prepared(
         import sys
 
         progress = sys.stderr.isatty()
+    from hlm_ray.prepare.pipeline import prepare
+    from hlm_ray.prepare.reader import open_prepared
+    from hlm_ray.prepare.request import PrepareRequest
+
     if cfg.data.prepared:
         return open_prepared(cfg.data.prepared)
     # In process: this runs inside drivers and Ray workers alike, where Ray Data tasks could wait

@@ -19,6 +19,7 @@ starting one.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -301,12 +302,16 @@ def plan_ports(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     """Deploy, print where, block until Ctrl-C, shut down. Bad options raise HLMError before
     Ray starts."""
-    from hlm_ray.serve.app import make_app, model_name
-    from hlm_ray.serve.launch import start
+    from hlm_ray.pretrained import REGISTRY_SCHEME, resolve_model_dir
 
     check_flags(args)
     config = app_args(args)
     limits = connection_limits(args)
+    if not config.model.startswith(REGISTRY_SCHEME):
+        resolve_model_dir(config.model)  # a mistyped folder: answered before Ray and torch load
+    from hlm_ray.serve.app import make_app, model_name
+    from hlm_ray.serve.launch import start
+
     app = make_app(  # checks the model first: a wrong one is the likelier mistake
         config,
         num_replicas=args.replicas,
@@ -320,6 +325,9 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
+    from hlm_ray.local_ray import starts_local
+
+    own = not ray.is_initialized() and starts_local(args.address)  # a Ray that starts here
     try:
         guard = {"body_timeout_s": args.body_timeout_s, "max_body_bytes": config.max_body_bytes,
                  **limits}  # fmt: skip
@@ -331,7 +339,10 @@ def run(args: argparse.Namespace) -> int:
             from hlm_ray.serve.guard import API_KEY_ENV
 
             os.environ[API_KEY_ENV] = config.api_key.get_secret_value()
-        start(app, ports, guard=guard, ray=ray_options, keep_alive_s=args.keep_alive_timeout_s)
+        checked = time.perf_counter()
+        phases = start(
+            app, ports, guard=guard, ray=ray_options, keep_alive_s=args.keep_alive_timeout_s
+        )
         decoding = "a child process decodes" if config.decode_process else "a thread decodes"
         key = "API key required" if config.api_key else "no API key"
         routes = "POST /v1/completions, /v1/chat/completions, GET /v1/models, GET /healthz"
@@ -340,13 +351,14 @@ def run(args: argparse.Namespace) -> int:
             "Ctrl-C to stop",
             flush=True,
         )
+        print(_startup_line(checked, phases), flush=True)
         while True:
             time.sleep(1)
     except KeyboardInterrupt:
         print("shutting down", flush=True)
     finally:
         if ray.is_initialized():
-            shut_down(lambda: (serve.shutdown(), ray.shutdown()))
+            shut_down(lambda: (_shut_down(serve, own), ray.shutdown()))
     return 0
 
 
@@ -370,6 +382,33 @@ def shut_down(stop) -> None:
     finally:
         for sig, handler in saved.items():
             signal.signal(sig, handler)
+
+
+def _shut_down(serve, own: bool) -> None:
+    """Stop the application, its replicas answering what they hold (Serve's graceful stop).
+    On a Ray of this command's own, Serve's controller and proxy then go with the cluster:
+    `serve.shutdown()` asks the controller to stop itself, which it does with `ray.kill`, and
+    the task that asked was reported on the console as failed and "will be retried"."""
+    if not own:
+        serve.shutdown()
+        return
+    with contextlib.suppress(Exception):  # an application that never deployed
+        serve.delete("hlm")
+
+
+def _startup_line(checked: float, phases: dict[str, float]) -> str:
+    """Where the start-up went: the command's imports and the model check (since the process
+    started), then `launch.start`'s phases."""
+    import psutil
+
+    before = checked - time.perf_counter() + time.time() - psutil.Process().create_time()
+    total = before + sum(phases.values())
+    return (
+        f"ready {total:.0f} s after the command started: imports and the model check "
+        f"{before:.0f} s, Ray {phases['ray']:.0f} s, Serve's controller and proxy "
+        f"{phases['serve']:.0f} s, the replicas (model and decode process loaded) "
+        f"{phases['replicas']:.0f} s"
+    )
 
 
 def _interrupt_on_signals() -> None:

@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -136,10 +137,12 @@ def callers_signal_handlers() -> Iterator[None]:
 
 def start(
     app: Any, ports: Ports, *, guard: dict[str, Any], ray: dict[str, Any], keep_alive_s: int = 5
-) -> None:
+) -> dict[str, float]:
     """Start Ray with the `ray.init` options `ray` (here, unless they name an `address`), Serve
     on `ports` with the guard (`guard_controller_options(**guard)`) and idle keep-alive
-    connections closed after `keep_alive_s`, and `app` as "hlm".
+    connections closed after `keep_alive_s`, and `app` as "hlm". Returns the seconds of each
+    phase: "ray" (`ray.init`), "serve" (Serve's controller and proxy), "replicas" (the
+    application's replicas built, their models loaded, until they are healthy).
     Raises HLMError with the last line of Serve's message when the application fails."""
     import ray as ray_
     from ray import serve
@@ -153,9 +156,19 @@ def start(
             "RAY_SERVE_THROUGHPUT_OPTIMIZED=1, or pass --no-direct-ingress"
         )
     os.environ.update(ports.env())  # inherited by the Ray processes started below
+    phases, started = {}, time.perf_counter()
     if not ray_.is_initialized():  # a caller's own Ray (tests) is used as it is
+        options = {"log_to_driver": False, **ray}
+        from hlm_ray.local_ray import local_cluster_options, quiet_token_notice, starts_local
+
+        if starts_local(options.get("address")):  # a cluster of this command's own
+            # Its dashboard on a port of its own (another Ray on the machine may hold 8265),
+            # and Ray's notice that token authentication is on kept off the console.
+            options = {**local_cluster_options(), **options}
+            quiet_token_notice()
         with callers_signal_handlers():
-            ray_.init(**{"log_to_driver": False, **ray})
+            ray_.init(**options)
+    phases["ray"] = time.perf_counter() - started
     serve.start(
         http_options={
             "host": ports.host,
@@ -166,7 +179,30 @@ def start(
         # replicas' own ports (direct ingress) install it too.
         controller_options=guard_controller_options(**guard),
     )
+    phases["serve"] = time.perf_counter() - started - phases["ray"]
     try:
-        serve.run(app, name="hlm", route_prefix="/")
+        with _existing_serve_quiet():
+            serve.run(app, name="hlm", route_prefix="/")
     except RuntimeError as err:
         raise HLMError(f"the application failed to start: {one_line(err, last=True)}") from None
+    phases["replicas"] = time.perf_counter() - started - phases["ray"] - phases["serve"]
+    return phases
+
+
+@contextmanager
+def _existing_serve_quiet() -> Iterator[None]:
+    """`serve.run` starts Serve again, finds the controller `serve.start` just made, and says
+    at INFO that "New http_options/controller_options will not be applied": they were, by that
+    `serve.start`. That line alone is kept off the console."""
+    import logging
+
+    class Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            return "Connecting to existing Serve app" not in record.getMessage()
+
+    logger, drop = logging.getLogger("ray.serve"), Drop()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)

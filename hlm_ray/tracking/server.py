@@ -208,8 +208,7 @@ class LocalServer:
     def stop(self) -> None:
         process, self.process = self.process, None
         if process is not None:
-            # SIGINT (Ctrl-C): the server shuts down at once; it lingers on SIGTERM.
-            stop_group(process)
+            stop_group(process)  # SIGTERM: uvicorn's clean stop (`hlm_ray.watchdog`)
 
 
 # Ray hands its workers ports 10002-19999; below 20000 a server would race them.

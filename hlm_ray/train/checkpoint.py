@@ -30,9 +30,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 from hlm_ray.errors import HLMError
 
 MARKER = "hlm_checkpoint.json"
@@ -43,7 +40,14 @@ RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of reporte
 log = logging.getLogger(__name__)
 
 
+# numpy and torch are imported where they are used: `hlm train` checks its output folder
+# (`refuse_existing`) before it imports torch, so that bad input is answered at once.
+
+
 def rng_state() -> dict[str, Any]:
+    import numpy as np
+    import torch
+
     state = {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
@@ -55,6 +59,9 @@ def rng_state() -> dict[str, Any]:
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
+    import numpy as np
+    import torch
+
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -74,6 +81,8 @@ def write_checkpoint(
 ) -> Path:
     """Write a complete checkpoint at `folder` (atomic: temp folder, then rename);
     `model_files(model_dir)` adds files beside the model before the manifest lists them."""
+    import torch
+
     from hlm_ray.tokenizer import save_tokenizer
 
     folder = Path(folder)
@@ -367,6 +376,8 @@ def refuse_existing(folder: str | Path) -> None:
 
 
 def load_train_state(folder: Path) -> dict[str, Any]:
+    import torch
+
     # The file holds our own optimizer/RNG state (numpy arrays, tuples): not weights-only.
     return torch.load(Path(folder) / "train_state.pt", map_location="cpu", weights_only=False)
 

@@ -18,6 +18,16 @@ from pathlib import Path
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a process ended by Ctrl-C
 
 
+def sigint_interrupts() -> None:
+    """Make SIGINT raise KeyboardInterrupt even when the process started with it ignored: a
+    non-interactive shell starts a background job (`hlm train ... &` in a script) with SIGINT
+    ignored, and Python then leaves it so; `kill -INT` had no effect on such a run. (The main
+    thread only: elsewhere handlers cannot be set.)"""
+    with contextlib.suppress(ValueError):
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 class RunInterrupted(KeyboardInterrupt):
     """Ctrl-C ended a run or sweep cleanly: its processes are stopped, its runs marked KILLED."""
 

@@ -30,20 +30,25 @@ from hlm_ray import cluster
 from hlm_ray.cluster import alive_nodes, check_tracking, machines, worker_paths
 from hlm_ray.config import Config, apply_overrides
 from hlm_ray.errors import HLMError, TrainingDiverged, one_line
+from hlm_ray.local_ray import local_cluster_options, quiet_token_notice, starts_local
 from hlm_ray.paths import CACHE_ENV
 from hlm_ray.train import checkpoint as ckpt
 from hlm_ray.train import run_lock
 from hlm_ray.train.inputs import build_corpus, build_prepared, build_tokenizer
+from hlm_ray.train.preflight import check_output, check_storage, check_workers
 from hlm_ray.train.ray_worker import ray_worker, take_divergence
 from hlm_ray.train.run_mirror import PROGRESS, RESULTS, RUN_REF, RunMirror
 
-# Ray Train settings for short runs, unless the user set them: the controller polls its workers
+# Ray Train settings, unless the user set them: for short runs, the controller polls its workers
 # every 2 s by default, which every report, the start and the end of a fit wait on (seconds per
 # trial in a sweep); the preemption watcher (observability only) is one more actor process per
 # fit. Ray passes both on from the driver (or trial) to the controller.
 RAY_TRAIN_ENV = {
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.5",
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    # A worker's print as a print (Ray forwards it to the console once), not also as a log
+    # record of Ray Train's print patch, which put it on the console a second time.
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
 }
 _own_cluster = False  # whether `connect` started the local cluster this process is on
 SWEEP_SYNCS = "the sweep sends its records at its end (`hlm_ray.tune.replay`)"
@@ -60,7 +65,9 @@ def connect() -> None:
     address = os.environ.get("RAY_ADDRESS")
     if address and address not in ("auto", "local"):
         _probe(address)  # ray.init retries an unreachable address for minutes
-    local = _starts_local(address)
+    local = starts_local(address)
+    if local:
+        quiet_token_notice()
     attempts = LOCAL_START_ATTEMPTS if local else 1
     for attempt in range(1, attempts + 1):
         try:
@@ -111,37 +118,6 @@ def _port_taken(message: str) -> bool:
     return "Failed to bind" in message or "already in use" in message or "occupied" in message
 
 
-def _starts_local(address: str | None) -> bool:
-    """Whether `ray.init(address)` starts a new local cluster (nothing to join)."""
-    if address == "local":
-        return True
-    if address:
-        return False
-    from ray._private.services import get_ray_address_from_environment
-
-    return get_ray_address_from_environment(None, None) is None
-
-
-def local_cluster_options() -> dict[str, Any]:
-    """`ray.init` options for a local cluster of this process that lives beside others on the
-    machine (another run or sweep started at the same time, each with its own cluster).
-
-    Ray Train's placement-group cleaner asks the State API about its controller without an
-    address; with two local clusters, Ray's lookup finds both GCS processes and fails every few
-    seconds ("Found multiple active Ray instances", a traceback each time). The cluster's
-    dashboard (the State API server) gets a port chosen here, and its processes are told where
-    it is (`RAY_API_SERVER_ADDRESS`, which that lookup reads first)."""
-    from hlm_ray.tracking.server import free_port
-
-    port = free_port()  # Ray's dashboard takes it a moment later
-    return {
-        "include_dashboard": True,  # Train V2 cleans placement groups through the State API
-        "dashboard_host": "127.0.0.1",
-        "dashboard_port": port,
-        "runtime_env": {"env_vars": {"RAY_API_SERVER_ADDRESS": f"http://127.0.0.1:{port}"}},
-    }
-
-
 def _probe(address: str) -> None:
     import socket
 
@@ -172,49 +148,6 @@ def check_resources(
             f"--num-workers {num_workers} × {cpus_per_worker:g} CPU needs {need:g} CPUs but the "
             f"cluster has {total.get('CPU', 0):g}; lower --num-workers or --cpus-per-worker"
         )
-
-
-def check_storage(storage_path: str) -> None:
-    if "://" in storage_path:
-        return  # a remote URI: Ray's pyarrow filesystem reports its own errors
-    path = Path(storage_path)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".hlm-write-probe-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as err:
-        raise HLMError(
-            f"storage path {path} is not writable ({err.strerror}); "
-            "choose another --output or --storage-path"
-        ) from None
-
-
-def check_output(out_dir: Path) -> None:
-    """The run folder can be created and written (checked before any MLflow run is opened)."""
-    out_dir = Path(out_dir)
-    blocker = next((p for p in [out_dir, *out_dir.parents] if p.exists()), None)
-    if blocker is not None and not blocker.is_dir():
-        raise HLMError(
-            f"output {out_dir}: {blocker} is a file, not a folder; choose another --output"
-        )
-    created = [p for p in [out_dir, *out_dir.parents] if not p.exists()]
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        probe = out_dir / f".hlm-write-probe-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-        for folder in created:  # leave no trace: later checks may still refuse the run
-            folder.rmdir()
-    except OSError as err:
-        raise HLMError(
-            f"output folder {out_dir} is not writable ({err.strerror}); choose another --output"
-        ) from None
-
-
-def check_workers(num_workers: int) -> None:
-    if num_workers < 1:
-        raise HLMError(f"--num-workers {num_workers}: use 1 or more (Ray Train workers)")
 
 
 def prepare_resume(
@@ -450,6 +383,9 @@ def launch(
                     max_failures=max_failures, controller_failure_limit=waits.retries
                 ),
                 callbacks=[*(callbacks or []), waits],
+                # Ray Train's INFO lines (a `TrainingReport(...)` dump per checkpoint) stay in
+                # the session's log files, off the console.
+                logging_config=ray.train.LoggingConfig(log_level="WARNING"),
             ),
         )
         fit_at = time.time()

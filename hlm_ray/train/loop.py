@@ -19,6 +19,7 @@ from tqdm.auto import tqdm
 
 from hlm_ray.budget import deadline_passed
 from hlm_ray.config import Config
+from hlm_ray.console import Lines
 from hlm_ray.train.finish import finish_run
 from hlm_ray.train.log_window import check_before_checkpoint, log_window
 from hlm_ray.train.run_checkpoints import BEST, keep_final_model, save_checkpoint
@@ -49,14 +50,17 @@ def train_worker(
     run = setup_run(cfg, env, reporter, tracking, resume_from)
     run.entered, run.entered_at = entered, entered_at
     cfg = run.cfg  # with the steps a budget became
+    terminal = sys.stderr.isatty()
     bar = tqdm(
         total=cfg.optim.max_steps,
         initial=run.start,
         disable=not (progress and run.env.is_main),
         desc=f"{cfg.objective.name} {cfg.model.arch}",
-        dynamic_ncols=True,
-        # A Ray worker's output is line-buffered into the driver's log: update it rarely there.
-        mininterval=0.1 if sys.stderr.isatty() else 10.0,
+        dynamic_ncols=terminal,
+        # A Ray worker's output goes to the driver's console line by line: whole lines there
+        # (no carriage returns, no clearing), and rarely.
+        file=sys.stderr if terminal else Lines(sys.stderr),
+        mininterval=0.1 if terminal else 10.0,
     )
     run.model.train()
     run.window_start = time.perf_counter()

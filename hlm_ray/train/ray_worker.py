@@ -53,8 +53,18 @@ class RayReporter:
 
 
 def ray_worker(loop_config: dict[str, Any]) -> None:
+    import logging
+
     import ray.train
     import ray.train.torch
+
+    # A `TrainingReport(...)` dump per checkpoint on the driver's console: Ray Train logs it at
+    # INFO through a logger named by its file's path, outside `ray.train`, which the run's
+    # `LoggingConfig(log_level="WARNING")` covers. Kept to warnings here.
+    with contextlib.suppress(ImportError):
+        from ray.train.v2._internal.execution import context as train_context
+
+        logging.getLogger(train_context.__file__).setLevel(logging.WARNING)
 
     from hlm_ray.train.loop import WorkerEnv, train_worker
 

@@ -65,7 +65,7 @@ def plot_runs(run_dirs: list[Path], out_path: Path) -> Path:
         ax.plot([r["step"] for r in rows], [r["train/loss"] for r in rows], color=color)
         ax.set_title(f"{name}: its own training loss", fontsize=9)
         ax.set_xlabel("step")
-        ax.set_yscale("log")
+        plain_log_axis(ax)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("training loss (log)")
     names = [name for name, _, _ in runs]
@@ -75,6 +75,17 @@ def plot_runs(run_dirs: list[Path], out_path: Path) -> Path:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out_path, dpi=120)
     return out_path
+
+
+def plain_log_axis(ax) -> None:
+    """A log-scale y axis labelled in plain numbers (5.6, 6, 6.4), not matplotlib's default
+    `6×10⁰` for the ticks inside one decade, where a loss curve usually lies; every tick
+    labelled when the range is under a decade."""
+    from matplotlib.ticker import LogFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(LogFormatter())
+    ax.yaxis.set_minor_formatter(LogFormatter(minor_thresholds=(2, 1)))
 
 
 def plot_loss_curve(

@@ -63,8 +63,9 @@ class SweepScript:
         """Parse `argv`, run the sweep, print its table (and report); the exit status. `prog`:
         the command that ran it (default ``python sweeps/<name>.py``), used in help and in the
         command printed to continue an interrupted sweep."""
-        from hlm_ray.train.interrupt import EXIT_INTERRUPTED
+        from hlm_ray.train.interrupt import EXIT_INTERRUPTED, sigint_interrupts
 
+        sigint_interrupts()  # also in a sweep a script started in the background
         argv = list(sys.argv[1:] if argv is None else argv)
         prog = prog or f"python sweeps/{self.axis.name}.py"
         args = self.parser(prog).parse_args(argv)
@@ -104,7 +105,7 @@ class SweepScript:
         except HLMError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-        print("\n" + files[0].read_text())
+        print("\n" + console_text(files[0].read_text(), files[0].parent))
         print("report: " + ", ".join(str(p) for p in files))
         _print_link(outcome)
         return status
@@ -204,7 +205,8 @@ def _plan(spec: SweepSpec, args: argparse.Namespace, name: str) -> str:
 
     trials = len(spec.cells())
     fit = lambda nodes: plan_concurrency(spec, trials, nodes)  # noqa: E731
-    return format_plan(sweep_plan(spec, assumptions_from(args), fit=fit, name=name))
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+    return format_plan(sweep_plan(spec, assumptions_from(args), fit=fit, name=name, say=say))
 
 
 def _run(spec: SweepSpec, args: argparse.Namespace, name: str):
@@ -245,6 +247,19 @@ def _run(spec: SweepSpec, args: argparse.Namespace, name: str):
             # Ray forwards a worker's output late (a line its process flushes at exit): stopped
             # here, the cluster's last lines go to the log, not after the summary and link.
             stop_own_cluster()
+
+
+def console_text(markdown: str, folder: Path) -> str:
+    """A report's Markdown for the terminal: an image link (`![title](fig.png)`, for a
+    Markdown viewer) becomes the figure's path and title, which a terminal can use."""
+    import re
+
+    def figure(match: re.Match) -> str:
+        path = Path(match.group(2))
+        shown = path if path.is_absolute() or "://" in match.group(2) else folder / path
+        return f"figure: {shown}" + (f" ({match.group(1)})" if match.group(1) else "")
+
+    return re.sub(r"!\[([^\]]*)\]\(([^)\s]+)\)", figure, markdown)
 
 
 def _print_table(outcome) -> None:

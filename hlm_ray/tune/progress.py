@@ -4,6 +4,7 @@
 
     [00:41] trial 1/6 started: vocab=1000 headless seed 0
     [01:32] trial 1/6 finished in 51 s: vocab=1000 headless seed 0, score 0.5120, 8,120 tokens/s
+    [00:44] trial 5/6 finished in 40 s since the sweep resumed: ...      # a resumed sweep
 
 Lines go through `hlm_ray.console.say`: to the terminal while the sweep's log takes the rest.
 """
@@ -40,8 +41,20 @@ def outcome_label(result: dict | None) -> str:
     return (", " + ", ".join(parts)) if parts else ""
 
 
+def trial_number(trial_id: str) -> int | None:
+    """A trial's place in the sweep, from 1: Tune's ids end with the order it made them in
+    (`a1b2c_00003`: the fourth), and keep it when a sweep is resumed."""
+    tail = trial_id.rpartition("_")[2]
+    return int(tail) + 1 if tail.isdigit() else None
+
+
 class TrialProgress(Callback):
-    """Numbers trials in the order they start; times each from its start."""
+    """Numbers trials by their place in the sweep; times each from its start in this run
+    (a resumed sweep's lines say that their times start with the resume)."""
+
+    resumed = False
+    """Set by the sweep before a resumed `Tuner.fit()` (the callback itself is restored by Tune
+    from the first run's pickle, not built again)."""
 
     def __init__(self, num_trials: int, short: str) -> None:
         self.num_trials = num_trials
@@ -54,7 +67,9 @@ class TrialProgress(Callback):
         self.started = time.monotonic()  # a restored sweep's callback was pickled long ago
 
     def _line(self, trial, what: str) -> str:
-        n = self.order.setdefault(trial.trial_id, len(self.order) + 1)
+        n = trial_number(trial.trial_id) or self.order.setdefault(
+            trial.trial_id, len(self.order) + 1
+        )
         elapsed = int(time.monotonic() - self.started)
         clock = f"[{elapsed // 60:02d}:{elapsed % 60:02d}]"
         return (
@@ -67,7 +82,10 @@ class TrialProgress(Callback):
 
     def _took(self, trial) -> str:
         began = self.began.get(trial.trial_id)
-        return "" if began is None else f" in {time.monotonic() - began:.0f} s"
+        if began is None:
+            return ""
+        since = " since the sweep resumed" if TrialProgress.resumed else ""
+        return f" in {time.monotonic() - began:.0f} s{since}"
 
     def on_trial_complete(self, iteration, trials, trial, **info):
         line = self._line(trial, "finished" + self._took(trial))

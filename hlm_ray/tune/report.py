@@ -253,6 +253,7 @@ def plot_forest(rows: Sequence[Row], out_png: Path, *, title: str) -> Path:
     perplexity, bits per byte), so each line has its own x-axis; the arrow says which side is
     better. A difference without an interval (too few seeds, zero spread) is a hollow point."""
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     n = max(1, len(rows))
     fig = Figure(figsize=(7.5, 0.55 * n + 1.1), layout="constrained")
@@ -277,6 +278,7 @@ def plot_forest(rows: Sequence[Row], out_png: Path, *, title: str) -> Path:
         ax.set_yticks([0], [f"{row.score.family}: {row.score.label} "
                             f"{'↑' if row.score.higher_is_better else '↓'}"])  # fmt: skip
         ax.tick_params(axis="x", labelsize=7)
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=4))  # long labels (-0.00015) ran together
         ax.tick_params(axis="y", labelsize=8)
         ax.set_ylim(-1, 1)
         said = row.verdict if has_interval else "no interval"

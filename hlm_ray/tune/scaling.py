@@ -29,6 +29,7 @@ import argparse
 import dataclasses
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -371,6 +372,7 @@ def plan_text(spec: SweepSpec, args: argparse.Namespace, name: str) -> str:
     guess = lr_schedule(
         spec, dict.fromkeys(spec.objectives, dict.fromkeys(ends, search_lrs(spec)[1]))
     )
+    say = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
     parts = [
         (search_spec(spec), part["search"], "1. the learning-rate search (value = budget@lr)"),
         (with_lrs(spec, guess), part["tuned"], "2. every budget, each arm at the rates its "
@@ -397,7 +399,7 @@ def plan_text(spec: SweepSpec, args: argparse.Namespace, name: str) -> str:
         trials = len(part_spec.cells())
         total += trials
         fit = lambda nodes, s=part_spec, n=trials: plan_concurrency(s, n, nodes)  # noqa: E731
-        plan = sweep_plan(part_spec, assumptions_from(args), fit=fit, name=part_name)
+        plan = sweep_plan(part_spec, assumptions_from(args), fit=fit, name=part_name, say=say)
         lines += [f"== {title}", format_plan(plan), ""]
     per_round = 2 * spec.search_seeds
     lines.append(

@@ -81,6 +81,9 @@ def trial_row(
     for key, _, _ in COLUMNS:
         if key not in row and _number(metrics.get(key)) is not None:
             row[key] = float(metrics[key])
+    for key, value in metrics.items():  # where its time went: what plans here are priced with
+        if key.startswith("trial/") and key not in row and _number(value) is not None:
+            row[key] = float(value)
     return row
 
 

@@ -264,6 +264,8 @@ def run_sweep(
             seconds = time.perf_counter() - started
             phases["after_trials"] = seconds - phases["before_trials"] - phases["trials"]
             parent.log_metrics(plan_mod.measured_metrics(rows, seconds), step=0)
+            if spec.gpus_per_worker == 0 and not search:  # for later plans on this machine
+                _record_fixed_costs(rows, spec, name, phases)
             parent.log_metrics({f"sweep/{k}_s": v for k, v in phases.items()}, step=0)
             status, outcome = summary_mod.sweep_status(rows, stop.interrupted)
             parent.set_tags({"sweep_outcome": outcome})
@@ -295,6 +297,16 @@ def run_sweep(
         interrupted=stop.interrupted,
         link=link,
     )
+
+
+def _record_fixed_costs(rows, spec: SweepSpec, name: str, phases: dict[str, float]) -> None:
+    from hlm_ray.cpu_plan import record_fixed_costs
+
+    def family(row) -> str:
+        return spec.cell_config(row["value"], row["objective"], row["seed"]).model.family
+
+    own = phases["before_trials"] + phases["after_trials"]  # the sweep's, around its trials
+    record_fixed_costs(rows, spec.recipe, name, family, sweep_s=own)
 
 
 def _open_parent(spec, name, uri, state, search, concurrency, real_vocab):
@@ -370,7 +382,8 @@ def _tuner(spec, store: SweepStorage, runtime, search, concurrency, verbose, num
     trainable = tune.with_resources(
         tune.with_parameters(run_trial, runtime=runtime), trial_resources(runtime)
     )
-    if store.tuner_exists():
+    TrialProgress.resumed = store.tuner_exists()  # its lines' times start with this run
+    if TrialProgress.resumed:
         return tune.Tuner.restore(
             f"{store.tune_path}/{TUNE_DIR}",
             trainable,
