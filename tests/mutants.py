@@ -72,7 +72,11 @@ MODULES: dict[str, tuple[str, list[str]]] = {
         "hlm_ray/tune/stats.py",
         ["tests/test_headline.py", "tests/test_scaling.py", *NO_RAY],
     ),
-    "scaling_fit": ("hlm_ray/tune/scaling_fit.py", ["tests/test_scaling.py", *NO_RAY]),
+    "scaling_fit": (
+        "hlm_ray/tune/scaling_fit.py",
+        ["tests/test_scaling.py", "tests/test_scaling_coverage.py", *NO_RAY],
+    ),
+    "unigram": ("hlm_ray/unigram.py", ["tests/test_unigram.py", *NO_RAY]),
     "guard": (
         "hlm_ray/serve/guard.py",
         ["tests/test_serve_guard.py", "tests/test_serve.py", *NO_RAY, "-k", "guard or bearer"],

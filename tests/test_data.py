@@ -407,3 +407,114 @@ def test_json_folders_and_what_cannot_be_read_say_so_in_one_line(tmp_path, monke
 def test_an_empty_text_list_tokenizes_to_an_empty_int32_stream(tok):
     stream = datamod._tokenize(datamod.Texts([]), tok, eos_id=0)
     assert stream.dtype == np.int32 and stream.shape == (0,)
+
+
+# ----------------------------------------------------------------------------- edges, part two
+
+
+def test_a_pretty_printed_json_object_and_blank_lines_between_json_lines(tmp_path):
+    """One object over several lines is one row (not JSON lines); a blank line between JSON
+    lines is skipped, the rows after it are read."""
+    (tmp_path / "one.json").write_text(json.dumps({"text": "only row", "id": 1}, indent=2))
+    assert load_texts([str(tmp_path / "one.json")])["text"] == ["only row"]
+    (tmp_path / "gaps.jsonl").write_text('{"text": "a"}\n\n   \n{"text": "b"}\n\n{"text": "c"}\n')
+    assert load_texts([str(tmp_path / "gaps.jsonl")])["text"] == ["a", "b", "c"]
+
+
+def test_a_parquet_file_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
+    import sys
+
+    (tmp_path / "p.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # import raises ImportError
+    with pytest.raises(HLMError) as err:
+        load_texts([str(tmp_path / "p.parquet")])
+    assert str(err.value) == f"reading {tmp_path / 'p.parquet'} needs pyarrow: pip install pyarrow"
+
+
+def test_a_hub_dataset_without_the_column_says_to_set_text_field(monkeypatch):
+    class Hub:
+        column_names = ["body"]
+
+    monkeypatch.setattr(datamod, "load_hub", lambda *args: Hub())
+    with pytest.raises(HLMError) as err:
+        load_texts(["someone/corpus"])
+    assert str(err.value) == (
+        "someone/corpus has no 'text' column (columns: ['body']); set text_field"
+    )
+
+
+def test_a_data_folder_source_and_prepare_corpus_read_the_named_column(tmp_path, monkeypatch, tok):
+    """text_field reaches a source found in the data folder (HLM_DATA_DIR) and goes through
+    prepare_corpus."""
+    (tmp_path / "corpus").mkdir()
+    rows = [{"body": DOCS[0], "text": "not this"}, {"body": DOCS[1], "text": "nor this"}]
+    (tmp_path / "corpus" / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    monkeypatch.setenv("HLM_DATA_DIR", str(tmp_path))
+    assert load_texts(["corpus"], text_field="body")["text"] == DOCS
+    corpus = prepare_corpus(["corpus"], tok, seq_len=2, val_fraction=0.5, eos_id=0,
+                            text_field="body")  # fmt: skip
+    expected = [t for d in DOCS for t in [*tok(d, add_special_tokens=False)["input_ids"], 0]]
+    blocks = torch.stack([corpus.train, corpus.val], dim=1).flatten()  # val: every 2nd block
+    assert blocks.tolist() == expected[: len(blocks)] and corpus.num_tokens == len(expected)
+
+
+def test_documents_are_tokenized_without_the_tokenizers_own_special_tokens(tok):
+    """A tokenizer whose post-processor wraps every text in <|cls|> ... <|sep|> (as a BERT
+    tokenizer does): the stream is still each document's text tokens and one eos after it."""
+    from tokenizers.processors import TemplateProcessing
+
+    cls_id, sep_id = tok.convert_tokens_to_ids(["<|cls|>", "<|sep|>"])
+    tok.backend_tokenizer.post_processor = TemplateProcessing(
+        single="<|cls|> $A <|sep|>", special_tokens=[("<|cls|>", cls_id), ("<|sep|>", sep_id)]
+    )
+    assert tok(DOCS[0])["input_ids"][0] == cls_id  # the wrapping is on by default
+    eos = tok.eos_token_id
+    stream = datamod._tokenize(datamod.Texts(DOCS), tok, eos_id=eos)
+    first, second = (tok(d, add_special_tokens=False)["input_ids"] for d in DOCS)
+    assert stream.tolist() == [*first, eos, *second, eos]
+
+
+def test_an_eos_id_outside_the_vocabulary_is_refused(tok, jsonl):
+    ds = load_texts([str(jsonl)])
+    for eos_id in (len(tok), -1):
+        with pytest.raises(HLMError) as err:
+            tokenize_corpus(ds, tok, eos_id=eos_id)
+        assert str(err.value) == (f"eos_id={eos_id} is not a token id of this {len(tok)}-token "
+                                  "tokenizer; pass tokenizer.eos_token_id")  # fmt: skip
+    assert tokenize_corpus(ds, tok, eos_id=len(tok) - 1)[-1] == len(tok) - 1
+
+
+def test_block_length_and_validation_fraction_bounds():
+    stream = np.arange(10, dtype=np.int32)
+    assert pack_blocks(stream, 1).shape == (10, 1)
+    for seq_len in (0, -3):
+        with pytest.raises(HLMError) as err:
+            pack_blocks(stream, seq_len)
+        assert str(err.value) == f"seq_len={seq_len} must be positive"
+    blocks = np.arange(20).reshape(10, 2)
+    for fraction in (0, 0.0, 1, 1.0, 1.5, -0.1):
+        with pytest.raises(HLMError) as err:
+            split_blocks(blocks, fraction)
+        assert str(err.value) == (f"val_fraction={fraction} must be between 0 and 1 (e.g. 0.05)")
+    # round(1 / 0.9) = 1: every block would be held out, so none is left to train on.
+    with pytest.raises(HLMError, match="^10 blocks leave no training data with val_fraction=0.9"):
+        split_blocks(blocks, 0.9)
+    train, val = split_blocks(blocks, 0.5)
+    assert val[:, 0].tolist() == [2, 6, 10, 14, 18] and len(train) == 5
+
+
+def test_masking_keeps_the_ids_dtype_and_draws_from_the_one_allowed_token():
+    """int32 ids (the token stream's dtype) stay int32; with one non-special token in the
+    vocabulary every random replacement is that token; with none, a one-line error."""
+    ids_BL = torch.full((64, 64), 4, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(0)
+    inputs_BL, labels_BL = mask_tokens(ids_BL, mask_id=2, special_ids=[0, 1, 3], vocab_size=5,
+                                       probability=0.5, generator=gen)  # fmt: skip
+    assert inputs_BL.dtype == labels_BL.dtype == torch.int32
+    assert set(inputs_BL.unique().tolist()) == {2, 4}  # masked, or 4 (kept or drawn: 4 again)
+    with pytest.raises(HLMError) as err:
+        mask_tokens(ids_BL, mask_id=2, special_ids=[0, 1, 3, 4], vocab_size=5)
+    assert str(err.value) == "a batch holds only special tokens; nothing can be masked"
+    with pytest.raises(HLMError) as err:
+        datamod._non_special_ids(4, torch.tensor([0, 1, 2, 3]))
+    assert str(err.value) == "vocab_size=4 has no non-special token to sample"
