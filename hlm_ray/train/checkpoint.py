@@ -34,6 +34,7 @@ from hlm_ray.errors import HLMError
 
 MARKER = "hlm_checkpoint.json"
 PREFIX = "checkpoint_"
+BEST = "best_checkpoint"  # a copy of the checkpoint with the lowest validation loss
 DAMAGED_PREFIX = "damaged-"  # a damaged checkpoint is renamed aside: damaged-checkpoint_N
 RAY_SNAPSHOT = "checkpoint_manager_snapshot.json"  # Ray Train's list of reported checkpoints
 

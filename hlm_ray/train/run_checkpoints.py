@@ -21,11 +21,10 @@ from pathlib import Path
 from hlm_ray.errors import HLMError
 from hlm_ray.tracking import read_metrics
 from hlm_ray.train import checkpoint as ckpt
+from hlm_ray.train.checkpoint import BEST
 from hlm_ray.train.run_lock import check_writer
 from hlm_ray.train.run_state import TrainRun
 from hlm_ray.train.token_counts import STATE_KEY, total_counts, write_model_files
-
-BEST = "best_checkpoint"  # a copy of the checkpoint with the lowest validation loss
 
 
 def save_checkpoint(run: TrainRun, done: int, final: bool = False) -> None:

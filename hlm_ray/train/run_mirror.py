@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hlm_ray.tracking.base import RUN_REF_FILE
-from hlm_ray.train.run_checkpoints import BEST
+from hlm_ray.train.checkpoint import BEST
 
 PROGRESS = ("metrics.jsonl", "params.json", BEST)
 """What a restarted rank 0 needs to continue: the history, the logged params, the best copy."""
