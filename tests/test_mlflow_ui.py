@@ -12,7 +12,8 @@ from hlm_ray.paths import PROJECT_ROOT
 from hlm_ray.tracking import MlflowTracker, browse_hint
 from hlm_ray.tracking.mlflow_tracker import EXPERIMENT_KIND_TAG, NOTE_TAG
 from hlm_ray.tune import summary
-from hlm_ray.tune.sweep import STATE_FILE, _log_results, _trial_env
+from hlm_ray.tune.parent_run import log_results
+from hlm_ray.tune.sweep import STATE_FILE, _trial_env
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -132,7 +133,7 @@ def test_the_parent_run_gets_charts_and_a_description_once(client, tmp_path, req
         return [(m.step, m.value) for m in client.get_metric_history(parent.run_id, key)]
 
     files = [tmp_path / "summary.md", tmp_path / "fig7a_score_vs_vocab.png"]  # as logged
-    _log_results(parent, rows, presets["tiny"], "vocab-t", tmp_path, files)
+    log_results(parent, rows, presets["tiny"], "vocab-t", tmp_path, files)
     assert history("ablation/downstream_score/headless") == [(512, 0.6), (1024, 0.7)]
     assert history("ablation/downstream_score/vanilla") == [(512, 0.5)]
     note = client.get_run(parent.run_id).data.tags[NOTE_TAG]
@@ -143,7 +144,7 @@ def test_the_parent_run_gets_charts_and_a_description_once(client, tmp_path, req
     assert "fig7b" not in note  # not logged, not shown
     # Resumed with one more finished trial: only the new point is sent (no doubled steps).
     rows.append(_row("vanilla", 1024, **{"downstream/score": 0.4, "tokens_per_s": 10.0}))
-    _log_results(parent, rows, presets["tiny"], "vocab-t", tmp_path)
+    log_results(parent, rows, presets["tiny"], "vocab-t", tmp_path)
     assert history("ablation/downstream_score/headless") == [(512, 0.6), (1024, 0.7)]
     assert history("ablation/downstream_score/vanilla") == [(512, 0.5), (1024, 0.4)]
     assert "| 1024 | 0.7000 | 0.4000 |" in client.get_run(parent.run_id).data.tags[NOTE_TAG]

@@ -37,6 +37,7 @@ from hlm_ray.paths import CACHE_ENV, resolve_output
 from hlm_ray.tracking import TRACKING_URI_ENV, browse_hint, default_tracking_uri
 from hlm_ray.tracking.server import QUIET_LINKS
 from hlm_ray.tune import summary as summary_mod
+from hlm_ray.tune.parent_run import log_results, open_parent
 from hlm_ray.tune.placement import plan_concurrency
 from hlm_ray.tune.replay import reopened, replay_trials, say_if_unclosed
 from hlm_ray.tune.spec import SweepSpec
@@ -192,7 +193,7 @@ def run_sweep(
     with tracking_server(log_file, while_starting=while_mlflow_starts) as uri:
         concurrency, real_vocab = ready["concurrency"], ready["real_vocab"]
         phases["until_mlflow_ready"] = time.perf_counter() - started
-        parent = _open_parent(spec, name, uri, state, search, concurrency, real_vocab)
+        parent = open_parent(spec, name, uri, state, search, concurrency, real_vocab)
         # From here on a Ctrl-C (before the trials start, during them, or while the summary is
         # written) ends the parent run KILLED and an error FAILED, never RUNNING.
         try:
@@ -207,7 +208,7 @@ def run_sweep(
                         "spec": spec.identity(),
                         "search": search,
                         "parent_run_id": parent.run_id,
-                        # what `_log_results` logged on this parent run already
+                        # what `log_results` logged on this parent run already
                         "results": state.get("results", {}) if same_parent else {},
                         "storage": store.remote,
                     },
@@ -257,7 +258,7 @@ def run_sweep(
             files = summary_mod.write_summary(rows, folder, axis=spec.axis, figures=not search)
             for path in files:
                 parent.log_artifact(path)
-            _log_results(parent, rows, spec, name, folder, files)
+            log_results(parent, rows, spec, name, folder, files)
             store.push_state()
             counts = {s: sum(r["status"] == s for r in rows) for s in ("FINISHED", "FAILED")}
             parent.log_metrics({f"trials_{k.lower()}": v for k, v in counts.items()}, step=0)
@@ -307,62 +308,6 @@ def _record_fixed_costs(rows, spec: SweepSpec, name: str, phases: dict[str, floa
 
     own = phases["before_trials"] + phases["after_trials"]  # the sweep's, around its trials
     record_fixed_costs(rows, spec.recipe, name, family, sweep_s=own)
-
-
-def _open_parent(spec, name, uri, state, search, concurrency, real_vocab):
-    from hlm_ray.config import flatten
-    from hlm_ray.tracking import MlflowTracker
-
-    run_id = state.get("parent_run_id") if state else None
-    parent = MlflowTracker(
-        spec.experiment,
-        name,
-        tracking_uri=uri,
-        run_id=run_id,
-        tags={
-            "sweep": name,
-            "sweep_kind": spec.axis.name,
-            "sweep_axis": spec.axis.field,
-            "sweep_role": "parent",
-            "search": search,
-        },
-    )
-    params = dict(flatten({"sweep": spec.identity()}))
-    params["sweep.max_concurrent_trials"] = concurrency
-    params.update({f"sweep.real_vocab.{k}": v for k, v in real_vocab.items()})
-    parent.log_params(params)
-    return parent
-
-
-def _log_results(
-    parent, rows, spec: SweepSpec, name: str, folder: Path, files: list[Path] = ()
-) -> None:
-    """The results on the parent run: a metric per (score, objective) over the swept values
-    (its chart compares the arms with no clicks) and the description, with the figures among
-    `files` shown in it. A resumed sweep logs only the points that changed (kept in
-    sweep.json): a step logged twice draws twice."""
-    from hlm_ray.tracking.mlflow_tracker import NOTE_TAG
-    from hlm_ray.tracking.store import artifact_url
-
-    path = folder / STATE_FILE
-    state = json.loads(path.read_text())
-    logged = state.get("results", {})
-    for step, metrics in sorted(summary_mod.result_metrics(rows, spec.axis).items()):
-        before = logged.get(str(step), {})
-        new = {k: v for k, v in metrics.items() if before.get(k) != v}
-        if new:
-            parent.log_metrics(new, step=step)
-        logged[str(step)] = {**before, **metrics}
-    logged_files = {p.name for p in files}  # the figures were logged as artifacts just before
-    images = [
-        (f.label, artifact_url(parent.run_id, f.filename))
-        for f in spec.axis.figures
-        if parent.run_id is not None and f.filename in logged_files
-    ]
-    note = summary_mod.results_note(rows, spec.axis, name, images)
-    parent.set_tags({NOTE_TAG: note})
-    if parent.active:  # the note is kept for a report that adds to it (sweeps/headline.py)
-        path.write_text(json.dumps({**state, "results": logged, "note": note}, indent=1))
 
 
 def _trial_env(uri: str) -> dict[str, str]:
