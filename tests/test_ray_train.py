@@ -265,3 +265,4 @@ def test_the_train_console_carries_progress_and_the_summary_not_rays_dumps(ray_c
         assert noise not in console, (noise, console[-3000:])
     assert not re.search(r"\((RayTrainWorker|TrainController) pid=\d+\)\s*$", console, re.M)
     assert console.count("workers on nodes: rank 0") == 1
+    assert re.search(r"\(RayTrainWorker pid=\d+\) checkpoint_00000010 saved", console)

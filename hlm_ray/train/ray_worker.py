@@ -50,6 +50,10 @@ class RayReporter:
             checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir)
             ray.train.report(metrics, checkpoint=checkpoint, checkpoint_dir_name=name)
         shutil.rmtree(checkpoint_dir, ignore_errors=True)  # Ray copied it to storage
+        # One line per checkpoint, once it is in the storage (Ray Train's own INFO lines are
+        # kept off the console): what a restart continues from, and what the cluster box waits
+        # on before it cuts a node.
+        print(f"{name} saved", flush=True)
 
 
 def ray_worker(loop_config: dict[str, Any]) -> None:
