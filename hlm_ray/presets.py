@@ -55,7 +55,7 @@ _PAPER_MODELS: dict[str, tuple] = {
     "pythia-70m": ("gpt_neox", 512, 6, 8, 2048, 2048, 0.0, "tokenizers/gpt-neox-20b", 2048),
     # Table 6: bert-base encoders with the Pythia tokenizer, sequence length 128.
     "bert-base": ("bert", 768, 12, 12, 3072, 512, 0.1, "tokenizers/gpt-neox-20b", 128),
-    # Table 8: the multilingual encoder (distilbert-base-multilingual-cased, 119k vocabulary).
+    # Figure 6: the multilingual encoder (distilbert-base-multilingual-cased, 119k vocabulary).
     "distilbert-multilingual": ("distilbert", 768, 6, 12, 3072, 512, 0.1, _MULTILINGUAL, 128),
 }
 # lr, schedule, warm-up steps, steps, global batch, micro-batch, then validation, checkpoint and

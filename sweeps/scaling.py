@@ -56,7 +56,7 @@ TINY = {"optim.global_batch_size": 16, "run.log_every": 10, "run.checkpoint_ever
 TINY |= SHORT_RUNS
 # cpu: the cpu decoder (d=128, 2 layers, a 2,048-token BPE of the corpus: the head is 38% of a
 # vanilla step, 45% at pythia-70m's shapes; 8 sequences of 64 tokens a step). 500G buys the
-# vanilla arm 238 steps and the headless arm 333; 4T eight times as many.
+# vanilla arm 237 steps and the headless arm 332; 4T eight times as many.
 CPU = {**DECODER_CPU_SETTINGS, "run.log_every": 50, "run.checkpoint_every": 500, **SHORT_RUNS}
 # paper: pythia-70m on OpenWebText; its full run (143k steps) is 7.2e19 FLOPs headless.
 PAPER = {"data.sources": OPENWEBTEXT, "budget.warmup_share": 0.01}
