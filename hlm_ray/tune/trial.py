@@ -317,7 +317,9 @@ def _downstream_task(
     os.environ.update(env)
     import ray.util
 
-    if ray.is_initialized():  # where it runs, in the sweep's log (a cluster's node may be lost)
+    # Where it runs, on a cluster of several nodes (one may be lost); on one machine the line
+    # would only reach the sweep's console through Ray's log forwarding, as noise.
+    if ray.is_initialized() and len(ray.nodes()) > 1:
         where = ray.util.get_node_ip_address()
         print(f"{Path(output_dir).parent.name}: downstream step on node {where}", flush=True)
     if mirror is not None and not Path(model_dir).is_dir():  # a task on another node
