@@ -267,7 +267,7 @@ def test_the_command_searches_extends_then_runs_each_arm_at_its_rates(monkeypatc
         "vanilla": lambda lr: abs(math.log10(lr) + 2.0),
     }  # best 1e-2: past the high edge
 
-    def run_sweep(spec, *, name, assumptions=None, storage_path=None):
+    def run_sweep(spec, *, name, assumptions=None, storage_path=None, verbose=0):
         ran[name] = (spec, storage_path)
         rows = [
             {"objective": c["objective"], "status": "FINISHED", "value": c["value"],
@@ -306,7 +306,7 @@ def test_the_prior_bias_arm_trains_vanilla_again_at_its_rates_after_the_budgets(
 
     ran = {}
 
-    def run_sweep(spec, *, name, assumptions=None, storage_path=None):
+    def run_sweep(spec, *, name, assumptions=None, storage_path=None, verbose=0):
         ran[name] = spec
         rows = [{"objective": c["objective"], "status": "FINISHED", "value": c["value"],
                  "downstream/score": 3.0} for c in spec.cells()] if "-lr" in name else []  # fmt: skip

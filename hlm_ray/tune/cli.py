@@ -78,7 +78,8 @@ class SweepScript:
             if args.dry_run:
                 print(self.plan(spec, args, name) if self.plan else _plan(spec, args, name))
                 return 0
-            outcome = (self.run or _run)(spec, args, name)
+            runner = self.run or _run
+            outcome = in_console(args, name, lambda verbose: runner(spec, args, name, verbose))
         except HLMError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
@@ -209,40 +210,41 @@ def _plan(spec: SweepSpec, args: argparse.Namespace, name: str) -> str:
     return format_plan(sweep_plan(spec, assumptions_from(args), fit=fit, name=name, say=say))
 
 
-def _run(spec: SweepSpec, args: argparse.Namespace, name: str):
+def _run(spec: SweepSpec, args: argparse.Namespace, name: str, verbose: int = 0):
+    from hlm_ray.console import say
     from hlm_ray.plan import assumptions_from
     from hlm_ray.tune.sweep import run_sweep
 
     if args.search:
-        print(
+        say(
             f"--search: random lr / warm-up samples with ASHA for objective="
             f"{spec.objectives[0]}, {spec.axis.field}={spec.values[0]} (validation losses are "
             "not comparable across objectives or vocabularies); pick the cell with "
             "--set sweep.objectives=[...] --set sweep.values=[...]"
         )
+    return run_sweep(spec, name=name, search=args.search, assumptions=assumptions_from(args),
+                     storage_path=args.storage_path, verbose=verbose)  # fmt: skip
+
+
+def in_console(args: argparse.Namespace, name: str, run):
+    """`run(verbose)` with Ray's and Tune's output in runs/sweeps/<name>/sweep.log and the
+    console kept to `hlm_ray.console.say` lines (a script's parts, `sweeps/scaling.py`'s, say
+    theirs there too); with --verbose, or under `ray job submit`, everything on the console."""
     from hlm_ray.console import console_to_log
     from hlm_ray.paths import resolve_output
     from hlm_ray.tune.sweep import SWEEPS_DIR
 
-    assumptions = assumptions_from(args)
     # Under `ray job submit` the console is the job's log, which Ray keeps and `ray job logs`
     # shows; a sweep.log would be written into the job's temporary copy of the working dir.
     if args.verbose or os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR"):
-        return run_sweep(spec, name=name, search=args.search, assumptions=assumptions,
-                         storage_path=args.storage_path, verbose=2)  # fmt: skip
+        return run(2)
     log = resolve_output(SWEEPS_DIR) / name / "sweep.log"
     print(f"sweep {name}: Ray's and Tune's output go to {log}", flush=True)
     from hlm_ray.train.launch import stop_own_cluster
 
     with console_to_log(log):
         try:
-            return run_sweep(
-                spec,
-                name=name,
-                search=args.search,
-                assumptions=assumptions,
-                storage_path=args.storage_path,
-            )
+            return run(0)
         finally:
             # Ray forwards a worker's output late (a line its process flushes at exit): stopped
             # here, the cluster's last lines go to the log, not after the summary and link.

@@ -411,17 +411,20 @@ def plan_text(spec: SweepSpec, args: argparse.Namespace, name: str) -> str:
     return "\n".join(lines)
 
 
-def run_parts(spec: SweepSpec, args: argparse.Namespace, name: str):
+def run_parts(spec: SweepSpec, args: argparse.Namespace, name: str, verbose: int = 0):
     """The search (and its extensions), then the budgets; the main sweep's outcome, its rows
-    joined by the search's failed ones (the exit status counts them)."""
+    joined by the search's failed ones (the exit status counts them). Each part's table is
+    said on the console (`say`); Ray's and Tune's output go to the main sweep's sweep.log."""
+    from hlm_ray.console import say
     from hlm_ray.plan import assumptions_from
     from hlm_ray.tune.sweep import run_sweep
 
     started = time.perf_counter()
     part = names(name)
-    kw = {"assumptions": assumptions_from(args), "storage_path": args.storage_path}
+    kw = {"assumptions": assumptions_from(args), "storage_path": args.storage_path,
+          "verbose": verbose}  # fmt: skip
     search = run_sweep(search_spec(spec), name=part["search"], **kw)
-    print(f"\n== {part['search']}: the learning-rate search\n{search.table}")
+    say(f"\n== {part['search']}: the learning-rate search\n{search.table}")
     if search.interrupted:
         return search
     rows, failed = list(search.rows), [r for r in search.rows if r["status"] == "FAILED"]
@@ -434,7 +437,7 @@ def run_parts(spec: SweepSpec, args: argparse.Namespace, name: str):
         for arm, values in more.items():
             ext = run_sweep(search_spec(spec, values, (arm,)),
                             name=extension_name(name, round_, arm), **kw)  # fmt: skip
-            print(f"\n== {ext.name}: {arm}, one step past the grid's edge\n{ext.table}")
+            say(f"\n== {ext.name}: {arm}, one step past the grid's edge\n{ext.table}")
             rows += ext.rows
             failed += [r for r in ext.rows if r["status"] == "FAILED"]
             seconds["search"] += ext.seconds
@@ -443,14 +446,14 @@ def run_parts(spec: SweepSpec, args: argparse.Namespace, name: str):
     found = search_scores(rows)
     picks = choose_lrs(found, spec.objectives, search_budgets(spec))
     rates = lr_schedule(spec, picks)
-    print("rates: " + "; ".join(
+    say("rates: " + "; ".join(
         f"{arm} " + ", ".join(f"{b} {lr:g}" for b, lr in at.items()) for arm, at in rates.items()
     ))  # fmt: skip
     tuned = run_sweep(with_lrs(spec, rates), name=part["tuned"], **kw)
     seconds["tuned"] = tuned.seconds
     if spec.vanilla_prior_arm and not tuned.interrupted:
         prior = run_sweep(prior_spec(spec, rates), name=part["prior"], **kw)
-        print(f"\n== {part['prior']}: vanilla, its head's bias started at the log prior\n"
+        say(f"\n== {part['prior']}: vanilla, its head's bias started at the log prior\n"
               f"{prior.table}")  # fmt: skip
         failed += [r for r in prior.rows if r["status"] == "FAILED"]
         seconds["prior"] = prior.seconds
