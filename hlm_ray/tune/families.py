@@ -205,7 +205,7 @@ DECODER_CPU_SETTINGS = {
 }
 # Each arm's rate: what `sweeps/scaling.py --preset cpu`'s search found for this model (the same
 # rate at its smallest and largest budget, so one rate per arm serves all three families).
-DECODER_CPU_LRS = {"headless": 3e-3, "vanilla": 1e-3}
+DECODER_CPU_LRS = {"headless": 3.16e-3, "vanilla": 1e-3}
 DECODER_LR_NOTE = "each arm at the rate the scaling sweep's search found for this model"
 DECODER_CPU = {"generator": GENERATORS["cpu"], "lrs": DECODER_CPU_LRS, "lr_note": DECODER_LR_NOTE}
 DECODER_RUN = {"run.log_every": 50, "run.eval_every": 1_000_000, "run.checkpoint_every": 500,
