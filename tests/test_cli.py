@@ -193,7 +193,7 @@ def test_generate_refuses_a_headless_decoder_that_was_not_finetuned(
 def test_an_interrupted_hlm_sweep_prints_the_hlm_command_to_continue(monkeypatch, capsys):
     import hlm_ray.tune.sweep as sweep
 
-    def interrupted(spec, *, name, search, assumptions=None, storage_path=None):
+    def interrupted(spec, *, name, search, assumptions=None, storage_path=None, verbose=0):
         rows = [{"status": "FINISHED"}, {"status": "KILLED"}]
         return sweep.SweepOutcome(name, None, rows, "", [], None, False, 1.0, interrupted=True)
 

@@ -130,9 +130,11 @@ def test_a_checkpoint_the_storage_keeps_waiting_is_said_and_so_is_its_end(
         reporter.report({"step": step}, reporter.checkpoint_folder(step))
     said = capsys.readouterr().out.splitlines()
     assert said == [
+        "checkpoint_00000010 saved",
         f"checkpoint 20: the run storage {tmp_path} has not taken it in 0 s (it does not "
         "answer?); training waits for it and goes on once it is stored",
         f"checkpoint 20: stored in {tmp_path} after 2 s; training goes on",
+        "checkpoint_00000020 saved",
     ]
 
 

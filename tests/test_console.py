@@ -57,7 +57,7 @@ def test_a_sweep_stops_the_cluster_it_started_before_its_console_comes_back(
     from hlm_ray.tune.cli import SweepScript
     from hlm_ray.tune.scripts import load_script
 
-    def finished(spec, *, name, search, assumptions=None, storage_path=None):
+    def finished(spec, *, name, search, assumptions=None, storage_path=None, verbose=0):
         launch._own_cluster = own  # as `connect` leaves it
         rows = [{"status": "FINISHED", "trial_id": "t0", "loss": 1.0}]
         outcome = sweep.SweepOutcome(name, tmp_path, rows, "| table |", [], None, False, 1.0)

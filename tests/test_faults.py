@@ -523,7 +523,7 @@ def test_an_interrupted_sweep_exits_130_with_the_command_to_continue(monkeypatch
 
     monkeypatch.chdir(tmp_path)  # the sweep's log goes to runs/sweeps/<name>/sweep.log
 
-    def interrupted(spec, *, name, search, assumptions=None, storage_path=None):
+    def interrupted(spec, *, name, search, assumptions=None, storage_path=None, verbose=0):
         rows = [{"status": "FINISHED"}, {"status": "KILLED"}, {"status": "KILLED"}]
         return sweep.SweepOutcome(name, None, rows, "", [], None, False, 1.0, interrupted=True)
 

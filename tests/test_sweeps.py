@@ -405,7 +405,7 @@ def test_a_scripts_report_follows_its_grid_sweep_only(monkeypatch, tmp_path, cap
     import hlm_ray.tune.sweep as sweep
     from hlm_ray.tune.cli import SweepScript
 
-    def finished(spec, *, name, search, assumptions=None, storage_path=None):
+    def finished(spec, *, name, search, assumptions=None, storage_path=None, verbose=0):
         rows = [{"status": "FINISHED", "trial_id": "t0", "loss": 1.0, "lr": 1e-3}]
         rows[0]["warmup_steps"] = 10
         print("a line for the sweep's log")
