@@ -128,6 +128,12 @@ def unigram_bpb(model: Unigram, tokenizer, texts: list[str]) -> dict:
             )
         nats -= float(log_q[ids].sum())
         tokens += len(ids)
+    return bpb_result(nats, tokens, texts)
+
+
+def bpb_result(nats: float, tokens: int, texts: list[str]) -> dict[str, float]:
+    """Bits per byte of `texts` from the nats their `tokens` scored: one definition for a
+    model's score (`hlm_ray.evaluate.bpb`) and its floor, so both divide by the same bytes."""
     num_bytes = sum(len(t.encode("utf-8")) for t in texts)
     return {
         "bpb": nats / math.log(2) / num_bytes,

@@ -18,8 +18,6 @@ text itself (``len(text.encode())``), exact for any tokenizer.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
@@ -28,6 +26,7 @@ from hlm_ray.errors import HLMError
 from hlm_ray.evaluate.common import eval_mode
 from hlm_ray.evaluate.lambada import load_lambada
 from hlm_ray.models import max_input_positions
+from hlm_ray.unigram import bpb_result
 
 DEFAULT_NUM_TEXTS = 500
 _DEFAULT_WINDOW = 1024  # when neither `seq_len` nor the model's config gives one
@@ -100,15 +99,7 @@ def bits_per_byte(
     with eval_mode(model, device) as device:
         for start in tqdm(batches, desc="bits per byte", unit="batch", disable=not progress):
             total_nats += _batch_nats(model, windows[start : start + batch_size], pad_id, device)
-    num_tokens = sum(len(targets) for _, targets in windows)
-    num_bytes = sum(len(t.encode("utf-8")) for t in texts)
-    return {
-        "bpb": total_nats / math.log(2) / num_bytes,
-        "nats_per_token": total_nats / num_tokens,
-        "tokens": num_tokens,
-        "bytes": num_bytes,
-        "documents": len(texts),
-    }
+    return bpb_result(total_nats, sum(len(targets) for _, targets in windows), texts)
 
 
 def _batch_nats(model, windows: list[tuple[list[int], list[int]]], pad_id: int, device) -> float:
