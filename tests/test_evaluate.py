@@ -26,6 +26,7 @@ from hlm_ray.evaluate import (
     synonym_similarity,
     write_result,
 )
+from hlm_ray.evaluate.bpb import default_bpb_texts
 from hlm_ray.evaluate.lambada import encode_pair, make_requests
 from hlm_ray.models import body, build_model, input_embedding_weight
 from hlm_ray.paths import cache_dir, has_shared, shared_file
@@ -318,8 +319,128 @@ def test_bits_per_byte_equals_a_hand_computation(tok, seq_len):
 
 
 def test_bits_per_byte_refuses_an_encoder(tok):
-    with pytest.raises(HLMError, match="needs a decoder with a head"):
-        bits_per_byte(tiny(tok, arch="bert"), tok, ["some text"], progress=False)
+    model = tiny(tok, arch="bert")
+    with pytest.raises(HLMError) as err:
+        bits_per_byte(model, tok, ["some text"], progress=False)
+    name = type(model).__name__
+    assert str(err.value) == f"bits per byte needs a decoder with a head; {name} is an encoder"
+
+
+class TokenizerLike:
+    """`tok` seen through a tokenizer that adds a BOS token unless told not to (as Llama's
+    does), and perhaps has no pad token: the text's own tokens are what is scored."""
+
+    def __init__(self, tok, pad=True):
+        self.tok, self.eos_token_id = tok, tok.eos_token_id
+        self.pad_token_id = tok.pad_token_id if pad else None
+
+    def encode(self, text, add_special_tokens=True):
+        ids = self.tok.encode(text, add_special_tokens=False)
+        return [self.tok.bos_token_id or 0, *ids] if add_special_tokens else ids
+
+
+class NoConfigLM(nn.Module):
+    """A causal LM without a Hugging Face config (no positions to read): a bigram table."""
+
+    def __init__(self, vocab_size):
+        super().__init__()
+        torch.manual_seed(0)
+        self.table = nn.Embedding(vocab_size, vocab_size)
+
+    def forward(self, input_ids, attention_mask=None):
+        return SimpleNamespace(logits=self.table(input_ids))
+
+
+LONG_TEXT = " ".join(["The river bank was quiet that night, and the boats slept."] * 12)
+
+
+def test_bits_per_byte_windows_default_to_the_models_positions(tok):
+    """No seq_len: the window is the model's positions (a text of ~150 tokens on a 64-position
+    model is cut, not fed whole); a seq_len equal to them is allowed, one past them is not; a
+    model without a config (no positions) scores in windows of 1,024."""
+    model = tiny(tok, max_positions=64)
+    assert len(tok.encode(LONG_TEXT, add_special_tokens=False)) > 2 * 64
+    out = bits_per_byte(model, tok, [LONG_TEXT, "Ok."], progress=False)
+    assert out["bpb"] == pytest.approx(hand_bpb(model, tok, [LONG_TEXT, "Ok."], 64), rel=1e-4)
+    at_limit = bits_per_byte(model, tok, [LONG_TEXT], seq_len=64, progress=False)
+    assert at_limit["bpb"] == pytest.approx(hand_bpb(model, tok, [LONG_TEXT], 64), rel=1e-4)
+    with pytest.raises(HLMError) as err:
+        bits_per_byte(model, tok, [LONG_TEXT], seq_len=65, progress=False)
+    assert str(err.value) == "seq_len=65 exceeds the model's 64 positions"
+    bigram = NoConfigLM(len(tok))
+    out = bits_per_byte(bigram, tok, [LONG_TEXT], progress=False)
+    assert out["bpb"] == pytest.approx(hand_bpb(bigram, tok, [LONG_TEXT], 1024), rel=1e-4)
+
+
+def test_bits_per_byte_scores_the_texts_own_tokens_whatever_the_tokenizer_adds(tok):
+    """A tokenizer that adds a BOS of its own, or has no pad token: the same score, batched
+    or one window at a time."""
+    model = tiny(tok, max_positions=64)
+    texts = ["The river bank was quiet that night.", "Ok.", LONG_TEXT]
+    expected = bits_per_byte(model, tok, texts, batch_size=2, progress=False)
+    for tokenizer in (TokenizerLike(tok), TokenizerLike(tok, pad=False)):
+        for batch_size in (1, 2):
+            out = bits_per_byte(model, tokenizer, texts, batch_size=batch_size, progress=False)
+            assert out == pytest.approx(expected, rel=1e-5), (tokenizer.pad_token_id, batch_size)
+
+
+def test_bits_per_byte_says_what_is_wrong_with_its_input(tok):
+    model = tiny(tok, max_positions=64)
+    cases = [
+        (dict(texts=["x"], batch_size=0), "batch_size=0 must be at least 1"),
+        (dict(texts=["", ""]), "bits per byte needs at least one non-empty text"),
+    ]
+    for kwargs, message in cases:
+        with pytest.raises(HLMError) as err:
+            bits_per_byte(model, tok, progress=False, **kwargs)
+        assert str(err.value) == message
+    no_eos = SimpleNamespace(eos_token_id=None, pad_token_id=0)
+    with pytest.raises(HLMError) as err:
+        bits_per_byte(model, no_eos, ["x"], progress=False)
+    assert str(err.value) == "bits per byte needs a tokenizer with an end-of-text (eos) token"
+
+
+def test_bits_per_byte_shows_its_progress_unless_told_not_to(tok, capsys):
+    model = tiny(tok, max_positions=64)
+    bits_per_byte(model, tok, ["One.", "Two.", "Three."], batch_size=2)
+    err = capsys.readouterr().err
+    assert err.lstrip("\r").startswith("bits per byte: ") and "2/2" in err
+    assert "batch/s" in err or "s/batch" in err
+    bits_per_byte(model, tok, ["One.", "Two.", "Three."], batch_size=2, progress=False)
+    assert capsys.readouterr().err == ""
+
+
+def test_bits_per_byte_default_texts_are_the_lambada_passages():
+    examples = load_lambada(limit=3)
+    texts = default_bpb_texts(limit=3)
+    assert texts == [f"{e['context']} {e['continuation']}" for e in examples]
+    assert len(default_bpb_texts(limit=None)) == len(load_lambada(limit=None)) > 3
+
+
+@pytest.mark.parametrize(
+    "class_name, family, decoder",
+    [
+        ("GPTNeoXForCausalLM", None, True),  # no hlm_family: the class name says
+        ("GPT2LMHeadModel", None, True),
+        ("BertForMaskedLM", None, False),
+        ("GPTNeoXForCausalLM", "encoder", False),  # hlm_family wins over the class name
+        ("BertForMaskedLM", "decoder", True),
+    ],
+)
+def test_bits_per_byte_knows_a_decoder_by_its_family_else_its_class(class_name, family, decoder):
+    from hlm_ray.evaluate.bpb import require_decoder
+
+    config = SimpleNamespace() if family is None else SimpleNamespace(hlm_family=family)
+    model = type(class_name, (), {"config": config})()
+    if decoder:
+        require_decoder(model, "this task")
+    else:
+        with pytest.raises(HLMError) as err:
+            require_decoder(model, "this task")
+        assert (
+            str(err.value) == f"this task needs a decoder with a head; {class_name} is an encoder"
+        )
+    require_decoder(object(), "this task")  # no config at all: nothing to tell it by
 
 
 # ----------------------------------------------------------------------------- synonyms
