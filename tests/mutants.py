@@ -95,6 +95,7 @@ _EXACT = ("`<` or `<=` on a float32 uniform draw: they differ only on a draw exa
           "threshold (about 1 in 2^24)")  # fmt: skip
 _PAD = ("right padding under causal attention: no scored position attends to a pad, so the "
         "pads' ids and mask do not reach a score")  # fmt: skip
+_ZIP = "zip's strict= over sequences whose lengths are equal by construction"
 _FLUSH = "stderr is line-buffered and the line ends in a newline: flush= changes nothing"
 EQUIVALENT: dict[str, str] = {
     # tune/stats.py
@@ -181,6 +182,39 @@ EQUIVALENT: dict[str, str] = {
     "hlm_ray.evaluate.bpb.x_require_decoder__mutmut_25": "only `== 'encoder'` is read: any "
     "other name for a decoder is a decoder",
     "hlm_ray.evaluate.bpb.x_require_decoder__mutmut_26": "the same: a decoder by another name",
+    # evaluate/lambada.py
+    "hlm_ray.evaluate.lambada.x_score_lambada__mutmut_1": "the default batch size: batching "
+    "changes no score (1, 3 and 32 at a time are tested equal to one by one)",
+    **{f"hlm_ray.evaluate.lambada.x_score_lambada__mutmut_{n}": _PAD for n in (29, 32)},
+    **{
+        f"hlm_ray.evaluate.lambada.x_score_lambada__mutmut_{n}": "the order only groups "
+        "passages into batches; results come back in input order (tested)"
+        for n in (35, 37, 40)
+    },
+    "hlm_ray.evaluate.lambada.x_score_lambada__mutmut_49": "a chunk from every start: passages "
+    "are scored up to batch_size times, each time alike; the same numbers, more work",
+    **{f"hlm_ray.evaluate.lambada.x_score_lambada__mutmut_{n}": _CPU for n in (52, 74)},
+    **{f"hlm_ray.evaluate.lambada.x_score_lambada__mutmut_{n}": _ZIP for n in (81, 84, 85)},
+    **{
+        f"hlm_ray.evaluate.lambada.x__score_batch__mutmut_{n}": _ZIP
+        for n in (21, 24, 25, 37, 40, 41, 80, 83, 84, 157, 160, 161)
+    },
+    **{
+        f"hlm_ray.evaluate.lambada.x__score_batch__mutmut_{n}": "torch.full infers int64 "
+        "from an int fill value"
+        for n in (9, 12)
+    },
+    **{f"hlm_ray.evaluate.lambada.x__score_batch__mutmut_{n}": _PAD for n in (15, 17, 51, 53)},
+    **{f"hlm_ray.evaluate.lambada.x__score_batch__mutmut_{n}": _CPU for n in (55, 56, 99)},
+    **{
+        f"hlm_ray.evaluate.lambada.x_score_lambada_reference__mutmut_{n}": _CPU
+        for n in (24, 26, 40, 42)
+    },
+    **{
+        f"hlm_ray.evaluate.lambada.x_score_lambada_reference__mutmut_{n}": "on a 2-D (L, V) "
+        "tensor dim +1 is dim -1"
+        for n in (33, 49)
+    },
     # data.py
     "hlm_ray.data.x__read_utf8__mutmut_1": "the locale's encoding is UTF-8 here and in CI "
     "(Python's UTF-8 mode under the C locale); on a latin-1 locale it would differ",

@@ -287,6 +287,180 @@ def test_lambada_falls_back_to_the_hub_then_explains(tmp_path, monkeypatch):
         load_lambada()
 
 
+def test_lambada_files_and_limits_that_cannot_be_read_say_so_word_for_word(tmp_path):
+    with pytest.raises(HLMError) as err:
+        load_lambada(limit=0)
+    assert str(err.value) == "limit=0 must be a positive number of passages (or None for all)"
+    assert len(load_lambada(limit=1)) == 1
+    missing = tmp_path / "nowhere.jsonl"
+    with pytest.raises(HLMError) as err:
+        load_lambada(missing)
+    assert str(err.value) == (
+        f'no LAMBADA file at {missing}; pass a JSON-lines file with {{"context", "continuation"}} '
+        "rows"
+    )
+    path = tmp_path / "lambada.jsonl"
+    cases = [
+        ('["a list"]\n', f"{path}, line 1: expected a JSON object with "
+         '{"context": ..., "continuation": ...}, got [\'a list\']'),
+        ('{"context": "a b", "continuation": ""}\n', f"{path}, line 1: missing or empty field "
+         '\'continuation\' (each line must be {"context": ..., "continuation": ...})'),
+        ("\n\n", f"{path} holds no LAMBADA passages"),
+    ]  # fmt: skip
+    for text, message in cases:
+        path.write_text(text)
+        with pytest.raises(HLMError) as err:
+            load_lambada(path)
+        assert str(err.value) == message
+
+
+def test_lambada_from_the_hub_takes_its_limit_and_names_itself_when_it_cannot(
+    tmp_path, monkeypatch
+):
+    """No file in the data folder: the hub dataset, cut at `limit`; without the datasets
+    package, or offline, one line that says what was looked for and where."""
+    import sys
+
+    import datasets
+
+    monkeypatch.setenv("HLM_DATA_DIR", str(tmp_path))
+    rows = [{"text": f"passage number {i}"} for i in range(5)]
+    monkeypatch.setattr(datasets, "load_dataset", lambda *args, **kwargs: rows)
+    assert load_lambada(limit=2) == [
+        {"context": "passage number", "continuation": "0"},
+        {"context": "passage number", "continuation": "1"},
+    ]
+    assert len(load_lambada(limit=5)) == len(load_lambada()) == 5
+
+    def offline(*args, **kwargs):
+        raise ConnectionError("no network\nat all")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(HLMError) as err:
+        load_lambada()
+    assert str(err.value) == (
+        f"LAMBADA: eval/lambada_openai.jsonl is not in the data folder {tmp_path} (HLM_DATA_DIR), "
+        "which does not hold it, and the hub dataset EleutherAI/lambada_openai could not be "
+        "loaded (no network); set HLM_DATA_DIR to the folder that holds it or pass a JSON-lines "
+        "file"
+    )
+    monkeypatch.setitem(sys.modules, "datasets", None)  # not installed
+    with pytest.raises(HLMError) as err:
+        load_lambada()
+    assert str(err.value) == (
+        f"LAMBADA: eval/lambada_openai.jsonl is not in {tmp_path}, and EleutherAI/lambada_openai "
+        "is a hub dataset: reading it needs the datasets package (pip install datasets); or pass "
+        "a local file or folder"
+    )
+
+
+def test_lambada_encodes_the_texts_own_tokens_whatever_the_tokenizer_adds(tok, passages):
+    adds_bos = TokenizerLike(tok)
+    for passage in passages[:5]:
+        pair = (passage["context"], passage["continuation"])
+        assert encode_pair(adds_bos, *pair) == encode_pair(tok, *pair)
+
+
+class Chars:
+    """A tokenizer of characters that drops whitespace at the ends (so a continuation of spaces
+    encodes to nothing)."""
+
+    eos_token_id, pad_token_id = 0, None
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) for c in text.strip()]
+
+
+def test_lambada_continuations_that_cannot_be_scored_are_refused_by_passage():
+    with pytest.raises(HLMError) as err:
+        make_requests(Chars(), [{"context": "a b", "continuation": "c"},
+                                {"context": "a b", "continuation": " "}])  # fmt: skip
+    assert str(err.value) == "LAMBADA passage 1: the continuation encodes to no tokens"
+    example = [{"context": "ab", "continuation": "xyz"}]  # continuation " xyz": 4 tokens
+    [request] = make_requests(Chars(), example, max_length=4)  # as long as the model: scored
+    assert request.num_continuation == 4 and len(request.tokens) == 5
+    with pytest.raises(HLMError) as err:
+        make_requests(Chars(), example, max_length=3)
+    assert str(err.value) == (
+        "LAMBADA passage 0: its continuation has 4 tokens, more than the model's 3 positions"
+    )
+
+
+class KeepsLastLogits(Ramp):
+    """Ramp with Hugging Face's `logits_to_keep`: the logits of the last k positions only;
+    records each k it is given."""
+
+    def __init__(self, vocab_size):
+        super().__init__(vocab_size)
+        self.kept = []
+
+    def forward(self, input_ids, attention_mask=None, logits_to_keep=0):
+        self.kept.append(logits_to_keep)
+        logits = super().forward(input_ids, attention_mask).logits
+        return SimpleNamespace(logits=logits[:, -logits_to_keep:] if logits_to_keep else logits)
+
+
+class Unsignable:
+    """A forward whose signature cannot be read (inspect raises): given no logits_to_keep."""
+
+    __signature__ = "not a signature"
+
+    def __init__(self, model):
+        self.model = model
+
+    def __call__(self, input_ids, attention_mask=None):
+        return self.model(input_ids, attention_mask)
+
+
+def test_lambada_asks_only_for_the_logits_it_scores(tok, passages):
+    """A model that takes `logits_to_keep` is asked for the positions from the batch's
+    earliest scored one on (input width minus that position), and scores as if it returned
+    them all; a forward whose signature cannot be read is not asked."""
+    from hlm_ray.evaluate.lambada import _takes_logits_to_keep
+
+    model = KeepsLastLogits(len(tok))
+    expected = score_lambada_reference(Ramp(len(tok)), tok, passages, return_per_example=True)
+    out = score_lambada(model, tok, passages, batch_size=7, progress=False,
+                        return_per_example=True)  # fmt: skip
+    assert out == pytest.approx(expected, rel=1e-6)
+    requests = make_requests(tok, passages)
+    order = sorted(range(len(requests)), key=lambda i: -len(requests[i].tokens))
+    wanted = []
+    for start in range(0, len(order), 7):
+        batch = [requests[i] for i in order[start : start + 7]]
+        width = max(len(r.tokens) - 1 for r in batch)
+        wanted.append(width - min(len(r.tokens) - 1 - r.num_continuation for r in batch))
+    assert model.kept == wanted and all(0 < k < 200 for k in wanted)
+    assert _takes_logits_to_keep(model) and not _takes_logits_to_keep(Ramp(len(tok)))
+    plain = Ramp(len(tok))
+    plain.forward = Unsignable(Ramp(len(tok)).forward)
+    assert not _takes_logits_to_keep(plain)
+    out = score_lambada(plain, tok, passages[:3], progress=False, return_per_example=True)
+    assert out["per_example"] == pytest.approx(expected["per_example"][:3], rel=1e-6)
+
+
+def test_lambada_scoring_says_what_is_wrong_shows_progress_and_adds_rows_on_request(
+    tok, passages, capsys
+):
+    model = Ramp(len(tok))
+    for kwargs, message in [
+        (dict(examples=passages, batch_size=0), "batch_size=0 must be at least 1"),
+        (dict(examples=[]), "no LAMBADA passages to score"),
+    ]:
+        with pytest.raises(HLMError) as err:
+            score_lambada(model, tok, progress=False, **kwargs)
+        assert str(err.value) == message
+    out = score_lambada(model, tok, passages[:5], batch_size=2)
+    err = capsys.readouterr().err
+    assert err.lstrip("\r").startswith("lambada: ") and "3/3" in err
+    assert "batch/s" in err or "s/batch" in err
+    assert "per_example" not in out
+    assert "per_example" not in score_lambada_reference(model, tok, passages[:5])
+    no_pad = TokenizerLike(tok, pad=False)
+    again = score_lambada(model, no_pad, passages[:5], batch_size=2, progress=False)
+    assert again == out and capsys.readouterr().err == ""
+
+
 # ----------------------------------------------------------------------------- bits per byte
 
 
