@@ -141,11 +141,15 @@ def _fused_linear_cross_entropy(
     reduction: str,
     chunk_size: int,
 ) -> Tensor:
-    # One dtype for the op: promote (bf16 hidden states under autocast, float32 weight), and
-    # keep autocast from rounding the float32 chunks back to bf16 inside it. Explicit rows per
-    # chunk (as impl="chunked"); options=None would be the unfused reference (full logits).
+    # One dtype for the op, at least float32 as the other impls (`upcast`): promote (bf16
+    # hidden states under autocast, float32 weight; a bf16 weight too would give bf16 logits
+    # and a bf16-rounded loss), and keep autocast from rounding the float32 chunks back to
+    # bf16 inside it. Explicit rows per chunk (as impl="chunked"); options=None would be the
+    # unfused reference (full logits).
     require_torch_feature(torch.nn, "LinearCrossEntropyOptions", "objective.ce_impl=linear", "2.13")
-    dtype = torch.promote_types(hidden_ND.dtype, weight_VD.dtype)
+    dtype = torch.promote_types(
+        torch.promote_types(hidden_ND.dtype, weight_VD.dtype), torch.float32
+    )
     rows = max(1, min(chunk_size, hidden_ND.shape[0]))
     options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=rows, chunking_method=None)
     kwargs = dict(ignore_index=ignore_index, reduction=reduction, options=options)

@@ -45,8 +45,10 @@ def count_tokens(ids, vocab_size: int) -> np.ndarray:
     for start in range(0, len(ids), _CHUNK):
         part = ids[start : start + _CHUNK]
         if len(part) and (int(part.max()) >= vocab_size or int(part.min()) < 0):
+            # Name an id that is outside: the largest, or else the negative one.
+            bad = int(part.max()) if int(part.max()) >= vocab_size else int(part.min())
             raise HLMError(
-                f"token id {int(part.max())} is outside the vocabulary of {vocab_size}: the "
+                f"token id {bad} is outside the vocabulary of {vocab_size}: the "
                 "tokens and the tokenizer do not belong together"
             )
         counts += np.bincount(part, minlength=vocab_size).astype(np.int64)

@@ -46,7 +46,14 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     "objectives": ("hlm_ray/objectives.py", ["tests/test_objectives.py", *NO_RAY]),
     "cross_entropy": (
         "hlm_ray/cross_entropy.py",
-        ["tests/test_objectives.py", "tests/test_fused_ce.py", *NO_RAY, "-k", "not compiled"],
+        [
+            "tests/test_objectives.py",
+            "tests/test_fused_ce.py",
+            "tests/test_cross_entropy.py",
+            *NO_RAY,
+            "-k",
+            "not compiled",
+        ],
     ),
     "data": ("hlm_ray/data.py", ["tests/test_data.py", *NO_RAY]),
     "optim": (

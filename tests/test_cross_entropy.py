@@ -128,3 +128,30 @@ def test_the_fused_op_on_an_older_torch_names_the_option_and_the_version(monkeyp
     hidden, weight, _, labels = problem()
     with pytest.raises(TorchTooOld, match=r"^objective\.ce_impl=linear needs torch >= 2\.13 "):
         cross_entropy_head(hidden, weight, None, labels, impl="linear")
+
+
+@pytest.mark.parametrize("impl", ["full", "chunked", "linear"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("scale", [1.0, 300.0], ids=["normal", "extreme"])
+def test_an_all_bf16_head_gets_float32_logits_from_every_impl(impl, reduction, scale):
+    """Hidden states, weight and bias all bf16 (a head kept in bf16): float32 logits and loss
+    from every impl, the float64 reference's value to float32 precision, also with logits in
+    the thousands (exp overflows past 88.7); a bf16-computed loss would be off by ~1e-3 of it."""
+    hidden, weight, bias, labels = problem(N=20, D=8, V=30, dtype=torch.float32)
+    hidden, weight, bias = (scale * hidden).bfloat16(), weight.bfloat16(), bias.bfloat16()
+    labels[::5] = -100
+    logits = F.linear(hidden.double(), weight.double(), bias.double())
+    ref = F.cross_entropy(logits, labels, reduction=reduction)
+    loss = cross_entropy_head(hidden, weight, bias, labels, impl=impl, chunk_size=6,
+                              reduction=reduction)  # fmt: skip
+    assert loss.dtype == torch.float32 and torch.isfinite(loss).all()
+    assert_close(loss.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("N", "chunks"), [(4096, 0), (4097, 2)])
+def test_the_default_chunk_is_4096_rows(calls, N, chunks):
+    """impl="chunked" without chunk_size: 4096 rows' logits at a time (4097 rows: 2 chunks)."""
+    hidden, weight, bias, labels = problem(N=N, D=4, V=8)
+    loss = cross_entropy_head(hidden, weight, bias, labels, impl="chunked")
+    assert_close(loss, F.cross_entropy(F.linear(hidden, weight, bias), labels))
+    assert calls["chunks"] == chunks
