@@ -189,6 +189,30 @@ EQUIVALENT: dict[str, str] = {
     "hlm_ray.evaluate.bpb.x_require_decoder__mutmut_25": "only `== 'encoder'` is read: any "
     "other name for a decoder is a decoder",
     "hlm_ray.evaluate.bpb.x_require_decoder__mutmut_26": "the same: a decoder by another name",
+    # unigram.py
+    "hlm_ray.unigram.x_cross_entropy__mutmut_3": "the held-out counts are integers: their "
+    "product with the float64 log-probs is float64 and their sum exact either way",
+    "hlm_ray.unigram.x_cross_entropy__mutmut_5": "the same: the integer counts without a dtype",
+    "hlm_ray.unigram.x_load_counts__mutmut_4": "np.load checks `not allow_pickle`: None is "
+    "falsy as False is, so a pickled file is refused either way",
+    "hlm_ray.unigram.x_load_counts__mutmut_6": "np.load's default is allow_pickle=False",
+    "hlm_ray.unigram.xǁUnigramǁfit__mutmut_32": "held is read by shape, summed into an int and "
+    "made float64 by cross_entropy: the same for the integer counts every caller passes",
+    "hlm_ray.unigram.xǁUnigramǁfit__mutmut_34": "the same: held without a dtype",
+    "hlm_ray.unigram.xǁUnigramǁfit__mutmut_44": "the grid's temporary models' alpha_source is "
+    "never read",
+    "hlm_ray.unigram.xǁUnigramǁfit__mutmut_49": "the same: a temporary model's alpha_source",
+    "hlm_ray.unigram.xǁUnigramǁlog_probs__mutmut_2": "astype(None) is astype(float64)",
+    # cross_entropy.py
+    **{
+        f"hlm_ray.cross_entropy.x_cross_entropy_head__mutmut_{n}": "_ce_rows draws no random "
+        "numbers: there is no RNG state to preserve"
+        for n in (87, 95, 99)
+    },
+    "hlm_ray.cross_entropy.x__fused_linear_cross_entropy__mutmut_38": "torch turns the default "
+    "chunking_method 'auto' into None when batch_chunk_size is given, as it always is here",
+    "hlm_ray.cross_entropy.x__fused_linear_cross_entropy__mutmut_53": "F.linear_cross_entropy "
+    "casts the bias to its logits' dtype itself (on any device)",
     # evaluate/lambada.py
     "hlm_ray.evaluate.lambada.x_score_lambada__mutmut_1": "the default batch size: batching "
     "changes no score (1, 3 and 32 at a time are tested equal to one by one)",
