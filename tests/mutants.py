@@ -189,6 +189,21 @@ EQUIVALENT: dict[str, str] = {
     "hlm_ray.evaluate.bpb.x_require_decoder__mutmut_25": "only `== 'encoder'` is read: any "
     "other name for a decoder is a decoder",
     "hlm_ray.evaluate.bpb.x_require_decoder__mutmut_26": "the same: a decoder by another name",
+    # train/optim.py
+    **{
+        f"hlm_ray.train.optim.xǁLazyAdamWǁ_lazy_update__mutmut_{n}": "torch.zeros_like's "
+        "default memory_format is preserve_format"
+        for n in (15, 17, 22, 24)
+    },
+    "hlm_ray.train.optim.x_adamw__mutmut_7": "`<` and `<=` differ only for parameters on the "
+    "CPU and a GPU at once, which no model here has",
+    "hlm_ray.train.optim.x_uses_sparse_embedding__mutmut_5": _FALSY,
+    "hlm_ray.train.optim.x_clip_grad_norm__mutmut_19": "get_total_norm's default norm_type is 2.0",
+    "hlm_ray.train.optim.x_clip_grad_norm__mutmut_28": _CPU,
+    "hlm_ray.train.optim.x_clip_grad_norm__mutmut_31": _CPU,
+    "hlm_ray.train.optim.x_clip_grad_norm__mutmut_29": "mul_ by a 0-d tensor casts it to the "
+    "gradient's dtype anyway (a 0-d tensor does not promote)",
+    "hlm_ray.train.optim.x_clip_grad_norm__mutmut_30": "the same: the 0-d coefficient's dtype",
     # unigram.py
     "hlm_ray.unigram.x_cross_entropy__mutmut_3": "the held-out counts are integers: their "
     "product with the float64 log-probs is float64 and their sum exact either way",

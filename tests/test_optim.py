@@ -101,19 +101,22 @@ def test_untouched_rows_pause_their_momentum_unlike_adamw() -> None:
     assert not torch.allclose(lazy.emb.weight, dense.emb.weight)
 
 
-def test_clip_grad_norm_with_sparse_gradients_matches_the_dense_reference() -> None:
-    for max_norm in (0.05, 1e9):
+@pytest.mark.parametrize("scale", [1.0, 1e-6], ids=["usual", "tiny"])
+def test_clip_grad_norm_with_sparse_gradients_matches_the_dense_reference(scale) -> None:
+    """Also with gradients of norm ~1e-6 (scale), where torch's `total + 1e-6` in the
+    denominator is most of the coefficient: the same coefficient as torch's."""
+    for max_norm in (0.05 * scale, 1e9):
         sparse, dense = Toy(True), Toy(False)
         ids, targets = next(batches(1, 6))
-        sparse(ids, targets).backward()
-        dense(ids, targets).backward()
+        (sparse(ids, targets) * scale).backward()
+        (dense(ids, targets) * scale).backward()
         assert sparse.emb.weight.grad.is_sparse and not sparse.emb.weight.grad.is_coalesced()
         ours = clip_grad_norm(sparse.parameters(), max_norm)
         ref = torch.nn.utils.clip_grad_norm_(dense.parameters(), max_norm)
         torch.testing.assert_close(ours, ref)
         torch.testing.assert_close(sparse.emb.weight.grad.to_dense(), dense.emb.weight.grad)
         torch.testing.assert_close(sparse.lin.weight.grad, dense.lin.weight.grad)
-    assert ref > 0.05  # the first pass did clip
+    assert ref > 0.05 * scale  # the first pass did clip
 
 
 def test_clip_grad_norm_with_dense_gradients_is_torchs() -> None:
@@ -246,6 +249,22 @@ def test_the_learning_rate_schedule_at_its_edges(schedule) -> None:
     expected = [0.25, 0.5, 0.75, 1.0] + [lr_factor(s, cfg) for s in range(4, 15)]
     assert seen == pytest.approx([2.0 * f for f in expected], abs=1e-12)
     assert seen[9] == pytest.approx(2.0 * AFTER_WARMUP[schedule][1])
+
+
+def test_lazy_adamw_groups_are_dense_unless_marked_and_lazy_ones_refuse_amsgrad_or_maximize():
+    """A group is lazy only when it says so (those built with the optimizer and those added
+    later); a lazy group refuses amsgrad and maximize, each on its own, in words."""
+    model = Toy(True)
+    opt = LazyAdamW([{"params": [model.lin.weight]}], lr=LR)
+    opt.add_param_group({"params": [model.lin.bias]})
+    opt.add_param_group({"params": [model.emb.weight], "lazy": True})
+    assert [g["lazy"] for g in opt.param_groups] == [False, False, True]
+    assert all(type(g["lazy"]) is bool for g in opt.param_groups)
+    for flag in ("amsgrad", "maximize"):
+        with pytest.raises(ValueError) as err:
+            LazyAdamW([{"params": [model.emb.weight], "lazy": True, flag: True}], lr=LR)
+        assert str(err.value) == "lazy parameter groups support neither amsgrad nor maximize"
+    LazyAdamW([{"params": [model.lin.weight], "amsgrad": True, "maximize": True}], lr=LR)
 
 
 def test_lazy_update_guards() -> None:
