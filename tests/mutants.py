@@ -82,7 +82,12 @@ MODULES: dict[str, tuple[str, list[str]]] = {
     ),
     "scaling_fit": (
         "hlm_ray/tune/scaling_fit.py",
-        ["tests/test_scaling.py", "tests/test_scaling_coverage.py", *NO_RAY],
+        [
+            "tests/test_scaling.py",
+            "tests/test_scaling_coverage.py",
+            "tests/test_scaling_fit.py",
+            *NO_RAY,
+        ],
     ),
     "unigram": ("hlm_ray/unigram.py", ["tests/test_unigram.py", *NO_RAY]),
     "guard": (
