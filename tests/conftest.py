@@ -6,6 +6,12 @@ import os
 
 import pytest
 import torch
+from tqdm import tqdm
+
+# tqdm's monitor thread (started by the first progress bar a test shows) is off in tests:
+# `make mutants` forks mutmut's workers from a process that ran the tests, and a fork while
+# that thread holds tqdm's lock leaves the child waiting for it forever (a mutant "timed out").
+tqdm.monitor_interval = 0
 
 XDIST_GROUP = "ray"
 OWN_CLUSTERS_GROUP = "own-clusters"
