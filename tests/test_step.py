@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -89,7 +90,9 @@ def test_two_steps_add_their_losses_targets_and_times_to_the_window(tmp_path, pr
     run = tiny_run(tmp_path, preset)
     assert run.accum == 4
     for step in (0, 1):
+        start = time.perf_counter()
         step_mod.train_step(run, step)
+        assert 0 < run.step_times[-1] <= time.perf_counter() - start
         assert all(p.grad is None for p in run.model.parameters())
     calls = run.module.calls
     assert len(calls) == 8 and run.window_steps == 2
@@ -107,16 +110,17 @@ def test_two_steps_add_their_losses_targets_and_times_to_the_window(tmp_path, pr
     assert not any(c["autocast"] for c in calls) and run.module.no_syncs == []
 
 
-def test_cross_worker_negatives_are_the_targets_gathered_from_every_worker(tmp_path):
+@pytest.mark.parametrize("preset", ["tiny-decoder", "tiny-encoder"])
+def test_cross_worker_negatives_are_the_targets_gathered_from_every_worker(tmp_path, preset):
     """objective.cross_worker_negatives: the objective gets the gathered target ids as its
-    negative set (one process: its own targets, the masked originals of an encoder) and the
-    step keeps the last micro-batch's for the measured number of unique columns."""
-    run = tiny_run(
-        tmp_path, "tiny-encoder", "headless", **{"objective.cross_worker_negatives": True}
-    )
+    negative set (one process: its own targets, a decoder's next tokens or an encoder's
+    masked originals) and the step keeps the last micro-batch's for the measured number of
+    unique columns."""
+    run = tiny_run(tmp_path, preset, "headless", **{"objective.cross_worker_negatives": True})
     step_mod.train_step(run, 0)
     for call in run.module.calls:
-        expected = call["labels"][call["labels"] != -100]
+        ids, labels = call["input_ids"], call["labels"]
+        expected = ids[:, 1:].reshape(-1) if labels is None else labels[labels != -100]
         assert torch.equal(call["kwargs"]["negative_ids"], expected)
     last = run.module.calls[-1]
     assert torch.equal(run.last_batch[2], last["kwargs"]["negative_ids"])
