@@ -3,14 +3,17 @@ server over it, one torch thread for modules of tiny matrices, a tiny decoder fo
 `make test` splits the suite over two pytest-xdist workers."""
 
 import os
+import threading
 
 import pytest
 import torch
 from tqdm import tqdm
 
-# tqdm's monitor thread (started by the first progress bar a test shows) is off in tests:
-# `make mutants` forks mutmut's workers from a process that ran the tests, and a fork while
-# that thread holds tqdm's lock leaves the child waiting for it forever (a mutant "timed out").
+# Progress bars in tests write under a lock of their process only, and start no monitor thread:
+# `make mutants` forks mutmut's workers from a process that ran the tests, and tqdm's default
+# lock holds a multiprocessing semaphore that the forks share; a worker killed while holding it
+# (a mutant's timeout) left every later worker waiting for it forever, each then "timed out".
+tqdm.set_lock(threading.RLock())
 tqdm.monitor_interval = 0
 
 XDIST_GROUP = "ray"
