@@ -123,9 +123,11 @@ def unigram_bpb(model: Unigram, tokenizer, texts: list[str]) -> dict:
     nats, tokens = 0.0, 0
     for text in texts:
         ids = np.asarray(tokenizer.encode(text, add_special_tokens=False), dtype=np.int64)
-        if len(ids) and int(ids.max()) >= model.vocab_size:
+        # log_q[-1] would silently score a negative id as the last token: refuse it too.
+        if len(ids) and (int(ids.max()) >= model.vocab_size or int(ids.min()) < 0):
+            bad = int(ids.max()) if int(ids.max()) >= model.vocab_size else int(ids.min())
             raise HLMError(
-                f"the tokenizer gives id {int(ids.max())}, outside the counts' vocabulary of "
+                f"the tokenizer gives id {bad}, outside the counts' vocabulary of "
                 f"{model.vocab_size}: counts and tokenizer do not belong together"
             )
         nats -= float(log_q[ids].sum())

@@ -1,6 +1,6 @@
 """`hlm_ray.tune.scaling_fit` as plain functions against hand-computed values: the curves and
 their inverse, the fits on small exact data, the reads at a measured point's own loss, each row
-of the comparison field by field, and the report's sentences word for word. No Ray; its 16 tests
+of the comparison field by field, and the report's sentences word for word. No Ray; its 17 tests
 take about 0.6 s together. (tests/test_scaling.py checks the same functions on simulated sweeps.)"""
 
 import math
@@ -279,6 +279,16 @@ def test_two_budgets_missing_points_and_unequal_seeds():
     assert c.rows[0].target == pytest.approx((2.5 + 2.45 + 2.4) / 3)
     lonely = [*pts, Point("headless", 2, "z", 4.0, 0.5)]  # seed 2 alone at z: no pair reads it
     assert compare_arms(lonely).rows[-1].note == "no seed pair has points to read"
+
+
+def test_a_point_without_a_positive_compute_is_refused_by_name():
+    """A nan compute (an unmeasured time) would read as nan, shown as outside the range."""
+    for x in (math.nan, 0.0, math.inf):
+        pts = [p if (p.arm, p.seed, p.budget) != ("vanilla", 1, "b") else Point(
+            "vanilla", 1, "b", x, p.loss) for p in hand_points()]  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^arm 'vanilla' seed 1 at budget b has compute "
+                           rf"{x}, not a positive number$"):  # fmt: skip
+            compare_arms(pts)
 
 
 def test_beats_floor_at_its_edges():

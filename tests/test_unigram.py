@@ -246,6 +246,14 @@ def test_unigram_bpb_refuses_no_text_and_a_foreign_tokenizer():
                 "tokenizer do not belong together"):  # fmt: skip
         unigram_bpb(model, _bos_tokenizer(), ["a b", "zzz"])
 
+    class Negative:  # a tokenizer that hands out -1 (log_q[-1] would be the last id's)
+        def encode(self, text, add_special_tokens=True):
+            return [1, -1]
+
+    with _error("the tokenizer gives id -1, outside the counts' vocabulary of 5: counts and "
+                "tokenizer do not belong together"):  # fmt: skip
+        unigram_bpb(model, Negative(), ["a b"])
+
 
 def test_a_counts_file_is_int64_and_each_damage_has_its_message(tmp_path):
     path = save_counts(tmp_path / "c.npz", np.array([3, 0, 2], dtype=np.uint16), source="t")

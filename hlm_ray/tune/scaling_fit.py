@@ -239,6 +239,12 @@ def compare_arms(
         a: [p for p in points if p.arm == a and math.isfinite(p.loss)] for a in (method, baseline)
     }
     for arm, mine in arms.items():
+        # A nan or zero compute would read as nan and be shown as outside the range: refuse it.
+        bad = [p for p in mine if not (math.isfinite(p.x) and p.x > 0)]
+        if bad:
+            p = bad[0]
+            raise ValueError(f"arm {arm!r} seed {p.seed} at budget {p.budget} has compute "
+                             f"{p.x}, not a positive number")  # fmt: skip
         if len({p.budget for p in mine}) < 2:
             raise ValueError(f"arm {arm!r} has finished trials at fewer than two budgets")
     seeds = {a: sorted({p.seed for p in mine}) for a, mine in arms.items()}
