@@ -244,15 +244,19 @@ def test_unigram_bpb_refuses_no_text_and_a_foreign_tokenizer():
         unigram_bpb(model, _bos_tokenizer(), ["", ""])
     with _error("the tokenizer gives id 5, outside the counts' vocabulary of 5: counts and "
                 "tokenizer do not belong together"):  # fmt: skip
-        unigram_bpb(model, _bos_tokenizer(), ["a b", "zzz"])
+        unigram_bpb(model, _bos_tokenizer(), ["a b", "a zzz"])  # ids 1, 5: 5 is named
 
-    class Negative:  # a tokenizer that hands out -1 (log_q[-1] would be the last id's)
+    class Ids:  # a tokenizer that hands out the ids it is given
+        def __init__(self, ids):
+            self.ids = ids
+
         def encode(self, text, add_special_tokens=True):
-            return [1, -1]
+            return self.ids
 
+    assert unigram_bpb(model, Ids([0, 4]), ["a b"])["tokens"] == 2  # 0 and V - 1 are inside
     with _error("the tokenizer gives id -1, outside the counts' vocabulary of 5: counts and "
                 "tokenizer do not belong together"):  # fmt: skip
-        unigram_bpb(model, Negative(), ["a b"])
+        unigram_bpb(model, Ids([1, -1]), ["a b"])  # log_q[-1] would be the last id's
 
 
 def test_a_counts_file_is_int64_and_each_damage_has_its_message(tmp_path):
