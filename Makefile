@@ -27,8 +27,9 @@ test: setup-dev
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 # Mutation testing of the core modules against their fast tests (tests/mutants.py; not part of
-# `make test` or CI): the kill rate per module and every surviving mutant; about 15 minutes on
-# 2 idle cores. MUTANTS="data optim" tests some modules, MUTANTS_CHILDREN=1 runs one test process.
+# `make test` or CI): the kill rate per module and every surviving mutant; about 16 minutes on
+# 2 idle cores (20 from a fresh clone, with the set-up). MUTANTS="data optim" tests some modules,
+# MUTANTS_CHILDREN=1 runs one test process.
 MUTANTS ?=
 MUTANTS_CHILDREN ?= 2
 mutants: setup-dev
