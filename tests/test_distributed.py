@@ -1,14 +1,11 @@
 """Cross-worker negatives on 2 real gloo processes (no Ray): the loss and gradients equal the
 single-process CWT loss over the concatenated micro-batches."""
 
-import os
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hlm_ray.objectives import cwt_loss_from_ids
-from hlm_ray.tracking.server import free_port
 from hlm_ray.train.distributed import gather_negative_ids, global_mean
 
 V, D = 50, 16
@@ -23,9 +20,9 @@ def inputs(sizes):
     return preds, ids, table
 
 
-def worker(rank, port, sizes, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def worker(rank, store, sizes, out):
+    # A file store, not a TCP port: a port found free can be taken by a parallel test first.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     preds, ids, table = inputs(sizes)
     lo, hi = sum(sizes[:rank]), sum(sizes[: rank + 1])
     table = table.requires_grad_()
@@ -44,12 +41,12 @@ def worker(rank, port, sizes, out):
     dist.destroy_process_group()
 
 
-def test_cross_worker_negatives_equal_the_loss_over_the_concatenated_batches():
+def test_cross_worker_negatives_equal_the_loss_over_the_concatenated_batches(tmp_path):
     for sizes in ((24, 24), (17, 30)):  # equal K (decoders) and unequal K (masked LMs)
-        port = free_port()
+        store = str(tmp_path / f"gloo-store-{sizes[0]}")
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
-        procs = [ctx.Process(target=worker, args=(r, port, sizes, out)) for r in range(2)]
+        procs = [ctx.Process(target=worker, args=(r, store, sizes, out)) for r in range(2)]
         for p in procs:
             p.start()
         loss, grad, mean = out.get(timeout=120)

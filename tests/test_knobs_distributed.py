@@ -2,8 +2,6 @@
 processes (torch.multiprocessing, no Ray), step 1's logged loss against the CWT loss applied by
 hand to each worker's micro-batch with every worker's targets as negatives."""
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,16 +9,15 @@ import torch.multiprocessing as mp
 from knobs_common import by_hand, cwt, differs, first_step, knob_cfg, logged_losses
 
 from hlm_ray.prepare import ensure_prepared
-from hlm_ray.tracking.server import free_port
 from hlm_ray.train.loop import WorkerEnv, train_worker
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _rank(rank: int, port: int, config: dict) -> None:
+def _rank(rank: int, store: str, config: dict) -> None:
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+    # A file store, not a TCP port: a port found free can be taken by a parallel test first.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         train_worker(config, env=WorkerEnv(rank=rank, world_size=2), progress=False)
     finally:
@@ -31,8 +28,8 @@ def test_objective_cross_worker_negatives_reaches_the_loss(tmp_path):
     # Global batch 32 = one micro-batch of 16 per worker: rank r's is the default's r-th.
     cfg = knob_cfg(tmp_path / "run", **{"objective.cross_worker_negatives": True})
     ensure_prepared(cfg, progress=False)  # once, before two processes read it
-    port, ctx = free_port(), mp.get_context("spawn")
-    procs = [ctx.Process(target=_rank, args=(r, port, cfg.to_dict())) for r in range(2)]
+    store, ctx = str(tmp_path / "gloo-store"), mp.get_context("spawn")
+    procs = [ctx.Process(target=_rank, args=(r, store, cfg.to_dict())) for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:

@@ -6,8 +6,6 @@ AdamW (`adamw`) against torch's per-tensor loop."""
 import copy
 import io
 import itertools
-import os
-import socket
 
 import pytest
 import torch
@@ -368,9 +366,10 @@ def test_the_optimizer_carries_the_configs_settings_and_refuses_each_case_in_wor
 # ---- DDP over gloo -------------------------------------------------------------------------
 
 
-def ddp_worker(rank: int, port: int, out) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def ddp_worker(rank: int, store: str, out) -> None:
+    # A file store, not a TCP port: a port found free here can be taken by a parallel test
+    # before rank 0 listens on it (EADDRINUSE, seen in the full suite).
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     model = Toy(sparse=True)
     opt = optimizer(model, 0.1)
     ddp = nn.parallel.DistributedDataParallel(model)
@@ -387,7 +386,7 @@ def ddp_worker(rank: int, port: int, out) -> None:
     dist.destroy_process_group()
 
 
-def test_ddp_averages_sparse_gradients_over_gloo() -> None:
+def test_ddp_averages_sparse_gradients_over_gloo(tmp_path) -> None:
     # The single-process reference: each step's loss is the mean over both workers' batches.
     model = Toy(sparse=True)
     opt = optimizer(model, 0.1)
@@ -399,12 +398,10 @@ def test_ddp_averages_sparse_gradients_over_gloo() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    procs = [ctx.Process(target=ddp_worker, args=(r, port, out)) for r in range(2)]
+    store = str(tmp_path / "gloo-store")
+    procs = [ctx.Process(target=ddp_worker, args=(r, store, out)) for r in range(2)]
     for p in procs:
         p.start()
     weight = out.get(timeout=120)
