@@ -204,11 +204,14 @@ while not select.select([sys.stdin], [], [], 0)[0]:
         except OSError:
             break
     for sock in list(socks):
-        try:
-            sock.send(b"X-More: 1\r\n")
-            answered = sock.recv(4096)  # the server's 408 or 503 (b"": closed)
-        except BlockingIOError:
-            continue  # still held, nothing answered
+        try:  # read before sending more: a send after the server closed is answered by a
+            answered = sock.recv(4096)  # reset, which discards its 408 or 503 (b"": closed)
+        except BlockingIOError:  # still held, nothing answered: one more header line
+            try:
+                sock.send(b"X-More: 1\r\n")
+            except OSError:
+                pass  # closed meanwhile: the next round reads what it was answered
+            continue
         except OSError:
             answered = b"reset"
         socks.remove(sock)
