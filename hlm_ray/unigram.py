@@ -38,15 +38,24 @@ ALPHAS = np.geomspace(1e-3, 10.0, 41)
 _CHUNK = 1 << 24  # tokens per bincount: a bounded working set for any shard size
 
 
+def id_outside(ids: np.ndarray, vocab_size: int) -> int | None:
+    """An id of `ids` outside [0, V) to name in an error (the largest, or else the negative
+    one), or None when every id is inside."""
+    if len(ids) and int(ids.max()) >= vocab_size:
+        return int(ids.max())
+    if len(ids) and int(ids.min()) < 0:
+        return int(ids.min())
+    return None
+
+
 def count_tokens(ids, vocab_size: int) -> np.ndarray:
     """(V,) int64 counts of the ids (any integer array); ids outside [0, V) are an error."""
     ids = np.asarray(ids)
     counts = np.zeros(vocab_size, dtype=np.int64)
     for start in range(0, len(ids), _CHUNK):
         part = ids[start : start + _CHUNK]
-        if len(part) and (int(part.max()) >= vocab_size or int(part.min()) < 0):
-            # Name an id that is outside: the largest, or else the negative one.
-            bad = int(part.max()) if int(part.max()) >= vocab_size else int(part.min())
+        bad = id_outside(part, vocab_size)
+        if bad is not None:
             raise HLMError(
                 f"token id {bad} is outside the vocabulary of {vocab_size}: the "
                 "tokens and the tokenizer do not belong together"
@@ -123,9 +132,8 @@ def unigram_bpb(model: Unigram, tokenizer, texts: list[str]) -> dict:
     nats, tokens = 0.0, 0
     for text in texts:
         ids = np.asarray(tokenizer.encode(text, add_special_tokens=False), dtype=np.int64)
-        # log_q[-1] would silently score a negative id as the last token: refuse it too.
-        if len(ids) and (int(ids.max()) >= model.vocab_size or int(ids.min()) < 0):
-            bad = int(ids.max()) if int(ids.max()) >= model.vocab_size else int(ids.min())
+        bad = id_outside(ids, model.vocab_size)  # log_q[-1] would score -1 as the last id
+        if bad is not None:
             raise HLMError(
                 f"the tokenizer gives id {bad}, outside the counts' vocabulary of "
                 f"{model.vocab_size}: counts and tokenizer do not belong together"
