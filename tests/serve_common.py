@@ -5,6 +5,9 @@ so test_serve.py and test_serve_api.py start Serve once between them."""
 from __future__ import annotations
 
 import json
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
@@ -25,6 +28,37 @@ BODY_TIMEOUT_S = 8.0  # the proxy's guard: a body not received within this is an
 # holds PER_CLIENT connections at most (above the stalled-clients test's 516).
 HEADER_TIMEOUT_S = 4.0
 PER_CLIENT = 600
+
+
+def header_flood(server: str, keyed_request) -> None:
+    """Issue 44's flood at the session's proxy, bounded: 700 connections from 127.0.0.2 that
+    never finish their headers. The proxy holds PER_CLIENT of them and answers the rest 503 at
+    once; 16 `keyed_request()`s (status codes) from 127.0.0.1 meanwhile are all answered 200; the
+    held ones are answered 408 once HEADER_TIMEOUT_S has passed. Whichever engine serves behind
+    the proxy, the proxy's guard is the same."""
+    port = int(server.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+    flood = []
+    for _ in range(700):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=30,
+                                        source_address=("127.0.0.2", 0))  # fmt: skip
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        flood.append(sock)
+    started = time.monotonic()
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            codes = list(pool.map(lambda _: keyed_request(), range(16)))
+        assert codes == [200] * 16, codes
+        answers = []
+        for sock in flood:
+            sock.settimeout(HEADER_TIMEOUT_S + 20)
+            answers.append(sock.recv(4096).split(b"\r\n", 1)[0])
+        refused = answers.count(b"HTTP/1.1 503 Service Unavailable")
+        timed_out = answers.count(b"HTTP/1.1 408 Request Timeout")
+        assert (refused, timed_out) == (700 - PER_CLIENT, PER_CLIENT), set(answers)
+        assert time.monotonic() - started >= HEADER_TIMEOUT_S - 0.5
+    finally:
+        for sock in flood:
+            sock.close()
 
 
 def fuzz_bodies(seed: int, count: int) -> list[bytes]:

@@ -90,3 +90,34 @@ def test_new_tokens_beyond_the_models_positions_fail_before_ray_starts(
                        r"max_new_tokens=128: together more than the model's 128 positions"):  # fmt: skip
         serve.check_lengths(tiny_decoder_dir, 32, 128)
     serve.check_lengths(tiny_decoder_dir, 32, 96)  # 96 fits
+
+
+def test_the_engines_table_gives_each_rows_ratio_and_the_start_ups():
+    from hlm_ray.bench.serve_engines import markdown as engines_markdown
+
+    def row(n, engine, rate, ttft, p99):
+        return {"clients": n, "engine": engine, "tokens_per_s": rate, "ttft_median_ms": ttft,
+                "ttft_p99_ms": p99, "requests": n, "rounds": [rate]}  # fmt: skip
+
+    results = [{"size": "tiny", "startup_s": {"hlm": 12.4, "vllm": 95.6},
+                "rows": [row(1, "hlm", 200, 10, 20), row(1, "vllm", 300, 30, 40),
+                         row(8, "vllm", 400, 50, 60), row(8, "hlm", 1600, 5, 6)]}]  # fmt: skip
+    text = engines_markdown(results)
+    assert "| tiny | 1 | 200 | 300 | 1.50x | 10 / 30 | 20 / 40 |" in text
+    assert "| tiny | 8 | 1600 | 400 | 0.25x | 5 / 50 | 6 / 60 |" in text
+    assert "| tiny | 12 | 96 |" in text
+
+
+def test_the_engines_benchmark_refuses_bad_numbers_and_a_missing_vllm(monkeypatch, capsys):
+    from hlm_ray.bench import serve_engines
+    from hlm_ray.serve.vllm import flags
+
+    assert serve_engines.main(["--rounds", "0"]) == 2
+    assert (
+        "--rounds, --new-tokens and every --clients value must be >= 1" in capsys.readouterr().err
+    )
+    monkeypatch.setattr(flags, "vllm_installed", lambda: False)
+    assert serve_engines.main([]) == 2
+    assert "make setup-vllm" in capsys.readouterr().err
+    with pytest.raises(HLMError, match="--sizes: 'huge' is not one of tiny, pythia-70m"):
+        serve_engines.make_model("huge", None)

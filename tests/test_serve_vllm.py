@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from serve_common import API_KEY, AUTH, fuzz_bodies, post
+from serve_common import API_KEY, AUTH, fuzz_bodies, header_flood, post
 
 pytest.importorskip("vllm", reason="the vLLM engine is an optional install (make setup-vllm)")
 
@@ -160,6 +160,12 @@ def test_fuzz_never_gets_a_5xx_and_the_engine_stays_up(vllm_server):
     assert not [c for c in codes if c >= 500], counts
     assert counts[200] > 20 and sum(n for c, n in counts.items() if 400 <= c < 500) > 20
     assert post(vllm_server, {"prompt": "still fine?", "max_tokens": 2}).status_code == 200
+
+
+@pytest.mark.ray
+def test_a_header_flood_leaves_keyed_requests_to_vllm_answered(vllm_server):
+    body = {"prompt": PROMPTS[0], "max_tokens": 4, "temperature": 0}
+    header_flood(vllm_server, lambda: post(vllm_server, body).status_code)
 
 
 @pytest.mark.ray

@@ -259,6 +259,11 @@ def test_the_llm_config_serves_the_saved_dtype_on_cpus(headless_dir, monkeypatch
     assert config.accelerator_config.kind == "cpu"
     assert config.placement_group_config == {"bundles": [{"CPU": 0.5}]}
     assert config.deployment_config["num_replicas"] == 2
+    # The replica counts no CPU of its own: the placement group is the engine's bundle alone.
+    from ray.serve.llm import LLMServer
+
+    options = LLMServer.get_deployment_options(config)
+    assert options["placement_group_bundles"] == [{"CPU": 0.5, "GPU": 0}]
     env = config.runtime_env["env_vars"]
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "1" and env["RAY_worker_niceness"] == "0"
     assert Path(config.model_loading_config.model_source).parent == tmp_path / "vllm"

@@ -142,9 +142,14 @@ def llm_config(args: VllmArgs, deployment: dict[str, Any] | None = None, nicenes
     env = {MODEL_ENV: args.model, READOUT_ENV: readout_name}
     if niceness is not None:  # the replica and its engine process (Ray's workers: 15)
         env["RAY_worker_niceness"] = str(niceness)
+    deployment = dict(deployment or {})
     if gpu:
         hardware: dict[str, Any] = {"accelerator_config": {"kind": "gpu"}}
     else:
+        # The replica's own CPU would be added to the engine's bundle (Ray Serve LLM merges
+        # them): 2 CPUs for `num_cpus=1`, which a 2-CPU node running anything else never has.
+        # The engine runs in the replica's process tree: the bundle is what they share.
+        deployment.setdefault("ray_actor_options", {}).setdefault("num_cpus", 0)
         env["VLLM_CPU_KVCACHE_SPACE"] = f"{args.kv_cache_gib:g}"
         hardware = {
             "accelerator_config": {"kind": "cpu"},
@@ -154,7 +159,7 @@ def llm_config(args: VllmArgs, deployment: dict[str, Any] | None = None, nicenes
         model_loading_config={"model_id": model_name(args), "model_source": str(served)},
         engine_kwargs=engine,
         runtime_env={"env_vars": env},
-        deployment_config=dict(deployment or {}),
+        deployment_config=deployment,
         server_cls=SERVER_CLS,
         **hardware,
     )
