@@ -311,3 +311,34 @@ def test_fastapis_errors_are_rewritten_in_openais_shape_and_openai_shaped_ones_p
     status, body, _ = call(app_answering(500, b"Internal Server Error"))
     assert (status, body["error"]["message"]) == (500, "Internal Server Error")
     assert call(app_answering(200, b'{"ok": 1}'))[:2] == (200, {"ok": 1})
+
+
+def test_hlm_serve_engine_vllm_checks_first_and_builds_the_app_once_ray_runs(
+    headless_dir, monkeypatch, capsys
+):
+    """`hlm serve --engine vllm` (the command's path without Ray): the flags and the model are
+    checked before anything starts, the application is handed to `launch.start` as a function
+    (Ray Serve LLM's builder reads Ray's context, which would start a Ray of Ray's defaults),
+    through the proxy (no direct ingress), with the guard's limits; Ctrl-C shuts down."""
+    from hlm_ray.serve import cli, launch
+    from hlm_ray.serve.vllm import flags
+
+    monkeypatch.setattr(flags, "vllm_installed", lambda: True)
+    calls = []
+
+    def fake_start(app, ports, *, guard, ray, keep_alive_s):
+        calls.append({"app": app, "ports": ports, "guard": guard, "ray": ray})
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launch, "start", fake_start)
+    args = serve_args("--engine", "vllm", "--body-timeout-s", "3", "--port", "8719")
+    args.model = str(headless_dir)
+    assert cli.run(args) == 0
+    [seen] = calls
+    assert callable(seen["app"]) and not seen["ports"].direct and seen["ports"].port == 8719
+    assert seen["guard"]["body_timeout_s"] == 3 and seen["ray"] == {"address": None}
+    assert "shutting down" in capsys.readouterr().out
+    args.model = str(headless_dir.parent / "nothing-here")
+    with pytest.raises(HLMError, match="does not exist"):
+        cli.run(args)
+    assert len(calls) == 1  # the bad model never reached start

@@ -140,7 +140,9 @@ def start(
 ) -> dict[str, float]:
     """Start Ray with the `ray.init` options `ray` (here, unless they name an `address`), Serve
     on `ports` with the guard (`guard_controller_options(**guard)`) and idle keep-alive
-    connections closed after `keep_alive_s`, and `app` as "hlm". Returns the seconds of each
+    connections closed after `keep_alive_s`, and `app` as "hlm" (an application, or a function
+    that builds it once Ray runs: Ray Serve LLM's builder reads Ray's runtime context, which
+    started a Ray of Ray's defaults when none was running). Returns the seconds of each
     phase: "ray" (`ray.init`), "serve" (Serve's controller and proxy), "replicas" (the
     application's replicas built, their models loaded, until they are healthy).
     Raises HLMError with the last line of Serve's message when the application fails."""
@@ -169,6 +171,8 @@ def start(
         with callers_signal_handlers():
             ray_.init(**options)
     phases["ray"] = time.perf_counter() - started
+    if callable(app):  # built once Ray runs (Ray Serve LLM's builder reads Ray's context)
+        app = app()
     serve.start(
         http_options={
             "host": ports.host,

@@ -9,6 +9,8 @@ refused in one line before Ray starts, as for the in-house engine.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import time
 
@@ -59,13 +61,17 @@ def run(args: argparse.Namespace) -> int:
         if cluster
         else Ports.plan(args.host, args.port, replicas=args.replicas, direct=False)
     )
-    app = make_app(
-        config,
-        num_replicas=args.replicas,
-        max_ongoing_requests=args.max_ongoing_requests,
-        max_queued_requests=args.max_queued_requests,
-        niceness=args.niceness,
-    )
+
+    def app():  # once Ray runs: Ray Serve LLM's builder would start one of Ray's defaults
+        with _quiet("ray.serve.ray.llm"):  # its deployment options, pretty-printed at INFO
+            return make_app(
+                config,
+                num_replicas=args.replicas,
+                max_ongoing_requests=args.max_ongoing_requests,
+                max_queued_requests=args.max_queued_requests,
+                niceness=args.niceness,
+            )
+
     import ray
     from ray import serve
 
@@ -100,3 +106,21 @@ def run(args: argparse.Namespace) -> int:
         if ray.is_initialized():
             running.shut_down(lambda: (running.shut_down_serve(serve, own), ray.shutdown()))
     return 0
+
+
+@contextlib.contextmanager
+def _quiet(prefix: str):
+    """The loggers named `prefix...` at WARNING while the block runs (Ray Serve LLM gives each
+    of its modules a logger of its own, at INFO, that does not propagate)."""
+    import ray.serve.llm  # noqa: F401  (its modules' loggers exist once it is imported)
+
+    names = [n for n in logging.root.manager.loggerDict if n.startswith(prefix)]
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
