@@ -333,7 +333,15 @@ def test_hlm_serve_engine_vllm_checks_first_and_builds_the_app_once_ray_runs(
     monkeypatch.setattr(launch, "start", fake_start)
     args = serve_args("--engine", "vllm", "--body-timeout-s", "3", "--port", "8719")
     args.model = str(headless_dir)
-    assert cli.run(args) == 0
+    import signal
+
+    # The command installs its Ctrl-C and SIGTERM handlers: the next tests get theirs back.
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert cli.run(args) == 0
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
     [seen] = calls
     assert callable(seen["app"]) and not seen["ports"].direct and seen["ports"].port == 8719
     assert seen["guard"]["body_timeout_s"] == 3 and seen["ray"] == {"address": None}
