@@ -164,7 +164,9 @@ def prepare_resume(
     if chosen is not None and cfg is not None:
         check_compatible(cfg, chosen)  # one line here, not a failing worker group
     # Named, and older than the newest valid one: the later checkpoints are superseded.
-    explicit = chosen is not None and chosen != ckpt.latest_valid(out_dir, warn=False)
+    # (Compared resolved: `--resume runs/x` names it relative, the run folder is absolute.)
+    newest = ckpt.latest_valid(out_dir, warn=False)
+    explicit = chosen is not None and (newest is None or chosen.resolve() != newest.resolve())
     for note in ckpt.prepare_resume(out_dir, chosen, explicit=explicit):
         print(f"warning: {note}", file=sys.stderr)
     if chosen is not None and chosen.parent.resolve() != out_dir.resolve():
