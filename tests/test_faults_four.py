@@ -92,3 +92,129 @@ def test_a_resume_removes_only_the_temporary_folders_hlm_writes(tmp_path):
         (tmp_path / name).mkdir()
     assert ckpt.remove_leftovers(tmp_path) == sorted(own)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(other)
+
+
+# ----------------------------------------------------------------------------- model folders
+
+
+@pytest.fixture(scope="module")
+def headless_dir(tiny_decoder_dir, tmp_path_factory):
+    """The tiny decoder as a headless one that was never fine-tuned (it reads out through its
+    prior: readout.json and token_counts.npz)."""
+    import json
+    import shutil
+
+    folder = tmp_path_factory.mktemp("headless") / "model"
+    shutil.copytree(tiny_decoder_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "hlm_objective": "headless"}))
+    return folder
+
+
+def _damage(folder, how):
+    """A copy of model folder `folder` damaged as `how` says."""
+    import json
+    import shutil
+
+    import numpy as np
+
+    from hlm_ray.readout import READOUT_FILE
+    from hlm_ray.unigram import COUNTS_FILE, load_counts
+
+    copy = folder.parent.parent / f"damaged-{how}" / "model"
+    shutil.rmtree(copy.parent, ignore_errors=True)
+    shutil.copytree(folder, copy)
+    record = json.loads((copy / READOUT_FILE).read_text())
+    counts, meta = load_counts(copy / COUNTS_FILE)
+    edits = {
+        "scale-nan": lambda: {
+            **record,
+            "prior": {**record.get("prior", {}), "scale": float("nan")},
+        },
+        "alpha-negative": lambda: {**record, "alpha": -0.5},
+        "temperature-0": lambda: {**record, "temperature": 0},
+        "temperature-abc": lambda: {**record, "temperature": "abc"},
+        "a-list": lambda: [record],
+        "readout-bogus": lambda: {**record, "readout": "bogus"},
+    }
+    if how in edits:
+        (copy / READOUT_FILE).write_text(json.dumps(edits[how]()))
+    elif how == "counts-truncated":
+        path = copy / COUNTS_FILE
+        path.write_bytes(path.read_bytes()[:50])
+    elif how == "counts-empty":
+        (copy / COUNTS_FILE).write_bytes(b"")
+    elif how == "counts-zero":  # all zero, the header's total not
+        header = json.dumps({**meta, "tokens": int(counts.sum())})
+        np.savez_compressed(copy / COUNTS_FILE, counts=0 * counts, meta=np.array(header))
+    elif how == "counts-short":  # a consistent file of another vocabulary
+        short = counts[:-3]
+        header = json.dumps({**meta, "vocab_size": len(short), "tokens": int(short.sum())})
+        np.savez_compressed(copy / COUNTS_FILE, counts=short, meta=np.array(header))
+    return copy
+
+
+DAMAGE = {
+    "scale-nan": "prior.scale nan is not a positive finite number",
+    "alpha-negative": "alpha -0.5 is not a positive finite number",
+    "temperature-0": "temperature 0 is not a positive finite number",
+    "temperature-abc": "temperature 'abc' is not a positive finite number",
+    "a-list": "it holds a JSON list, not an object",
+    "readout-bogus": "readout 'bogus' is none of head, tied, prior",
+    "counts-truncated": "is not a token-counts file (BadZipFile",
+    "counts-empty": "is not a token-counts file (",
+    "counts-zero": "its counts do not match its own header",
+    "counts-short": "counts for a vocabulary of",
+}
+
+
+@pytest.mark.parametrize("how", DAMAGE)
+def test_a_damaged_readout_record_or_counts_file_is_one_line_in_eval_generate_and_serve(
+    headless_dir, how, capsys
+):
+    """Items 4 and 7: NaN or negative numbers were read as numbers (bpb nan, exit 0; empty
+    completions), a truncated counts file, a zero temperature, a list, counts of another
+    vocabulary were tracebacks (and `serve` answered every request 500). Each is one line,
+    before a model loads, in all three commands."""
+    from hlm_ray.serve.app import AppArgs, check_model
+
+    folder = _damage(headless_dir, how)
+    for argv in (
+        ["generate", "--model", str(folder), "--max-tokens", "2", "hello"],
+        ["eval", "--model", str(folder), "--task", "bpb", "--limit", "1"],
+    ):
+        assert main(argv) == 2, argv
+        out = capsys.readouterr()
+        err = out.err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and DAMAGE[how] in err[0], err
+        assert "`hlm data count" in err[0] and out.out == ""  # nothing echoed first
+    with pytest.raises(HLMError, match=DAMAGE[how].replace("(", r"\(")):
+        check_model(AppArgs(model=str(folder)))
+
+
+def test_generate_refuses_a_prompt_that_is_not_utf8_and_bad_settings_before_loading(
+    headless_dir, capsys, monkeypatch
+):
+    """Item 8: `hlm generate --model M $'\\xff\\xfe'` was a traceback. Item 11: a bad sampling
+    setting came after the model loaded and the prompt (100k characters) was echoed."""
+    import hlm_ray.generate
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(hlm_ray.generate.Generator, "load", no_load)
+    prompt = b"ok \xff\xfe".decode("utf-8", "surrogateescape")  # how Python hands argv over
+    assert main(["generate", "--model", str(headless_dir), prompt]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.strip() == (
+        "error: the prompt is not UTF-8 text (byte 0xff at character 3); pass it in UTF-8 "
+        "(iconv -t utf-8 converts a file)"
+    )
+    for flags, said in (
+        (["--temperature", "-1"], "temperature=-1.0 must be in [0, 100]"),
+        (["--top-p", "0"], "top_p=0.0 must be in (0, 1]"),
+        (["--max-tokens", "-2"], "max_new_tokens=-2 must be >= 0"),
+    ):
+        assert main(["generate", "--model", str(headless_dir), *flags, "x" * 100_000]) == 2
+        out = capsys.readouterr()
+        assert out.out == "" and out.err.startswith(f"error: {said}") and out.err.count("\n") == 1

@@ -183,7 +183,9 @@ def cmd_eval(args) -> int:
     tasks = split_tasks(args.task)
     check_tasks(tasks)  # before torch: a mistyped task is answered at once
     require_harness(tasks)
-    output = args.output or str(Path(resolve_model_dir(args.model)).parent / "eval")
+    folder = Path(resolve_model_dir(args.model))
+    output = args.output or str(folder.parent / "eval")
+    _check_readout(folder, args.readout)
     if args.model.startswith("models:/"):
         output = args.output or default_output(args.model, "eval")
     out_dir = resolve_output(output)
@@ -212,3 +214,13 @@ def cmd_eval(args) -> int:
     print(format_results(results))
     print(f"results: {output}")
     return 0
+
+
+def _check_readout(folder: Path, readout: str | None) -> None:
+    """A decoder's readout, with its readout.json and token counts, checked before any model
+    loads: a damaged record or counts file is one line here, not a traceback mid-evaluation."""
+    from hlm_ray.pretrained import model_info
+    from hlm_ray.readout import resolve_readout
+
+    if model_info(folder)["family"] == "decoder":
+        resolve_readout(folder, readout)
