@@ -218,3 +218,21 @@ def test_generate_refuses_a_prompt_that_is_not_utf8_and_bad_settings_before_load
         assert main(["generate", "--model", str(headless_dir), *flags, "x" * 100_000]) == 2
         out = capsys.readouterr()
         assert out.out == "" and out.err.startswith(f"error: {said}") and out.err.count("\n") == 1
+
+
+@pytest.mark.parametrize("key", ["²", "③", "١", "𝟏", "1.0", " 1", "-1", ""])
+def test_logit_bias_keys_are_ascii_decimal_token_ids_only(key):
+    """Item 6: "²" and "③" passed `isdigit()` and failed `int()` (HTTP 500 on both routes);
+    "١" and "𝟏" were read as token 1. Each is a validation error (answered 400), as OpenAI
+    takes ASCII decimal ids only."""
+    import json
+
+    from hlm_ray.serve.protocol import ApiError, parse_request
+    from hlm_ray.serve.schemas import ChatRequest, CompletionRequest
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    for schema, body in ((CompletionRequest, {"prompt": "x"}), (ChatRequest, chat)):
+        with pytest.raises(ApiError, match="token ids written in ASCII digits") as err:
+            parse_request(json.dumps({**body, "logit_bias": {key: 1}}).encode(), schema)
+        assert err.value.status == 422 and err.value.param == "logit_bias"
+        assert schema.model_validate({**body, "logit_bias": {"17": 1}}).bias() == ((17, 1.0),)
