@@ -236,3 +236,15 @@ def test_logit_bias_keys_are_ascii_decimal_token_ids_only(key):
             parse_request(json.dumps({**body, "logit_bias": {key: 1}}).encode(), schema)
         assert err.value.status == 422 and err.value.param == "logit_bias"
         assert schema.model_validate({**body, "logit_bias": {"17": 1}}).bias() == ((17, 1.0),)
+
+
+@pytest.mark.parametrize("limit", ["0", "-1"])
+def test_eval_refuses_a_limit_below_one_instead_of_scoring_the_default(limit, capsys):
+    """Item 11: `--limit 0` scored bpb's default 500 passages (`--help` said all), while
+    `--limit -1` was refused: both are one line before anything loads."""
+    assert main(["eval", "--model", "no-such-model", "--task", "bpb", "--limit", limit]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"error: --limit={limit}: give 1 or more examples per task, or leave --limit out for "
+        "each task's default"
+    )

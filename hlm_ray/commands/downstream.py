@@ -76,7 +76,12 @@ def add_parsers(sub) -> None:
         "harness:<lm-eval task>[,<task>...] (takes the rest of the list), e.g. "
         "lambada,harness:lambada_openai,sst2",
     )
-    ev.add_argument("--limit", type=int, help="examples per task (default: all)")
+    ev.add_argument(
+        "--limit",
+        type=int,
+        help="examples per task, 1 or more (default: each task's own: every LAMBADA passage "
+        "and harness document, the first 500 passages for bpb, 200 for anisotropy)",
+    )
     ev.add_argument("--batch-size", type=int, default=32, help="sequences per forward pass (32)")
     readout_arg(ev)
     device_arg(ev)
@@ -180,6 +185,11 @@ def cmd_eval(args) -> int:
     from hlm_ray.evaluate.harness import check_tasks, require_harness, split_tasks
     from hlm_ray.pretrained import resolve_model_dir
 
+    if args.limit is not None and args.limit < 1:  # 0 silently meant bpb's default of 500
+        raise HLMError(
+            f"--limit={args.limit}: give 1 or more examples per task, or leave --limit out "
+            "for each task's default"
+        )
     tasks = split_tasks(args.task)
     check_tasks(tasks)  # before torch: a mistyped task is answered at once
     require_harness(tasks)
