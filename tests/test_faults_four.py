@@ -2,6 +2,7 @@
 records, damaged checkpoints never deleted, and the leftovers a resume may remove."""
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -248,3 +249,43 @@ def test_eval_refuses_a_limit_below_one_instead_of_scoring_the_default(limit, ca
         f"error: --limit={limit}: give 1 or more examples per task, or leave --limit out for "
         "each task's default"
     )
+
+
+def test_data_count_takes_the_run_folders_lock_and_leaves_checkpoints_whole(
+    headless_dir, tmp_path, capsys
+):
+    """Item 9: `hlm data count --model RUN --force` rewrote a running run's counts and
+    readout.json mid-run: it takes the run folder's writer lock like every writer. Item 5's
+    second cause: counting into a checkpoint made it fail its manifest (then set aside)."""
+    import shutil
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    shutil.copytree(headless_dir, run / "model")
+    (run / "launch.json").write_text("{}")
+    before = (run / "model" / "token_counts.npz").read_bytes()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from hlm_ray.train.run_lock import acquire; "
+         "acquire(sys.argv[1]); print('held', flush=True); time.sleep(120)", str(run)],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert main(["data", "count", "--model", str(run), "--force"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: {run} is being written by another process (pid ")
+        assert err.endswith("wait for the run to end (its model then has its counts) or stop it")
+        assert (run / "model" / "token_counts.npz").read_bytes() == before
+    finally:
+        holder.kill()
+        holder.wait()
+
+    checkpoint = fake_checkpoint(run, 10)
+    shutil.rmtree(checkpoint / "model")
+    shutil.copytree(headless_dir, checkpoint / "model")
+    ckpt.write_manifest(checkpoint, {"step": 10})
+    assert main(["data", "count", "--model", str(checkpoint), "--force"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {checkpoint} is a checkpoint: its files are checked")
+    assert ckpt.verify(checkpoint) is None
