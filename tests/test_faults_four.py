@@ -289,3 +289,38 @@ def test_data_count_takes_the_run_folders_lock_and_leaves_checkpoints_whole(
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: {checkpoint} is a checkpoint: its files are checked")
     assert ckpt.verify(checkpoint) is None
+
+
+def test_a_copy_of_a_run_folder_resumes_in_a_new_mlflow_run_not_the_originals(tmp_path, capsys):
+    """Item 10: a copy of a run folder, resumed, wrote into the original's MLflow run (its
+    mlflow_run.json names it). The folder a reference was written in tells a copy (the
+    original still there, naming the same run) from the folder itself or a moved one."""
+    import shutil
+
+    from hlm_ray.presets import load_config
+    from hlm_ray.tracking.base import copied_from, read_run_ref
+    from hlm_ray.train.launch import open_mlflow_run
+
+    original, copy = tmp_path / "run", tmp_path / "run-copy"
+    cfg = load_config("tiny-decoder")
+    tracker, _ = open_mlflow_run(cfg, original, experiment="test-copies", resume=False)
+    tracker.finish("FINISHED")
+    shutil.copytree(original, copy)
+    ref = read_run_ref(copy)
+    assert copied_from(copy, ref) == original and copied_from(original, ref) is None
+
+    capsys.readouterr()  # (MLflow's own lines of a new store)
+    again, _ = open_mlflow_run(cfg, copy, experiment="test-copies", resume=True)
+    again.finish("FINISHED")
+    assert again.run_id != tracker.run_id and read_run_ref(copy)["run_id"] == again.run_id
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"warning: {copy} is a copy of {original} (both name MLflow run {tracker.run_id}): "
+        "the copy continues in a new MLflow run"
+    )
+    same, _ = open_mlflow_run(cfg, original, experiment="test-copies", resume=True)
+    same.finish("FINISHED")
+    assert same.run_id == tracker.run_id
+
+    moved = tmp_path / "moved"
+    original.rename(moved)  # a folder moved, not copied: still its own MLflow run
+    assert copied_from(moved, read_run_ref(moved)) is None
