@@ -9,11 +9,13 @@ import pytest
 from hlm_ray.cli import main
 from hlm_ray.errors import HLMError
 from hlm_ray.train import checkpoint as ckpt
-from hlm_ray.train.resume import RESUMABLE, resumed_config
+from hlm_ray.train.resume import resumed_config
 from tests.test_faults import fake_checkpoint
 
 
 def test_a_resume_refuses_a_setting_it_would_record_but_not_honour(tmp_path, capsys):
+    from hlm_ray.train.resume import RESUMABLE
+
     folder = fake_checkpoint(tmp_path / "run", 60)
     before = (folder / "config.yaml").read_text()
     with pytest.raises(HLMError) as err:
