@@ -3,6 +3,7 @@ hand-made prepared folder: the model is the training split's counts with alpha f
 validation split (never the other way round), cached by the folder's fingerprint."""
 
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -98,3 +99,120 @@ def test_lambada_perplexity_of_the_floor_ignores_the_context(monkeypatch):
     out = floor_mod.Floor(tiny, "").lambada_perplexity(None, [{"context": "", "continuation": ""}])
     assert out == {floor_mod.PPL_FLOOR: math.inf}
     assert floor_mod.BPB_FLOOR == "bpb/unigram_floor"
+
+
+class _Chars:
+    """Bytes as tokens 1..256 (0 the end of text)."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [b + 1 for b in text.encode("utf-8")]
+
+
+def test_floor_bpb_is_the_unigram_models_bits_per_byte():
+    from hlm_ray.unigram import unigram_bpb
+
+    model = Unigram(np.arange(257) % 7 + 1, 0.5, "")
+    texts = ["abc", "hello there"]
+    out = floor_mod.Floor(model, "").bpb(_Chars(), texts)
+    assert out == {"bpb/unigram_floor": unigram_bpb(model, _Chars(), texts)["bpb"]}
+
+
+def test_lambada_perplexity_encodes_each_pair_with_the_tokenizer(monkeypatch):
+    import hlm_ray.evaluate.lambada as lambada
+
+    seen = []
+
+    def encode_pair(tokenizer, context, continuation):
+        seen.append((tokenizer, context, continuation))
+        return [7], [] if continuation == "" else [2]
+
+    monkeypatch.setattr(lambada, "encode_pair", encode_pair)
+    model = Unigram(np.array([1, 1, 2, 4]), 0.5, "")
+    tok = _Chars()
+    examples = [{"context": "c1", "continuation": ""}, {"context": "c2", "continuation": "w"}]
+    out = floor_mod.Floor(model, "").lambada_perplexity(tok, examples)
+    assert seen == [(tok, "c1", ""), (tok, "c2", "w")]  # an empty continuation scores 0 nats
+    assert out[floor_mod.PPL_FLOOR] == pytest.approx(math.exp(-model.log_probs()[2] / 2))
+
+
+def test_run_floor_takes_the_prepared_folder_first_then_the_counts(tmp_path, monkeypatch, caplog):
+    import logging
+
+    from hlm_ray.errors import HLMError
+
+    prepared = _prepared(tmp_path, {"train": [[1, 2, 2, 3]], "val": [[2, 2]]}, 4)
+    cfg = SimpleNamespace(data=SimpleNamespace(seq_len=2, max_tokens=None))
+    save_counts(tmp_path / COUNTS_FILE, [1, 1, 1, 1])
+    pre = SimpleNamespace(run_config=cfg, path=tmp_path)
+    asked = []
+
+    def found(c):
+        asked.append(c)
+        return prepared
+
+    monkeypatch.setattr(floor_mod, "find_prepared", found)
+    floor = floor_mod.run_floor(pre)
+    assert asked == [cfg] and floor.source == f"the training split of {tmp_path} (4 tokens)"
+    assert floor.model.counts.tolist() == [0, 1, 2, 1]
+
+    monkeypatch.setattr(floor_mod, "find_prepared", lambda c: None)
+    assert floor_mod.run_floor(pre).source == f"{COUNTS_FILE} beside the model (4 tokens)"
+
+    def refused(c):
+        raise HLMError("a shard does not match")
+
+    monkeypatch.setattr(floor_mod, "find_prepared", refused)
+    with caplog.at_level(logging.INFO, logger="hlm_ray.evaluate.floor"):
+        assert floor_mod.run_floor(pre).source == f"{COUNTS_FILE} beside the model (4 tokens)"
+    assert caplog.messages == ["no floor from the prepared folder: a shard does not match"]
+
+
+def test_find_prepared_opens_the_named_or_the_caches_folder_never_prepares(tmp_path, monkeypatch):
+    import hlm_ray.prepare
+    from hlm_ray.paths import data_dir
+    from hlm_ray.prepare.request import PrepareRequest, default_output
+    from hlm_ray.prepare.sources import resolve_sources
+    from hlm_ray.presets import load_config
+
+    monkeypatch.setattr(hlm_ray.prepare, "open_prepared", lambda where: ("opened", str(where)))
+    named = load_config("tiny-decoder", overrides={"data.prepared": str(tmp_path / "p")})
+    assert floor_mod.find_prepared(named) == ("opened", str(tmp_path / "p"))
+
+    text = tmp_path / "corpus.txt"  # a local file that is not in the data folder
+    text.write_text("some text\n")
+    cfg = load_config("tiny-decoder", overrides={"data.sources": [str(text)]})
+    request = PrepareRequest.from_config(cfg)
+    folder = Path(default_output(request, request.key(resolve_sources(request.sources))))
+    assert floor_mod.find_prepared(cfg) is None  # not prepared yet: nothing is prepared here
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text("{}")
+    assert floor_mod.find_prepared(cfg) == ("opened", str(folder))
+
+    hub = load_config("tiny-decoder", overrides={"data.sources": ["someone/a-hub-dataset"]})
+    assert floor_mod.find_prepared(hub) is None  # a hub dataset is never fetched for a floor
+    assert floor_mod._local(str(text)) and floor_mod._local("corpus/en")
+    assert (data_dir() / "corpus" / "en").exists() and not Path("corpus/en").exists()
+    assert not floor_mod._local("someone/a-hub-dataset")
+
+
+def test_cached_counts_record_their_split_and_block_length(tmp_path):
+    from hlm_ray.paths import cache_dir
+    from hlm_ray.unigram import load_counts
+
+    prepared = _prepared(tmp_path, {"train": [[1, 2, 3, 3]], "val": [[0, 0]]}, 4)
+    floor_mod.cached_counts(prepared, "val", 2, None)
+    _, meta = load_counts(cache_dir("counts") / f"{'f' * 24}-val-2-all.npz")
+    assert meta["source"] == f"val split of {tmp_path}" and meta["seq_len"] == 2
+
+
+def test_a_floor_perplexity_past_floats_is_inf_not_an_overflow(monkeypatch):
+    """exp overflows past 709.78: a mean of -709.9 nats is inf (a bound of 710 raised)."""
+    import hlm_ray.evaluate.lambada as lambada
+
+    monkeypatch.setattr(lambada, "encode_pair", lambda tok, c, w: ([], [1]))
+    for nats, want in ((-709.9, math.inf), (-708.0, math.exp(708.0))):
+        model = SimpleNamespace(log_probs=lambda nats=nats: np.array([0.0, nats]))
+        out = floor_mod.Floor(model, "").lambada_perplexity(
+            None, [{"context": "", "continuation": ""}]
+        )
+        assert out == {floor_mod.PPL_FLOOR: want}
