@@ -95,31 +95,6 @@ MODULES: dict[str, tuple[str, list[str]]] = {
         ["tests/test_serve_guard.py", "tests/test_serve.py", *NO_RAY, "-k", "guard or bearer"],
     ),
     "floor": ("hlm_ray/evaluate/floor.py", ["tests/test_floor.py", *NO_RAY]),
-    "sampling": (
-        "hlm_ray/sampling.py",
-        [
-            "tests/test_sampling.py",
-            "tests/test_generate.py",
-            *NO_RAY,
-            "-k",
-            "sampling or filter or temperature_divides or sample_next_follows or huge_top_k "
-            "or underflowing_sampling",
-        ],
-    ),
-    "token_counts": (
-        "hlm_ray/train/token_counts.py",
-        [
-            "tests/test_token_counts.py",
-            "tests/test_readout.py",
-            *NO_RAY,
-            "-k",
-            "counts or counting or rank_zero or prior_bias_starts",
-        ],
-    ),
-    "head_bias": (
-        "hlm_ray/head_bias.py",
-        ["tests/test_readout.py", *NO_RAY, "-k", "prior_bias"],
-    ),
 }
 
 # Survivors that cannot change what the code does, each with one line of why. A name is
