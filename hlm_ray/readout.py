@@ -32,6 +32,7 @@ adapter) and `ReadoutProcessor` (any `generate()` call) apply the same `Readout.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ import torch
 from torch import nn
 from transformers import LogitsProcessor
 
-from hlm_ray.errors import HLMError
+from hlm_ray.errors import HLMError, one_line
 from hlm_ray.unigram import COUNTS_FILE, DEFAULT_ALPHA, Unigram, load_counts
 
 READOUT_FILE = "readout.json"
@@ -146,16 +147,49 @@ class ReadoutProcessor(LogitsProcessor):
 
 
 def read_record(folder: str | Path) -> dict[str, Any]:
-    """The folder's readout.json ({} when there is none)."""
+    """The folder's readout.json ({} when there is none), checked (`record_problem`): a
+    damaged record is one line, never numbers read as NaN or a readout silently replaced."""
     path = Path(folder) / READOUT_FILE
     if not path.is_file():
         return {}
+    again = f"write it again with `hlm data count --model {Path(folder)} --force`"
     try:
-        return json.loads(path.read_text())
-    except ValueError as err:
-        raise HLMError(
-            f"{path} is not valid JSON ({err}); write it again with `hlm data count --model`"
-        ) from None
+        record = json.loads(path.read_text())
+    except (ValueError, OSError) as err:
+        raise HLMError(f"{path} is not valid JSON ({one_line(err)}); {again}") from None
+    problem = record_problem(record)
+    if problem is not None:
+        raise HLMError(f"{path} is damaged: {problem}; {again}")
+    return record
+
+
+def record_problem(record: Any) -> str | None:
+    """What is wrong with a readout.json's contents, in a few words; None when they are usable.
+    Each number a readout reads must be one, finite: the CWT temperature and the smoothing
+    alpha positive, the prior's scale positive and its weight any finite number."""
+    if not isinstance(record, dict):
+        return f"it holds a JSON {type(record).__name__}, not an object"
+    name = record.get("readout")
+    if name is not None and name not in READOUTS:
+        return f"readout {name!r} is none of {', '.join(READOUTS)}"
+    for key in ("temperature", "alpha"):
+        if key in record and not _number(record[key], positive=True):
+            return f"{key} {record[key]!r} is not a positive finite number"
+    prior = record.get("prior")
+    if prior is None:
+        return None
+    if not isinstance(prior, dict):
+        return f"prior is a JSON {type(prior).__name__}, not an object"
+    for key, positive in (("scale", True), ("prior_weight", False)):
+        if key in prior and not _number(prior[key], positive=positive):
+            kind = "a positive finite number" if positive else "a finite number"
+            return f"prior.{key} {prior[key]!r} is not {kind}"
+    return None
+
+
+def _number(value: Any, *, positive: bool) -> bool:
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    return ok and math.isfinite(value) and (value > 0 or not positive)
 
 
 def write_record(folder: str | Path, record: dict[str, Any]) -> Path:
@@ -220,6 +254,14 @@ def log_prior(folder: str | Path, record: dict[str, Any] | None = None) -> tuple
             f"count them from its training corpus with `hlm data count --model {folder}`"
         )
     counts, meta = load_counts(folder / COUNTS_FILE)
+    vocab = _config(folder).get("vocab_size")
+    if len(counts) != vocab or not counts.any():
+        what = f"{len(counts)} counts" if len(counts) != vocab else "counts that are all zero"
+        raise HLMError(
+            f"{folder / COUNTS_FILE} holds {what} for a vocabulary of {vocab}: not this "
+            f"model's training tokens; count them again with `hlm data count --model {folder} "
+            "--force`"
+        )
     alpha = float(record.get("alpha", DEFAULT_ALPHA))
     smoothing = record.get("alpha_source", f"add-{alpha:g}")
     what = f"{int(counts.sum()):,} {meta.get('what', 'tokens')}, {smoothing}"

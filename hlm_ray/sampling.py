@@ -58,6 +58,7 @@ def top_p_filter(logits_BV: torch.Tensor, p_B: torch.Tensor) -> torch.Tensor:
     probs_BV = sorted_BV.softmax(dim=-1)
     mass_before_BV = probs_BV.cumsum(dim=-1) - probs_BV  # probability of the tokens above
     drop_sorted_BV = (mass_before_BV >= p_B[:, None]) & (p_B < 1)[:, None]
+    drop_sorted_BV[:, 0] = False  # the most likely token stays, however small p (1e-46 is 0)
     drop_BV = torch.zeros_like(drop_sorted_BV).scatter(-1, order_BV, drop_sorted_BV)
     return logits_BV.masked_fill(drop_BV, float("-inf"))
 
@@ -81,7 +82,11 @@ def sample_next(
     # k >= V keeps every token: clamp, so that no k overflows a tensor (k = 2**63 did).
     top_k = [min(params[i].top_k or 0, logits_BV.shape[-1]) for i in sampled]
     top_p = [params[i].top_p for i in sampled]
-    sub_BV = apply_temperature(sub_BV, torch.tensor(temperature, device=device))
+    temperature_B = torch.tensor(temperature, device=device)
+    sub_BV = apply_temperature(sub_BV, temperature_B)
+    # A temperature too small for float32 (1e-300 becomes 0; 1e-39 makes the logits inf) is
+    # as cold as it gets: such a row is decoded greedily, never at temperature 1 or as NaN.
+    cold_B = (temperature_B == 0) | ~sub_BV.isfinite().any(dim=-1) | sub_BV.isposinf().any(-1)
     if any(top_k):  # (each filter sorts the vocabulary: skip it when no row uses it)
         sub_BV = top_k_filter(sub_BV, torch.tensor(top_k, device=device))
     if min(top_p) < 1:
@@ -95,7 +100,9 @@ def sample_next(
     # last token that has probability.
     drawn_B = torch.searchsorted(cdf_BV, (u_B * cdf_BV[:, -1])[:, None], right=True)[:, 0]
     last_B = (sub_BV > float("-inf")).cumsum(dim=-1).argmax(dim=-1)
-    next_B[torch.tensor(sampled, device=device)] = torch.minimum(drawn_B, last_B)
+    warm = [row for row, cold in zip(sampled, cold_B.tolist(), strict=True) if not cold]
+    drawn_B = torch.minimum(drawn_B, last_B)[~cold_B]
+    next_B[torch.tensor(warm, device=device, dtype=torch.long)] = drawn_B
     return next_B
 
 

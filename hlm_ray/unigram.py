@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import json
 import math
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from hlm_ray.errors import HLMError
+from hlm_ray.errors import HLMError, one_line
 
 COUNTS_FILE = "token_counts.npz"
 """The counts saved beside a model: `counts` (V,) int64 and `meta` (a JSON string)."""
@@ -176,11 +177,21 @@ def load_counts(path: str | Path) -> tuple[np.ndarray, dict]:
             counts, meta = f["counts"].astype(np.int64), json.loads(str(f["meta"]))
     except FileNotFoundError:
         raise HLMError(f"{path} does not exist") from None
-    except (OSError, ValueError, KeyError) as err:
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as err:
+        # (a truncated or empty file: BadZipFile, EOFError; not an npz at all: ValueError)
         raise HLMError(
-            f"{path} is not a token-counts file ({type(err).__name__}: {err}); count the "
+            f"{path} is not a token-counts file ({one_line(err, with_type=True)}); count the "
             "tokens again with `hlm data count`"
         ) from None
-    if counts.ndim != 1 or len(counts) != meta.get("vocab_size") or (counts < 0).any():
-        raise HLMError(f"{path}: its counts do not match its own header; count them again")
+    if (
+        counts.ndim != 1
+        or not isinstance(meta, dict)
+        or len(counts) != meta.get("vocab_size")
+        or (counts < 0).any()
+        or meta.get("tokens", int(counts.sum())) != int(counts.sum())
+    ):
+        raise HLMError(
+            f"{path}: its counts do not match its own header; count them again with "
+            "`hlm data count`"
+        )
     return counts, meta

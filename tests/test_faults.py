@@ -16,6 +16,7 @@ import time
 import pytest
 
 from hlm_ray.cli import main
+from hlm_ray.config import apply_overrides
 from hlm_ray.errors import HLMError
 from hlm_ray.paths import data_dir
 from hlm_ray.presets import load_config
@@ -131,7 +132,10 @@ def test_resume_uses_the_runs_own_config_and_refuses_another_model(tmp_path, cap
     assert code == 2 and "\n" not in err
     assert "was trained with --preset tiny-encoder; drop --preset" in err
 
-    other = resumed_config(folder, overrides=["model.num_layers=7"])
+    with pytest.raises(HLMError, match="model.num_layers=7: a resume continues the run"):
+        resumed_config(folder, overrides=["model.num_layers=7"])
+    # The launch API's own check (a config built elsewhere, `launch(cfg, resume=True)`).
+    other = apply_overrides(cfg, ["model.num_layers=7"])
     with pytest.raises(HLMError, match="model.num_layers=.*asks for 7"):
         check_compatible(other, folder)
 

@@ -173,6 +173,39 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch(gen):
     assert [c.token_ids for c in first] != [c.token_ids for c in other]
 
 
+def test_underflowing_temperatures_and_top_p_are_greedy_not_hot_or_empty(gen):
+    """1e-300 is 0 in float32 and was then sampled at temperature 1; 1e-39 made the logits
+    inf (NaN probabilities) and top_p 1e-46 (0 in float32) dropped every token: both ended at
+    once with an empty completion. Tiny values decode as greedy does."""
+    [greedy] = gen.generate(PROMPTS[0], max_new_tokens=8, temperature=0)
+    for settings in ({"temperature": 1e-300}, {"temperature": 1e-39}, {"top_p": 1e-46}):
+        for seed in (1, 2, 3):
+            [out] = gen.generate(PROMPTS[0], max_new_tokens=8, seed=seed, **settings)
+            assert out.token_ids == greedy.token_ids, (settings, seed)
+
+
+def test_underflowing_sampling_settings_take_the_argmax_row_by_row():
+    """The same as plain functions (`test_sampling.py` has the rest of `hlm_ray.sampling`):
+    each cold row takes its argmax, a warm row beside it still samples."""
+    logits = torch.tensor([[0.0, 3.0, 1.0], [0.0, 3.0, 1.0], [2.0, 2.0, 2.0]])
+    rows = [SamplingParams(temperature=1e-300), SamplingParams(temperature=5e-324)]
+    rows.append(SamplingParams(temperature=1.0))  # uniform: every token drawn sometimes
+    warm = set()
+    for seed in range(40):
+        draws = [random.Random(seed), random.Random(seed + 1), random.Random(seed + 2)]
+        cold_1, cold_2, drawn = sample_next(logits, rows, draws).tolist()
+        assert cold_1 == cold_2 == 1
+        warm.add(drawn)
+    assert warm == {0, 1, 2}
+    row = [SamplingParams(top_p=1e-46)]
+    assert top_p_filter(logits[:1], torch.tensor([1e-46])).isfinite().tolist() == [
+        [False, True, False]
+    ]
+    assert {int(sample_next(logits[:1], row, [random.Random(s)])[0]) for s in range(20)} == {1}
+    cold = [SamplingParams(temperature=1e-39)]  # logits / 1e-39: inf, not NaN probabilities
+    assert int(sample_next(logits[:1], cold, [random.Random(0)])[0]) == 1
+
+
 def test_stop_sequences_cut_the_text(gen):
     [full] = gen.generate(PROMPTS[3], max_new_tokens=20, temperature=0)
     stops = [full.text[5:8], "never-generated"]

@@ -192,6 +192,54 @@ def test_a_damaged_shard_is_found_before_training_and_prepared_again(
     assert open_prepared(copy).fingerprint == clean.fingerprint
 
 
+def test_a_shard_without_a_checksum_longer_a_folder_or_one_id_past_the_vocabulary(corpus, tmp_path):
+    """Item 2: a shard whose manifest entry had no sha256 was trained on changed, under the
+    fingerprint of the content it was prepared with. Item 11: a longer shard was said to be
+    "cut short", a folder in a shard's place "missing". And an id exactly at the vocabulary's
+    size is outside it (a `>` for `>=` in the check passed every test)."""
+    import shutil
+
+    from hlm_ray.prepare import verify
+
+    prepare(_request(corpus), tmp_path / "p1", workers=0, progress=False)
+    copy = tmp_path / "p2"
+    shutil.copytree(tmp_path / "p1", copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    del manifest["splits"]["train"]["shards"][0]["sha256"]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(HLMError) as err:
+        open_prepared(copy)
+    assert str(err.value).startswith(
+        f"prepared shard {copy / 'train-00000.bin'}: the manifest records no sha256 for it, so "
+        "its content cannot be checked (an edited manifest); prepare the folder again: "
+        f"`hlm data prepare --output {copy}`"
+    )
+
+    shutil.rmtree(copy)
+    shutil.copytree(tmp_path / "p1", copy)
+    shard = copy / "train-00000.bin"
+    tokens = np.memmap(shard, dtype=np.uint16, mode="r+")
+    tokens[3] = 300  # the vocabulary's size: the first id outside it
+    tokens.flush()
+    del tokens
+    verify._seen.clear()
+    problem = verify.shard_problem(copy, json.loads((copy / "manifest.json").read_text()))
+    assert problem == (
+        "train-00000.bin: its content does not match the manifest's sha256 (changed after it "
+        "was prepared); it holds token id 300, outside the vocabulary of 300"
+    )
+    size = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(b"\0\0")
+    with pytest.raises(HLMError, match=rf"has {size + 2:,} bytes, the manifest says {size:,} "
+                       r"\(.* tokens of uint16\): longer: written to or replaced since; "):  # fmt: skip
+        open_prepared(copy)
+    shard.unlink()
+    shard.mkdir()
+    with pytest.raises(HLMError, match="train-00000.bin is a folder, not a shard file; "):
+        open_prepared(copy)
+
+
 def test_memory_mapped_batches_equal_the_in_memory_path(corpus, tmp_path):
     prepared = prepare(_request(corpus, shard_tokens=777), tmp_path / "out", progress=False)
     stream = np.array(_tokens(prepared, "train"), dtype=np.int32)

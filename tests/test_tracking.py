@@ -545,7 +545,11 @@ def test_tracking_package_is_the_only_mlflow_importer():
 def test_run_ref_round_trip(tmp_path):
     assert read_run_ref(tmp_path) is None
     write_run_ref(tmp_path / "run", "abc123", "sqlite:///x.db")
-    assert read_run_ref(tmp_path / "run") == {"run_id": "abc123", "tracking_uri": "sqlite:///x.db"}
+    assert read_run_ref(tmp_path / "run") == {
+        "run_id": "abc123",
+        "tracking_uri": "sqlite:///x.db",
+        "folder": str((tmp_path / "run").resolve()),
+    }
 
 
 def test_sync_of_a_folder_that_is_not_a_run_says_so_in_one_line(tmp_path):

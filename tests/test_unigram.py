@@ -277,5 +277,5 @@ def test_a_counts_file_is_int64_and_each_damage_has_its_message(tmp_path):
     for name, bad in [("short", [1, 2]), ("negative", [1, -2, 3]), ("square", [[1, 2]] * 3)]:
         np.savez(tmp_path / f"{name}.npz", counts=np.array(bad), meta=np.array(json.dumps(header)))
         with _error(f"{tmp_path / name}.npz: its counts do not match its own header; count "
-                    "them again"):  # fmt: skip
+                    "them again with `hlm data count`"):  # fmt: skip
             load_counts(tmp_path / f"{name}.npz")

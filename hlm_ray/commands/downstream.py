@@ -76,7 +76,12 @@ def add_parsers(sub) -> None:
         "harness:<lm-eval task>[,<task>...] (takes the rest of the list), e.g. "
         "lambada,harness:lambada_openai,sst2",
     )
-    ev.add_argument("--limit", type=int, help="examples per task (default: all)")
+    ev.add_argument(
+        "--limit",
+        type=int,
+        help="examples per task, 1 or more (default: each task's own: every LAMBADA passage "
+        "and harness document, the first 500 passages for bpb, 200 for anisotropy)",
+    )
     ev.add_argument("--batch-size", type=int, default=32, help="sequences per forward pass (32)")
     readout_arg(ev)
     device_arg(ev)
@@ -180,10 +185,17 @@ def cmd_eval(args) -> int:
     from hlm_ray.evaluate.harness import check_tasks, require_harness, split_tasks
     from hlm_ray.pretrained import resolve_model_dir
 
+    if args.limit is not None and args.limit < 1:  # 0 silently meant bpb's default of 500
+        raise HLMError(
+            f"--limit={args.limit}: give 1 or more examples per task, or leave --limit out "
+            "for each task's default"
+        )
     tasks = split_tasks(args.task)
     check_tasks(tasks)  # before torch: a mistyped task is answered at once
     require_harness(tasks)
-    output = args.output or str(Path(resolve_model_dir(args.model)).parent / "eval")
+    folder = Path(resolve_model_dir(args.model))
+    output = args.output or str(folder.parent / "eval")
+    _check_readout(folder, args.readout)
     if args.model.startswith("models:/"):
         output = args.output or default_output(args.model, "eval")
     out_dir = resolve_output(output)
@@ -212,3 +224,13 @@ def cmd_eval(args) -> int:
     print(format_results(results))
     print(f"results: {output}")
     return 0
+
+
+def _check_readout(folder: Path, readout: str | None) -> None:
+    """A decoder's readout, with its readout.json and token counts, checked before any model
+    loads: a damaged record or counts file is one line here, not a traceback mid-evaluation."""
+    from hlm_ray.pretrained import model_info
+    from hlm_ray.readout import resolve_readout
+
+    if model_info(folder)["family"] == "decoder":
+        resolve_readout(folder, readout)

@@ -36,8 +36,12 @@ def cmd_generate(args) -> int:
     Load a decoder (a vanilla run, a headless one through its prior readout, or one fine-tuned
     with `hlm finetune --task clm`) and print the prompt and a sample, streamed as it is
     decoded."""
+    from hlm_ray.generate.params import SamplingParams
     from hlm_ray.pretrained import REGISTRY_SCHEME, resolve_model_dir
 
+    _check_prompt(args.prompt)
+    # Bad sampling settings are answered before the model loads and the prompt is echoed.
+    SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
     if not args.model.startswith(REGISTRY_SCHEME):
         resolve_model_dir(args.model)  # a mistyped folder is answered before torch is imported
     from hlm_ray.generate import Generator
@@ -60,3 +64,19 @@ def cmd_generate(args) -> int:
     readout = generator.info.get("readout") or "head"
     print(f"[{generator.name}: readout={readout}, finish_reason={finish}]", file=sys.stderr)
     return 0
+
+
+def _check_prompt(prompt: str) -> None:
+    """A prompt from a command line that is not UTF-8 (bytes Python kept as surrogates, such as
+    `$'\\xff\\xfe'`): one line, not a traceback from the tokenizer or the echo."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        from hlm_ray.errors import HLMError
+
+        code = ord(prompt[err.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"U+{code:04X}"
+        raise HLMError(
+            f"the prompt is not UTF-8 text ({what} at character {err.start}); pass it in "
+            "UTF-8 (iconv -t utf-8 converts a file)"
+        ) from None

@@ -34,11 +34,13 @@ def check_generation_ready(
     raw = info["objective"] == "headless" and info["finetuned"] is None
     chosen = readout
     if folder is not None:
-        from hlm_ray.readout import default_readout, resolve_readout
+        from hlm_ray.readout import default_readout, read_record, resolve_readout
 
         chosen = chosen or default_readout(folder)
         if chosen != "tied":  # one the model cannot have fails here, before any weights load
-            resolve_readout(folder, chosen)
+            resolve_readout(folder, chosen)  # its record and counts checked too
+        else:
+            read_record(folder)  # a damaged readout.json: one line here, not at the first request
     if raw and chosen in (None, "tied"):
         if not (allow_raw_head or readout == "tied"):
             raise HLMError(

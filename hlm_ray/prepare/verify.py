@@ -52,18 +52,26 @@ def shard_problem(folder: str | Path, manifest: dict) -> str | None:
     shards = [s for split in manifest["splits"].values() for s in split["shards"]]
     for shard in shards:  # sizes first: a stat each, and a truncated file fails fast
         path = folder / shard["name"]
+        if path.is_dir():
+            return f"{shard['name']} is a folder, not a shard file"
         if not path.is_file():
             return f"{shard['name']} is missing"
         size, want = path.stat().st_size, shard["num_tokens"] * dtype.itemsize
         if size != want:
+            how = "cut short" if size < want else "longer: written to or replaced since"
             return (
                 f"{shard['name']} has {size:,} bytes, the manifest says {want:,} "
-                f"({shard['num_tokens']:,} tokens of {dtype.name}): cut short or replaced"
+                f"({shard['num_tokens']:,} tokens of {dtype.name}): {how}"
+            )
+        if not shard.get("sha256"):  # its content could change unseen under the fingerprint
+            return (
+                f"{shard['name']}: the manifest records no sha256 for it, so its content "
+                "cannot be checked (an edited manifest)"
             )
     for shard in shards:
         seen = _read_once(folder / shard["name"], dtype)
         wrong = []
-        if shard.get("sha256") not in (None, seen["sha256"]):
+        if shard["sha256"] != seen["sha256"]:
             wrong.append("its content does not match the manifest's sha256 (changed after it "
                          "was prepared)")  # fmt: skip
         if seen["max_id"] >= vocab:

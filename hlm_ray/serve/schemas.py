@@ -61,8 +61,12 @@ class _Sampling(_Strict):
     @classmethod
     def _logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (value or {}).items():
-            if not key.isdigit() or len(key) > 10:
-                raise ValueError(f"keys are token ids written as strings, not {key[:20]!r}")
+            # ASCII decimal digits only, as OpenAI takes them: "²" and "③" pass isdigit() and
+            # fail int(); "١" and "𝟏" pass isdecimal() and would be read as token 1.
+            if not (key.isascii() and key.isdecimal()) or len(key) > 10:
+                raise ValueError(
+                    f'keys are token ids written in ASCII digits ("42"), not {key[:20]!r}'
+                )
             if not -100 <= bias <= 100:
                 raise ValueError(f"biases are in [-100, 100], not {bias}")
         if value and len(value) > MAX_LOGIT_BIAS:

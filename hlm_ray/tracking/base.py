@@ -145,7 +145,23 @@ def read_run_ref(folder: str | Path) -> dict[str, Any] | None:
 
 
 def write_run_ref(folder: str | Path, run_id: str, tracking_uri: str) -> None:
-    """Record the run folder's MLflow run (read back by `read_run_ref`)."""
+    """Record the run folder's MLflow run (read back by `read_run_ref`), and where the folder
+    was when it did (`copied_from` tells a copy of the folder from the folder itself)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / RUN_REF_FILE).write_text(json.dumps({"run_id": run_id, "tracking_uri": tracking_uri}))
+    ref = {"run_id": run_id, "tracking_uri": tracking_uri, "folder": str(folder.resolve())}
+    (folder / RUN_REF_FILE).write_text(json.dumps(ref))
+
+
+def copied_from(folder: str | Path, ref: dict[str, Any]) -> Path | None:
+    """The run folder `folder` is a copy of, when its `ref` (`read_run_ref`) was written in
+    another folder that still exists and still names the same MLflow run; None for the folder
+    itself, or one that was moved (the original is gone or names another run)."""
+    recorded = ref.get("folder")
+    if not isinstance(recorded, str) or Path(recorded).resolve() == Path(folder).resolve():
+        return None
+    try:
+        original = read_run_ref(recorded)
+    except HLMError:
+        return None
+    return Path(recorded) if original and original["run_id"] == ref["run_id"] else None

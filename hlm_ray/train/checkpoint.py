@@ -138,11 +138,18 @@ TMP_PREFIX = ".tmp-"
 when whole; one left behind was cut off (a SIGKILL, a full disk)."""
 
 
+OWN_TMP = re.compile(rf"{re.escape(TMP_PREFIX)}({PREFIX}\d+-\d+|model|best_checkpoint)")
+"""The temporary folders hlm writes in a run folder (`write_checkpoint`'s, `copy_tree`'s of the
+final model and the best checkpoint): only these are its leftovers to remove."""
+
+
 def remove_leftovers(root: Path) -> list[str]:
-    """Remove the half-written `.tmp-*` folders a killed writer left in run folder `root` (only
-    its one writer, `run_lock`, may: another process's could still be in progress)."""
+    """Remove the half-written `.tmp-*` folders a killed writer of hlm left in run folder `root`
+    (only its one writer, `run_lock`, may: another process's could still be in progress). A
+    `.tmp-*` folder hlm does not write (`OWN_TMP`) is someone else's, and stays."""
     root = Path(root)
-    gone = [p for p in root.glob(f"{TMP_PREFIX}*") if p.is_dir()] if root.is_dir() else []
+    found = root.glob(f"{TMP_PREFIX}*") if root.is_dir() else []
+    gone = [p for p in found if p.is_dir() and OWN_TMP.fullmatch(p.name)]
     for path in gone:
         shutil.rmtree(path, ignore_errors=True)
     return sorted(p.name for p in gone)
@@ -341,15 +348,19 @@ def prepare_resume(root: Path, chosen: Path | None, *, explicit: bool = False) -
         notes.append(f"removed what a cut-off save left half written: {', '.join(left)}")
     step = checkpoint_step(chosen) if chosen is not None else -1
     newer = [p for p in folders(root) if _folder_step(p) > step and p != chosen]
-    if explicit and newer:
-        for folder in newer:
+    problems = {p: verify(p) for p in newer}
+    superseded = [p for p in newer if explicit and problems[p] is None]
+    if superseded:  # whole checkpoints after the one the user named: their steps are redone
+        for folder in superseded:
             shutil.rmtree(folder, ignore_errors=True)
         notes.append(
-            f"removed checkpoint(s) after step {step}: {', '.join(p.name for p in newer)} "
-            f"(continuing from {chosen.name})"
+            f"removed checkpoint(s) after step {step}: {', '.join(p.name for p in superseded)} "
+            f"(continuing from {chosen.name}, as named)"
         )
-    elif newer:
-        damaged = [(p, verify(p) or "newer than the one resumed from") for p in newer]
+    # A damaged folder is never deleted (it may hold what someone needs): set aside, with why.
+    newer = [p for p in newer if p not in superseded]
+    if newer:
+        damaged = [(p, problems[p] or "newer than the one resumed from") for p in newer]
         moved = set_aside(damaged)
         where = f"resuming from {chosen.name}" if chosen is not None else "starting afresh"
         notes.append(

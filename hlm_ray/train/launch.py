@@ -164,7 +164,9 @@ def prepare_resume(
     if chosen is not None and cfg is not None:
         check_compatible(cfg, chosen)  # one line here, not a failing worker group
     # Named, and older than the newest valid one: the later checkpoints are superseded.
-    explicit = chosen is not None and chosen != ckpt.latest_valid(out_dir, warn=False)
+    # (Compared resolved: `--resume runs/x` names it relative, the run folder is absolute.)
+    newest = ckpt.latest_valid(out_dir, warn=False)
+    explicit = chosen is not None and (newest is None or chosen.resolve() != newest.resolve())
     for note in ckpt.prepare_resume(out_dir, chosen, explicit=explicit):
         print(f"warning: {note}", file=sys.stderr)
     if chosen is not None and chosen.parent.resolve() != out_dir.resolve():
@@ -197,9 +199,18 @@ def open_mlflow_run(
     folder), so a continued run or a restarted worker group never starts a second one.
     `parent_run_id` nests it under a sweep's run."""
     from hlm_ray.tracking import MlflowTracker, default_tracking_uri, read_run_ref, write_run_ref
+    from hlm_ray.tracking.base import copied_from
 
     ref = read_run_ref(out_dir) if resume else None
     run_id = ref["run_id"] if ref else None
+    original = copied_from(out_dir, ref) if ref else None
+    if original is not None:  # a copy must not write into the original's MLflow run
+        print(
+            f"warning: {out_dir} is a copy of {original} (both name MLflow run {run_id}): "
+            "the copy continues in a new MLflow run",
+            file=sys.stderr,
+        )
+        run_id = None
     uri = default_tracking_uri()
     tracker = MlflowTracker(
         experiment,

@@ -1,8 +1,10 @@
 """`hlm train --resume RUN`: continue a run as it was started, not with today's defaults.
 
 The run's own config comes from the checkpoint it continues from (`config.yaml` in every
-checkpoint); `--config` and `--set` still apply on top (a changed value is recorded as a
-`param_changed.*` tag, so MLflow's params keep saying what the run started with). How it was
+checkpoint); `--config` and `--set` may change only what a resume honours (`RESUMABLE`: the
+steps, logging, checkpoints, the device; anything else is refused in one line, since the
+optimizer's state and the data would carry on as saved). A changed value is recorded as a
+`param_changed.*` tag, so MLflow's params keep saying what the run started with. How it was
 launched (workers, CPUs, GPUs, --local, experiment) is kept in `<run>/launch.json` and used for
 every flag not given again.
 
@@ -38,6 +40,25 @@ LAUNCH_DEFAULTS = {
     "experiment": "hlm_ray",
     "placement_timeout_s": None,  # launch's own default (`placement_wait.PLACEMENT_TIMEOUT_S`)
 }
+
+
+RESUMABLE = (
+    "optim.max_steps",  # the schedule (its decay) spans the new number of steps
+    "optim.on_nonfinite",
+    "optim.max_skipped_steps",
+    "budget.seconds",
+    "run.output_dir",
+    "run.device",
+    "run.log_every",
+    "run.eval_every",
+    "run.eval_batches",
+    "run.checkpoint_every",
+    "run.keep_checkpoints",
+    "run.fail_at_step",
+)
+"""The settings a resume can change: each is read afresh by the resumed run. Any other (the
+learning rate, betas and weight decay are in the optimizer's saved state; the batch, data and
+seed decide which blocks each step sees) would be recorded but not be what ran."""
 
 
 def save_launch(out_dir: str | Path, settings: dict[str, Any]) -> None:
@@ -108,7 +129,47 @@ def resumed_config(
         cfg = apply_overrides(cfg, changed)
     if overrides:
         cfg = apply_overrides(cfg, list(overrides))
+    check_resumable(saved, cfg, Path(checkpoint))
     return cfg
+
+
+def check_resumable(saved: Config, cfg: Config, checkpoint: Path) -> None:
+    """Refuse, in one line, a change a resume would record but not honour (`RESUMABLE`), and
+    a max_steps that leaves the run behind its checkpoint."""
+    from hlm_ray.train.checkpoint import PREFIX
+
+    changed = _diff(saved.to_dict(), cfg.to_dict())
+    budgeted = saved.budget.tokens is not None or saved.budget.flops is not None
+    if budgeted and "optim.max_steps" in changed:
+        raise HLMError(
+            f"optim.max_steps={changed['optim.max_steps']}: the run's steps come from its "
+            "budget (budget.tokens or budget.flops), which a resume keeps; resume without "
+            "it, or start a new run with --output"
+        )
+    refused = {k: v for k, v in changed.items() if k not in RESUMABLE}
+    if refused:
+        key, value = next(iter(refused.items()))
+        had = _dotted(saved.to_dict(), key)
+        others = "".join(f", {k}={v}" for k, v in list(refused.items())[1:])
+        raise HLMError(
+            f"{key}={value}{others}: a resume continues the run as it was trained ({key}={had}) "
+            f"and can change only {', '.join(RESUMABLE)}; train other settings as a new run "
+            "with --output"
+        )
+    name = checkpoint.name
+    step = int(name.removeprefix(PREFIX)) if name.removeprefix(PREFIX).isdecimal() else None
+    if "optim.max_steps" in changed and step is not None and cfg.optim.max_steps < step:
+        raise HLMError(
+            f"optim.max_steps={cfg.optim.max_steps} is below step {step} of {name}, which "
+            "this resume continues from; give optim.max_steps >= that step, or --resume one "
+            "of the run's earlier checkpoint_* folders"
+        )
+
+
+def _dotted(tree: dict, key: str) -> Any:
+    for part in key.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
 
 
 def check_compatible(cfg: Config, checkpoint: Path) -> None:

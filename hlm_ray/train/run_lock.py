@@ -56,9 +56,11 @@ class WriterGone(RuntimeError):
     """This worker's driver is gone or another driver took the run folder: it stops writing."""
 
 
-def acquire(out_dir: str | Path):
+def acquire(
+    out_dir: str | Path, fix: str = "wait for it to end or stop it, or choose another --output"
+):
     """Take the run folder's lock (again, if this process holds it); returns the function that
-    releases this hold. `HLMError` when another process holds it."""
+    releases this hold. `HLMError` when another process holds it, ending in `fix`."""
     out_dir = Path(out_dir)
     key = os.path.realpath(out_dir)
     if key in _held:
@@ -77,8 +79,7 @@ def acquire(out_dir: str | Path):
                 holder = _describe(lock)
                 lock.close()
                 raise HLMError(
-                    f"{out_dir} is being written by another process ({holder}); wait for it to "
-                    "end or stop it, or choose another --output"
+                    f"{out_dir} is being written by another process ({holder}); {fix}"
                 ) from None
             time.sleep(0.05)
     token = uuid.uuid4().hex

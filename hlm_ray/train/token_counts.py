@@ -125,13 +125,10 @@ def count_model(model_ref, *, force: bool = False) -> dict:
     moved without them), from its prepared training corpus, written beside it with its
     readout.json. {"path", "tokens", "record" (readout.json, decoders), "prepared"}."""
     from hlm_ray.errors import HLMError
-    from hlm_ray.pretrained import (
-        REGISTRY_SCHEME,
-        load_pretrained,
-        resolve_model_dir,
-        run_config_of,
-    )
-    from hlm_ray.train.inputs import build_prepared
+    from hlm_ray.pretrained import REGISTRY_SCHEME, resolve_model_dir
+    from hlm_ray.train.checkpoint import MARKER
+    from hlm_ray.train.resume import LAUNCH_FILE
+    from hlm_ray.train.run_lock import LOCK_FILE, acquire
 
     if str(model_ref).startswith(REGISTRY_SCHEME):
         raise HLMError(
@@ -145,11 +142,36 @@ def count_model(model_ref, *, force: bool = False) -> dict:
             f"{path} exists already (a run counts the tokens it trains on, exactly); pass "
             "--force to replace it with the counts of the whole training split"
         )
+    holder = folder.parent
+    if (holder / MARKER).is_file():  # resume checks every file of a checkpoint against it
+        raise HLMError(
+            f"{holder} is a checkpoint: its files are checked against its manifest when the run "
+            f"resumes, so new counts would make it damaged; count the run's model (--model "
+            f"{holder.parent}), or a copy of {folder} made outside the run folder"
+        )
+    run = {holder / name for name in (LOCK_FILE, LAUNCH_FILE)}
+    release = (
+        acquire(holder, fix="wait for the run to end (its model then has its counts) or stop it")
+        if any(p.is_file() for p in run)
+        else lambda: None
+    )  # a run folder has one writer at a time: this count is one while it writes
+    try:
+        return _count_into(folder, path)
+    finally:
+        release()
+
+
+def _count_into(folder: Path, path: Path) -> dict:
+    """The counting and writing of `count_model`, with the run folder's lock held."""
+    from hlm_ray.errors import HLMError
+    from hlm_ray.pretrained import load_pretrained, run_config_of
+    from hlm_ray.train.inputs import build_prepared
+
     cfg = run_config_of(folder)
     if cfg is None:
         raise HLMError(
             f"{folder} has no config.yaml beside it, so its training corpus is unknown; pass "
-            "the run or checkpoint folder it was saved in"
+            "the run folder it was saved in"
         )
     prepared = build_prepared(cfg, progress=True)
     framed = cfg.model.family == "encoder"  # [CLS] ... [SEP] around seq_len - 2 tokens
