@@ -5,12 +5,12 @@ import os
 from pathlib import Path
 
 import pytest
+from test_faults import fake_checkpoint
 
 from hlm_ray.cli import main
 from hlm_ray.errors import HLMError
 from hlm_ray.train import checkpoint as ckpt
 from hlm_ray.train.resume import resumed_config
-from tests.test_faults import fake_checkpoint
 
 
 def test_a_resume_refuses_a_setting_it_would_record_but_not_honour(tmp_path, capsys):
