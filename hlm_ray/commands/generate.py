@@ -36,14 +36,15 @@ def cmd_generate(args) -> int:
     Load a decoder (a vanilla run, a headless one through its prior readout, or one fine-tuned
     with `hlm finetune --task clm`) and print the prompt and a sample, streamed as it is
     decoded."""
-    from hlm_ray.generate.params import SamplingParams
     from hlm_ray.pretrained import REGISTRY_SCHEME, resolve_model_dir
 
     _check_prompt(args.prompt)
-    # Bad sampling settings are answered before the model loads and the prompt is echoed.
-    SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
     if not args.model.startswith(REGISTRY_SCHEME):
         resolve_model_dir(args.model)  # a mistyped folder is answered before torch is imported
+    from hlm_ray.generate.params import SamplingParams  # (hlm_ray.generate imports torch)
+
+    # Bad sampling settings are answered before the model loads and the prompt is echoed.
+    SamplingParams(max_new_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p)
     from hlm_ray.generate import Generator
 
     generator = Generator.load(
