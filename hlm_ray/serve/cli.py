@@ -28,17 +28,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 from typing import Any
 
 from hlm_ray.commands.common import readout_arg
 from hlm_ray.errors import HLMError, exit_status
 from hlm_ray.serve.running import (
     connection_limits,
-    interrupt_on_signals,
-    shut_down,
-    shut_down_serve,
-    startup_line,
+    serve_until_interrupted,
 )
 
 
@@ -321,7 +317,6 @@ def run(args: argparse.Namespace) -> int:
     if not config.model.startswith(REGISTRY_SCHEME):
         resolve_model_dir(config.model)  # a mistyped folder: answered before Ray and torch load
     from hlm_ray.serve.app import make_app, model_name
-    from hlm_ray.serve.launch import start
 
     app = make_app(  # checks the model first: a wrong one is the likelier mistake
         config,
@@ -333,44 +328,17 @@ def run(args: argparse.Namespace) -> int:
         niceness=args.niceness,
     )
     ports = plan_ports(args)
-    import ray
-    from ray import serve
-
-    from hlm_ray.local_ray import starts_local
-
-    own = not ray.is_initialized() and starts_local(args.address)  # a Ray that starts here
-    try:
-        guard = {"body_timeout_s": args.body_timeout_s, "max_body_bytes": config.max_body_bytes,
-                 **limits}  # fmt: skip
-        ray_options = {"address": args.address}
-        # A stop that comes while Serve starts (the app may already answer) shuts down too:
-        # `start` keeps these handlers across ray.init, which installs Ray's.
-        interrupt_on_signals()
-        if config.api_key:  # inherited by the Ray started here: the guard's /-/ routes need it
-            from hlm_ray.serve.guard import API_KEY_ENV
-
-            os.environ[API_KEY_ENV] = config.api_key.get_secret_value()
-        checked = time.perf_counter()
-        phases = start(
-            app, ports, guard=guard, ray=ray_options, keep_alive_s=args.keep_alive_timeout_s
-        )
-        decoding = "a child process decodes" if config.decode_process else "a thread decodes"
-        key = "API key required" if config.api_key else "no API key"
-        routes = "POST /v1/completions, /v1/chat/completions, GET /v1/models, GET /healthz"
-        print(
-            f"serving {model_name(config)} {ports.describe()}; {decoding}; {key}; {routes}; "
-            "Ctrl-C to stop",
-            flush=True,
-        )
-        print(startup_line(checked, phases), flush=True)
-        while True:
-            time.sleep(1)
-    except KeyboardInterrupt:
-        print("shutting down", flush=True)
-    finally:
-        if ray.is_initialized():
-            shut_down(lambda: (shut_down_serve(serve, own), ray.shutdown()))
-    return 0
+    guard = {"body_timeout_s": args.body_timeout_s, "max_body_bytes": config.max_body_bytes,
+             **limits}  # fmt: skip
+    decoding = "a child process decodes" if config.decode_process else "a thread decodes"
+    key = "API key required" if config.api_key else "no API key"
+    routes = "POST /v1/completions, /v1/chat/completions, GET /v1/models, GET /healthz"
+    banner = (
+        f"serving {model_name(config)} {ports.describe()}; {decoding}; {key}; {routes}; "
+        "Ctrl-C to stop"
+    )
+    api_key = config.api_key.get_secret_value() if config.api_key else None
+    return serve_until_interrupted(app, ports, args, guard=guard, api_key=api_key, banner=banner)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -46,9 +46,11 @@ def interrupt_on_signals() -> None:
         signal.signal(sig, interrupt)
 
 
-def startup_line(checked: float, phases: dict[str, float]) -> str:
+def startup_line(
+    checked: float, phases: dict[str, float], loaded: str = "model and decode process"
+) -> str:
     """Where the start-up went: the command's imports and the model check (since the process
-    started), then `launch.start`'s phases."""
+    started), then `launch.start`'s phases; `loaded`: what a replica loads."""
     import psutil
 
     before = checked - time.perf_counter() + time.time() - psutil.Process().create_time()
@@ -56,7 +58,7 @@ def startup_line(checked: float, phases: dict[str, float]) -> str:
     return (
         f"ready {total:.0f} s after the command started: imports and the model check "
         f"{before:.0f} s, Ray {phases['ray']:.0f} s, Serve's controller and proxy "
-        f"{phases['serve']:.0f} s, the replicas (model and decode process loaded) "
+        f"{phases['serve']:.0f} s, the replicas ({loaded} loaded) "
         f"{phases['replicas']:.0f} s"
     )
 
@@ -93,3 +95,49 @@ def shut_down_serve(serve, own: bool) -> None:
         return
     with contextlib.suppress(Exception):  # an application that never deployed
         serve.delete("hlm")
+
+
+def serve_until_interrupted(
+    app: Any,
+    ports: Any,
+    args: argparse.Namespace,
+    *,
+    guard: dict[str, Any],
+    api_key: str | None,
+    banner: str,
+    loaded: str = "model and decode process",
+) -> int:
+    """`hlm serve`'s life, either engine: start `app` on `ports` (`launch.start`, on `--address`
+    or a Ray started here), print `banner` and where the start-up went, block until Ctrl-C or
+    SIGTERM, then delete the application and stop the Ray started here. `api_key` goes to the
+    environment the Ray started here inherits: the guard's /-/ routes need it."""
+    import ray
+    from ray import serve
+
+    from hlm_ray.local_ray import starts_local
+    from hlm_ray.serve.launch import start
+
+    own = not ray.is_initialized() and starts_local(args.address)  # a Ray that starts here
+    try:
+        # A stop that comes while Serve starts (the app may already answer) shuts down too:
+        # `start` keeps these handlers across ray.init, which installs Ray's.
+        interrupt_on_signals()
+        if api_key:
+            from hlm_ray.serve.guard import API_KEY_ENV
+
+            os.environ[API_KEY_ENV] = api_key
+        checked = time.perf_counter()
+        phases = start(
+            app, ports, guard=guard, ray={"address": args.address},
+            keep_alive_s=args.keep_alive_timeout_s,
+        )  # fmt: skip
+        print(banner, flush=True)
+        print(startup_line(checked, phases, loaded), flush=True)
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        print("shutting down", flush=True)
+    finally:
+        if ray.is_initialized():
+            shut_down(lambda: (shut_down_serve(serve, own), ray.shutdown()))
+    return 0

@@ -12,7 +12,6 @@ import argparse
 import contextlib
 import logging
 import os
-import time
 
 from hlm_ray.errors import HLMError
 
@@ -46,7 +45,7 @@ def vllm_args(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     """Deploy the vLLM application, print where, block until Ctrl-C, shut down."""
     from hlm_ray.serve import running
-    from hlm_ray.serve.launch import Ports, start
+    from hlm_ray.serve.launch import Ports
 
     config = vllm_args(args)
     limits = running.connection_limits(args)
@@ -72,40 +71,18 @@ def run(args: argparse.Namespace) -> int:
                 niceness=args.niceness,
             )
 
-    import ray
-    from ray import serve
-
-    from hlm_ray.local_ray import starts_local
-
-    own = not ray.is_initialized() and starts_local(args.address)
-    try:
-        guard = {"body_timeout_s": args.body_timeout_s, **limits}
-        running.interrupt_on_signals()
-        if args.api_key:  # Serve's own /-/ routes in the proxy (the ingress has it in VllmArgs)
-            from hlm_ray.serve.guard import API_KEY_ENV
-
-            os.environ[API_KEY_ENV] = args.api_key
-        checked = time.perf_counter()
-        phases = start(
-            app, ports, guard=guard, ray={"address": args.address},
-            keep_alive_s=args.keep_alive_timeout_s,
-        )  # fmt: skip
-        key = "API key required" if args.api_key else "no API key"
-        routes = "POST /v1/completions, /v1/chat/completions, GET /v1/models"
-        print(
-            f"serving {model_name(config)} on vLLM (Ray Serve LLM) {ports.describe()}; {key}; "
-            f"{routes}; Ctrl-C to stop",
-            flush=True,
-        )
-        print(running.startup_line(checked, phases).replace("decode process", "vLLM engine"))
-        while True:
-            time.sleep(1)
-    except KeyboardInterrupt:
-        print("shutting down", flush=True)
-    finally:
-        if ray.is_initialized():
-            running.shut_down(lambda: (running.shut_down_serve(serve, own), ray.shutdown()))
-    return 0
+    key = "API key required" if args.api_key else "no API key"
+    routes = "POST /v1/completions, /v1/chat/completions, GET /v1/models"
+    banner = (
+        f"serving {model_name(config)} on vLLM (Ray Serve LLM) {ports.describe()}; {key}; "
+        f"{routes}; Ctrl-C to stop"
+    )
+    guard = {"body_timeout_s": args.body_timeout_s, **limits}
+    # The key also reaches the proxy's /-/ routes; the ingress has it in VllmArgs.
+    return running.serve_until_interrupted(
+        app, ports, args, guard=guard, api_key=args.api_key, banner=banner,
+        loaded="vLLM engine",
+    )  # fmt: skip
 
 
 @contextlib.contextmanager
