@@ -5,9 +5,11 @@ so test_serve.py and test_serve_api.py start Serve once between them."""
 from __future__ import annotations
 
 import json
+import shutil
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
@@ -28,6 +30,15 @@ BODY_TIMEOUT_S = 8.0  # the proxy's guard: a body not received within this is an
 # holds PER_CLIENT connections at most (above the stalled-clients test's 516).
 HEADER_TIMEOUT_S = 4.0
 PER_CLIENT = 600
+
+
+def headless_copy(model_dir, folder: Path) -> Path:
+    """A copy of the decoder folder `model_dir` at `folder`, marked as a headless decoder that
+    was never fine-tuned (its token counts come with it): served through its prior readout."""
+    shutil.copytree(model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "hlm_objective": "headless"}))
+    return folder
 
 
 def header_flood(server: str, keyed_request) -> None:

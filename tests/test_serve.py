@@ -21,6 +21,7 @@ from serve_common import (
     free_port,
     fuzz_bodies,
     header_flood,
+    headless_copy,
     post,
 )
 
@@ -218,7 +219,7 @@ def test_a_second_ctrl_c_during_the_shutdown_says_so_and_lets_it_finish(capsys):
     shutdown off; now it is one line and the shutdown completes (a third exits at once)."""
     import signal
 
-    from hlm_ray.serve.cli import shut_down
+    from hlm_ray.serve.running import shut_down
 
     done = []
 
@@ -639,15 +640,11 @@ def test_a_headless_decoder_never_fine_tuned_answers_through_its_prior_readout(
     """The endpoint serves a raw headless decoder (the tiny decoder's folder, its token counts
     with it, marked headless) through its prior readout, in the replica's decode process: the
     prompt's log-probabilities are the library's with that readout, not its raw Eᵀ's."""
-    import shutil
     import warnings
 
     from ray import serve
 
-    folder = tmp_path / "headless" / "model"
-    shutil.copytree(model_dir, folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "hlm_objective": "headless"}))
+    folder = headless_copy(model_dir, tmp_path / "headless" / "model")
     prior = Generator.load(folder)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the raw-head warning

@@ -7,8 +7,6 @@ folder, the key check and the flags are in test_serve_vllm_parts.py."""
 
 from __future__ import annotations
 
-import json
-import shutil
 import signal
 import time
 from collections import Counter
@@ -16,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from serve_common import API_KEY, AUTH, fuzz_bodies, header_flood, post
+from serve_common import API_KEY, AUTH, fuzz_bodies, header_flood, headless_copy, post
 
 pytest.importorskip("vllm", reason="the vLLM engine is an optional install (make setup-vllm)")
 
@@ -27,11 +25,9 @@ NAME = "tiny-headless"
 
 @pytest.fixture(scope="module")
 def headless_dir(serve_model_dir, tmp_path_factory) -> str:
-    folder = tmp_path_factory.mktemp("vllm") / "headless" / "model"
-    shutil.copytree(serve_model_dir, folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "hlm_objective": "headless"}))
-    return str(folder)
+    return str(
+        headless_copy(serve_model_dir, tmp_path_factory.mktemp("vllm") / "headless" / "model")
+    )
 
 
 @pytest.fixture(scope="module")

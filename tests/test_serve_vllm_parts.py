@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from serve_common import headless_copy
 
 from hlm_ray.errors import HLMError
 from hlm_ray.serve.vllm.checks import BodyCheck, KeyCheck, problem
@@ -21,10 +22,9 @@ from hlm_ray.serve.vllm.folder import BIAS_FILE, BIAS_WEIGHT, CHAT_TEMPLATE, ser
 
 @pytest.fixture(scope="module")
 def headless_dir(tiny_decoder_dir, tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("parts") / "headless" / "model"
-    shutil.copytree(tiny_decoder_dir, folder)
-    config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "hlm_objective": "headless"}))
+    folder = headless_copy(
+        tiny_decoder_dir, tmp_path_factory.mktemp("parts") / "headless" / "model"
+    )
     record = json.loads((folder / "readout.json").read_text())
     record["temperature"] = 0.25  # τ: the readout's scale is s / τ = 4 s
     record["prior"] = {"scale": 1.5, "prior_weight": 0.75, "method": "fitted"}
